@@ -1,0 +1,31 @@
+//! Async plumbing shared by the hub, the driver SDK and `channelctl`: framed connections over
+//! any byte stream (bounded reads, batched writes through a bounded queue) and reconnect backoff.
+
+mod backoff;
+mod reader;
+mod writer;
+
+pub use backoff::Backoff;
+pub use reader::FrameReader;
+pub use writer::{FrameSink, SinkError, spawn_writer};
+
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+/// Default capacity of a connection's outgoing frame queue.
+pub const DEFAULT_QUEUE: usize = 1024;
+
+/// Splits a connected Unix stream into a frame reader and a frame sink whose writer task
+/// is spawned on the current runtime.
+pub fn split_unix(
+    stream: UnixStream,
+    queue: usize,
+) -> (
+    FrameReader<OwnedReadHalf>,
+    FrameSink,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let (read, write): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
+    let (sink, task) = spawn_writer(write, queue);
+    (FrameReader::new(read), sink, task)
+}

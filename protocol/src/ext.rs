@@ -1,0 +1,261 @@
+//! channeld's extensions to the ABI and the pure rules for what each side may send.
+//!
+//! A peer declares the extensions it understands in the optional `extensions` list of its
+//! `hello` / `control_hello`. The hub answers with `hello_ack` naming the ones both sides
+//! support, and from then on each side may use exactly those. A reference peer declares none,
+//! receives no `hello_ack` and never sees an extension field or frame.
+
+use crate::frame::Hello;
+use crate::types::{Actions, Capabilities, Command, Effect};
+
+/// `accepted` frame: the hub tells a driver it has taken responsibility for an inbound.
+pub const ACCEPTED: &str = "accepted";
+/// `control_response.result`: receipts for `send`, values for `command`/`invoke`.
+pub const CONTROL_RESULT: &str = "control_result";
+/// `command_result.responder`: who answered a command on the platform.
+pub const RESPONDER: &str = "responder";
+/// `health.status`: a structured reason next to the free-text `detail`.
+pub const HEALTH_STATUS: &str = "health_status";
+
+/// Every extension this implementation understands, in a stable order.
+pub const ALL: &[&str] = &[ACCEPTED, CONTROL_RESULT, RESPONDER, HEALTH_STATUS];
+
+/// A set of negotiated extensions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Extensions {
+    pub accepted: bool,
+    pub control_result: bool,
+    pub responder: bool,
+    pub health_status: bool,
+}
+
+impl Extensions {
+    /// Every extension on.
+    pub fn all() -> Self {
+        Self {
+            accepted: true,
+            control_result: true,
+            responder: true,
+            health_status: true,
+        }
+    }
+
+    /// The set named by `names`; unknown names are ignored.
+    pub fn from_names<S: AsRef<str>>(names: &[S]) -> Self {
+        let mut set = Self::default();
+        for name in names {
+            match name.as_ref() {
+                ACCEPTED => set.accepted = true,
+                CONTROL_RESULT => set.control_result = true,
+                RESPONDER => set.responder = true,
+                HEALTH_STATUS => set.health_status = true,
+                _ => {}
+            }
+        }
+        set
+    }
+
+    /// What both `self` (what we support) and `offered` (what the peer declared) contain.
+    pub fn intersect(self, offered: Extensions) -> Self {
+        Self {
+            accepted: self.accepted && offered.accepted,
+            control_result: self.control_result && offered.control_result,
+            responder: self.responder && offered.responder,
+            health_status: self.health_status && offered.health_status,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Wire names, in [`ALL`] order.
+    pub fn names(&self) -> Vec<String> {
+        let flags = [
+            self.accepted,
+            self.control_result,
+            self.responder,
+            self.health_status,
+        ];
+        ALL.iter()
+            .zip(flags)
+            .filter(|(_, on)| *on)
+            .map(|(name, _)| (*name).to_owned())
+            .collect()
+    }
+}
+
+/// What a driver declared in its `hello`, and therefore what the hub may send it.
+///
+/// A connection that never sent `hello` is `legacy`: the reference hub keeps pre-negotiation
+/// behaviour for it (nothing is gated), and so does channeld.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerDeclaration {
+    pub legacy: bool,
+    pub capabilities: Capabilities,
+    pub actions: Actions,
+    pub extensions: Extensions,
+}
+
+/// What to do with an effect for a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EffectGate {
+    Send,
+    /// Undeclared live progress (typing, preview): dropped without a word.
+    Drop,
+    /// Undeclared otherwise: the requester is told why.
+    Reject(String),
+}
+
+/// Why a command is refused before it reaches the driver.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommandRefusal {
+    #[error("driver did not declare commands")]
+    CommandsNotDeclared,
+    #[error("invoke needs tool_control, which the driver did not declare")]
+    ToolControlNotDeclared,
+    #[error("request_choice needs choices, which the driver did not declare")]
+    ChoicesNotDeclared,
+    #[error("a multiple choice needs multi_choice, which the driver did not declare")]
+    MultiChoiceNotDeclared,
+}
+
+impl PeerDeclaration {
+    /// A peer that never sent `hello`.
+    pub fn legacy() -> Self {
+        Self {
+            legacy: true,
+            ..Self::default()
+        }
+    }
+
+    /// The declaration in `hello`, with extensions limited to what we support.
+    pub fn from_hello(hello: &Hello, supported: Extensions) -> Self {
+        Self {
+            legacy: false,
+            capabilities: hello.capabilities,
+            actions: hello.actions,
+            extensions: supported.intersect(Extensions::from_names(&hello.extensions)),
+        }
+    }
+
+    pub fn effect_gate(&self, effect: &Effect) -> EffectGate {
+        if self.legacy || self.actions.allows(effect) {
+            EffectGate::Send
+        } else if effect.is_live_progress() {
+            EffectGate::Drop
+        } else {
+            EffectGate::Reject(format!("action {} not declared by driver", effect.action()))
+        }
+    }
+
+    pub fn command_gate(&self, command: &Command) -> Result<(), CommandRefusal> {
+        if self.legacy {
+            return Ok(());
+        }
+        if !self.capabilities.commands {
+            return Err(CommandRefusal::CommandsNotDeclared);
+        }
+        match command {
+            Command::Invoke { .. } if !self.capabilities.tool_control => {
+                Err(CommandRefusal::ToolControlNotDeclared)
+            }
+            Command::RequestChoice { multiple, .. } => {
+                if !self.capabilities.choices {
+                    Err(CommandRefusal::ChoicesNotDeclared)
+                } else if *multiple && !self.capabilities.multi_choice {
+                    Err(CommandRefusal::MultiChoiceNotDeclared)
+                } else {
+                    Ok(())
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a controller `send` (and any proactive outbound) may go to this peer.
+    pub fn can_send(&self) -> bool {
+        self.legacy || self.capabilities.send
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn declared(caps: &[&str], actions: &[&str]) -> PeerDeclaration {
+        let mut decl = PeerDeclaration::default();
+        for cap in caps {
+            assert!(decl.capabilities.set(cap, true));
+        }
+        for action in actions {
+            assert!(decl.actions.set(action, true));
+        }
+        decl
+    }
+
+    #[test]
+    fn undeclared_progress_is_dropped_other_effects_rejected() {
+        let decl = declared(&[], &["reaction"]);
+        assert_eq!(
+            decl.effect_gate(&Effect::Typing { active: true }),
+            EffectGate::Drop
+        );
+        assert_eq!(
+            decl.effect_gate(&Effect::Preview { text: "x".into() }),
+            EffectGate::Drop
+        );
+        let pin = Effect::Pin {
+            message_id: "m".try_into().unwrap(),
+        };
+        assert!(matches!(decl.effect_gate(&pin), EffectGate::Reject(_)));
+        let react = Effect::Reaction {
+            message_id: "m".try_into().unwrap(),
+            emoji: "eyes".into(),
+            remove: false,
+        };
+        assert_eq!(decl.effect_gate(&react), EffectGate::Send);
+    }
+
+    #[test]
+    fn commands_need_the_right_capabilities() {
+        let notify = Command::Notify {
+            level: "info".into(),
+            text: "hi".into(),
+        };
+        let invoke = Command::Invoke {
+            name: "x".into(),
+            payload: serde_json::json!({}),
+        };
+        assert_eq!(
+            declared(&[], &[]).command_gate(&notify),
+            Err(CommandRefusal::CommandsNotDeclared)
+        );
+        assert_eq!(declared(&["commands"], &[]).command_gate(&notify), Ok(()));
+        assert_eq!(
+            declared(&["commands"], &[]).command_gate(&invoke),
+            Err(CommandRefusal::ToolControlNotDeclared)
+        );
+        assert_eq!(
+            declared(&["commands", "tool_control"], &[]).command_gate(&invoke),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn legacy_peers_are_not_gated() {
+        let legacy = PeerDeclaration::legacy();
+        assert_eq!(
+            legacy.effect_gate(&Effect::Typing { active: true }),
+            EffectGate::Send
+        );
+        assert!(legacy.can_send());
+    }
+
+    #[test]
+    fn negotiation_is_an_intersection() {
+        let offered = Extensions::from_names(&["accepted", "future_thing"]);
+        let agreed = Extensions::all().intersect(offered);
+        assert_eq!(agreed.names(), vec!["accepted".to_owned()]);
+    }
+}
