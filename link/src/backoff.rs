@@ -14,31 +14,17 @@ pub struct Backoff {
 
 impl Backoff {
     pub fn new(initial: Duration, max: Duration, reset_after: Duration) -> Self {
-        Self {
-            initial,
-            max,
-            reset_after,
-            base: initial,
-            attempt: 0,
-        }
+        Self { initial, max, reset_after, base: initial, attempt: 0 }
     }
 
     /// A driver reconnecting to the hub: 1 s doubling to 30 s, reset after 60 s connected.
     pub fn hub_reconnect() -> Self {
-        Self::new(
-            Duration::from_secs(1),
-            Duration::from_secs(30),
-            Duration::from_secs(60),
-        )
+        Self::new(Duration::from_secs(1), Duration::from_secs(30), Duration::from_secs(60))
     }
 
     /// The hub restarting a supervised driver: 1 s doubling to 60 s, reset after 60 s healthy.
     pub fn supervisor() -> Self {
-        Self::new(
-            Duration::from_secs(1),
-            Duration::from_secs(60),
-            Duration::from_secs(60),
-        )
+        Self::new(Duration::from_secs(1), Duration::from_secs(60), Duration::from_secs(60))
     }
 
     /// Failed attempts since the last reset.
@@ -81,9 +67,7 @@ mod tests {
     #[test]
     fn doubles_to_the_cap_and_resets_after_a_healthy_run() {
         let mut backoff = Backoff::hub_reconnect();
-        let delays: Vec<u64> = (0..7)
-            .map(|_| backoff.next_delay_with(0.5).as_secs())
-            .collect();
+        let delays: Vec<u64> = (0..7).map(|_| backoff.next_delay_with(0.5).as_secs()).collect();
         assert_eq!(delays, vec![1, 2, 4, 8, 16, 30, 30]);
         backoff.record_uptime(Duration::from_secs(59));
         assert_eq!(backoff.next_delay_with(0.5), Duration::from_secs(30));

@@ -20,11 +20,7 @@ pub const DEFAULT_QUEUE: usize = 1024;
 pub fn split_unix(
     stream: UnixStream,
     queue: usize,
-) -> (
-    FrameReader<OwnedReadHalf>,
-    FrameSink,
-    tokio::task::JoinHandle<std::io::Result<()>>,
-) {
+) -> (FrameReader<OwnedReadHalf>, FrameSink, tokio::task::JoinHandle<std::io::Result<()>>) {
     let (read, write): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
     let (sink, task) = spawn_writer(write, queue);
     (FrameReader::new(read), sink, task)

@@ -21,11 +21,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// A reader with a custom line limit (newline included).
     pub fn with_limit(inner: R, max_line: usize) -> Self {
-        Self {
-            inner,
-            framer: LineFramer::new(max_line),
-            eof: false,
-        }
+        Self { inner, framer: LineFramer::new(max_line), eof: false }
     }
 
     /// The next frame, a decode error for a bad line, or `Ok(None)` when the peer closed.
@@ -85,14 +81,8 @@ mod tests {
                 .await
                 .unwrap();
         });
-        assert_eq!(
-            reader.next().await.unwrap(),
-            Some(Err(DecodeError::LineTooLong))
-        );
-        assert!(matches!(
-            reader.next().await.unwrap(),
-            Some(Ok(Frame::Start(_)))
-        ));
+        assert_eq!(reader.next().await.unwrap(), Some(Err(DecodeError::LineTooLong)));
+        assert!(matches!(reader.next().await.unwrap(), Some(Ok(Frame::Start(_)))));
         writer.await.unwrap();
         assert_eq!(reader.next().await.unwrap(), None);
     }

@@ -17,8 +17,12 @@ pub const RESPONDER: &str = "responder";
 /// `health.status`: a structured reason next to the free-text `detail`.
 pub const HEALTH_STATUS: &str = "health_status";
 
+/// A driver answers each `deliver` with a `receipt` (its `request_id` is the inbound's event
+/// id) or an `error` frame, so the hub knows the reply reached the platform.
+pub const REPLY_RECEIPT: &str = "reply_receipt";
+
 /// Every extension this implementation understands, in a stable order.
-pub const ALL: &[&str] = &[ACCEPTED, CONTROL_RESULT, RESPONDER, HEALTH_STATUS];
+pub const ALL: &[&str] = &[ACCEPTED, CONTROL_RESULT, RESPONDER, HEALTH_STATUS, REPLY_RECEIPT];
 
 /// A set of negotiated extensions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -27,6 +31,7 @@ pub struct Extensions {
     pub control_result: bool,
     pub responder: bool,
     pub health_status: bool,
+    pub reply_receipt: bool,
 }
 
 impl Extensions {
@@ -37,6 +42,7 @@ impl Extensions {
             control_result: true,
             responder: true,
             health_status: true,
+            reply_receipt: true,
         }
     }
 
@@ -49,6 +55,7 @@ impl Extensions {
                 CONTROL_RESULT => set.control_result = true,
                 RESPONDER => set.responder = true,
                 HEALTH_STATUS => set.health_status = true,
+                REPLY_RECEIPT => set.reply_receipt = true,
                 _ => {}
             }
         }
@@ -62,6 +69,7 @@ impl Extensions {
             control_result: self.control_result && offered.control_result,
             responder: self.responder && offered.responder,
             health_status: self.health_status && offered.health_status,
+            reply_receipt: self.reply_receipt && offered.reply_receipt,
         }
     }
 
@@ -76,12 +84,9 @@ impl Extensions {
             self.control_result,
             self.responder,
             self.health_status,
+            self.reply_receipt,
         ];
-        ALL.iter()
-            .zip(flags)
-            .filter(|(_, on)| *on)
-            .map(|(name, _)| (*name).to_owned())
-            .collect()
+        ALL.iter().zip(flags).filter(|(_, on)| *on).map(|(name, _)| (*name).to_owned()).collect()
     }
 }
 
@@ -123,10 +128,7 @@ pub enum CommandRefusal {
 impl PeerDeclaration {
     /// A peer that never sent `hello`.
     pub fn legacy() -> Self {
-        Self {
-            legacy: true,
-            ..Self::default()
-        }
+        Self { legacy: true, ..Self::default() }
     }
 
     /// The declaration in `hello`, with extensions limited to what we support.
@@ -197,17 +199,9 @@ mod tests {
     #[test]
     fn undeclared_progress_is_dropped_other_effects_rejected() {
         let decl = declared(&[], &["reaction"]);
-        assert_eq!(
-            decl.effect_gate(&Effect::Typing { active: true }),
-            EffectGate::Drop
-        );
-        assert_eq!(
-            decl.effect_gate(&Effect::Preview { text: "x".into() }),
-            EffectGate::Drop
-        );
-        let pin = Effect::Pin {
-            message_id: "m".try_into().unwrap(),
-        };
+        assert_eq!(decl.effect_gate(&Effect::Typing { active: true }), EffectGate::Drop);
+        assert_eq!(decl.effect_gate(&Effect::Preview { text: "x".into() }), EffectGate::Drop);
+        let pin = Effect::Pin { message_id: "m".try_into().unwrap() };
         assert!(matches!(decl.effect_gate(&pin), EffectGate::Reject(_)));
         let react = Effect::Reaction {
             message_id: "m".try_into().unwrap(),
@@ -219,14 +213,8 @@ mod tests {
 
     #[test]
     fn commands_need_the_right_capabilities() {
-        let notify = Command::Notify {
-            level: "info".into(),
-            text: "hi".into(),
-        };
-        let invoke = Command::Invoke {
-            name: "x".into(),
-            payload: serde_json::json!({}),
-        };
+        let notify = Command::Notify { level: "info".into(), text: "hi".into() };
+        let invoke = Command::Invoke { name: "x".into(), payload: serde_json::json!({}) };
         assert_eq!(
             declared(&[], &[]).command_gate(&notify),
             Err(CommandRefusal::CommandsNotDeclared)
@@ -236,19 +224,13 @@ mod tests {
             declared(&["commands"], &[]).command_gate(&invoke),
             Err(CommandRefusal::ToolControlNotDeclared)
         );
-        assert_eq!(
-            declared(&["commands", "tool_control"], &[]).command_gate(&invoke),
-            Ok(())
-        );
+        assert_eq!(declared(&["commands", "tool_control"], &[]).command_gate(&invoke), Ok(()));
     }
 
     #[test]
     fn legacy_peers_are_not_gated() {
         let legacy = PeerDeclaration::legacy();
-        assert_eq!(
-            legacy.effect_gate(&Effect::Typing { active: true }),
-            EffectGate::Send
-        );
+        assert_eq!(legacy.effect_gate(&Effect::Typing { active: true }), EffectGate::Send);
         assert!(legacy.can_send());
     }
 

@@ -175,12 +175,7 @@ impl ErrorFrame {
         message: impl Into<String>,
         retryable: bool,
     ) -> Self {
-        Self {
-            request_id,
-            code: code.into(),
-            message: message.into(),
-            retryable,
-        }
+        Self { request_id, code: code.into(), message: message.into(), retryable }
     }
 }
 
@@ -326,12 +321,7 @@ impl DecodeError {
 
     /// The `error` frame that answers the offending line.
     pub fn to_error_frame(&self) -> Frame {
-        Frame::error(
-            self.correlation().cloned(),
-            self.code(),
-            self.to_string(),
-            false,
-        )
+        Frame::error(self.correlation().cloned(), self.code(), self.to_string(), false)
     }
 }
 
@@ -339,10 +329,7 @@ impl DecodeError {
 #[derive(Debug, thiserror::Error)]
 pub enum EncodeError {
     #[error("encoded {frame_type} frame is {len} bytes, over the {MAX_LINE_BYTES}-byte line limit")]
-    TooLong {
-        frame_type: &'static str,
-        len: usize,
-    },
+    TooLong { frame_type: &'static str, len: usize },
     #[error("frame does not serialise: {0}")]
     Json(#[from] serde_json::Error),
 }
@@ -376,12 +363,10 @@ pub fn decode(line: &[u8]) -> Result<Frame, DecodeError> {
     }
     let first = line.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
-        return Err(
-            match serde_json::from_slice::<serde::de::IgnoredAny>(line) {
-                Ok(_) => DecodeError::NotObject,
-                Err(err) => DecodeError::NotJson(err.to_string()),
-            },
-        );
+        return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(line) {
+            Ok(_) => DecodeError::NotObject,
+            Err(err) => DecodeError::NotJson(err.to_string()),
+        });
     }
     let envelope: Envelope<'_> =
         serde_json::from_slice(line).map_err(|err| DecodeError::NotJson(err.to_string()))?;
@@ -465,10 +450,7 @@ pub fn encode_into(frame: &Frame, out: &mut Vec<u8>) -> Result<(), EncodeError> 
     let len = out.len() - start;
     if len > MAX_LINE_BYTES {
         out.truncate(start);
-        return Err(EncodeError::TooLong {
-            frame_type: frame.type_name(),
-            len,
-        });
+        return Err(EncodeError::TooLong { frame_type: frame.type_name(), len });
     }
     Ok(())
 }
@@ -495,10 +477,7 @@ mod tests {
         let text = "x".repeat(MAX_LINE_BYTES);
         let frame = Frame::Error(ErrorFrame::new(None, "x", text, false));
         let mut out = b"keep".to_vec();
-        assert!(matches!(
-            encode_into(&frame, &mut out),
-            Err(EncodeError::TooLong { .. })
-        ));
+        assert!(matches!(encode_into(&frame, &mut out), Err(EncodeError::TooLong { .. })));
         assert_eq!(out, b"keep");
     }
 

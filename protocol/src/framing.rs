@@ -37,17 +37,8 @@ const IDLE_CAPACITY: usize = 4 * 1024;
 
 impl LineFramer {
     pub fn new(max_line: usize) -> Self {
-        assert!(
-            max_line >= 2,
-            "a line needs room for at least one byte and a newline"
-        );
-        Self {
-            buf: Vec::new(),
-            pos: 0,
-            scanned: 0,
-            max_line,
-            discarding: false,
-        }
+        assert!(max_line >= 2, "a line needs room for at least one byte and a newline");
+        Self { buf: Vec::new(), pos: 0, scanned: 0, max_line, discarding: false }
     }
 
     /// Returns the next complete line or oversize report, or `None` when more input is needed.
@@ -160,10 +151,7 @@ mod tests {
         framer.extend(b"ab");
         assert!(lines(&mut framer).is_empty());
         framer.extend(b"c\nde\n\nf");
-        assert_eq!(
-            lines(&mut framer),
-            vec![Ok(b"abc".to_vec()), Ok(b"de".to_vec()), Ok(vec![])]
-        );
+        assert_eq!(lines(&mut framer), vec![Ok(b"abc".to_vec()), Ok(b"de".to_vec()), Ok(vec![])]);
         framer.extend(b"g\n");
         assert_eq!(lines(&mut framer), vec![Ok(b"fg".to_vec())]);
     }

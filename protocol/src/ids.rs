@@ -67,14 +67,8 @@ impl ChannelId {
         let value = value.into();
         let valid = !value.is_empty()
             && value.len() <= MAX_CHANNEL_ID_CHARS
-            && value
-                .bytes()
-                .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'));
-        if valid {
-            Ok(Self(value))
-        } else {
-            Err(IdError::BadChannel)
-        }
+            && value.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'));
+        if valid { Ok(Self(value)) } else { Err(IdError::BadChannel) }
     }
 
     pub fn as_str(&self) -> &str {

@@ -30,12 +30,7 @@ pub struct MessageTarget {
 
 impl MessageTarget {
     pub fn new(channel: ChannelId, conversation: Id) -> Self {
-        Self {
-            channel,
-            conversation,
-            thread: None,
-            reply_to: None,
-        }
+        Self { channel, conversation, thread: None, reply_to: None }
     }
 }
 
@@ -51,11 +46,7 @@ pub struct Participant {
 
 impl Participant {
     pub fn new(id: Id) -> Self {
-        Self {
-            id,
-            display_name: None,
-            handle: None,
-        }
+        Self { id, display_name: None, handle: None }
     }
 }
 
@@ -83,11 +74,7 @@ impl TryFrom<RawAttachment> for Attachment {
         if raw.url.is_empty() {
             return Err(BodyError::EmptyUrl);
         }
-        Ok(Self {
-            url: raw.url,
-            name: raw.name,
-            mime: raw.mime,
-        })
+        Ok(Self { url: raw.url, name: raw.name, mime: raw.mime })
     }
 }
 
@@ -214,11 +201,7 @@ pub struct Health {
 
 impl Health {
     pub fn new(state: HealthState, detail: Option<String>) -> Self {
-        Self {
-            state,
-            detail,
-            status: None,
-        }
+        Self { state, detail, status: None }
     }
 
     pub fn ready() -> Self {
@@ -322,37 +305,15 @@ impl Actions {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Effect {
-    Typing {
-        active: bool,
-    },
-    Preview {
-        text: String,
-    },
-    Reaction {
-        message_id: Id,
-        emoji: String,
-        remove: bool,
-    },
-    Edit {
-        message_id: Id,
-        body: MessageBody,
-    },
-    Delete {
-        message_id: Id,
-    },
-    MarkRead {
-        message_id: Id,
-    },
-    Pin {
-        message_id: Id,
-    },
-    Unpin {
-        message_id: Id,
-    },
-    Redact {
-        message_id: Id,
-        reason: Option<String>,
-    },
+    Typing { active: bool },
+    Preview { text: String },
+    Reaction { message_id: Id, emoji: String, remove: bool },
+    Edit { message_id: Id, body: MessageBody },
+    Delete { message_id: Id },
+    MarkRead { message_id: Id },
+    Pin { message_id: Id },
+    Unpin { message_id: Id },
+    Redact { message_id: Id, reason: Option<String> },
 }
 
 impl Effect {
@@ -435,9 +396,7 @@ pub enum CommandResult {
 
 impl CommandResult {
     pub fn rejected(reason: impl Into<String>) -> Self {
-        CommandResult::Rejected {
-            reason: reason.into(),
-        }
+        CommandResult::Rejected { reason: reason.into() }
     }
 }
 
@@ -457,29 +416,11 @@ pub struct EventContext {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum IncomingEvent {
-    Reaction {
-        context: EventContext,
-        message_id: Id,
-        emoji: String,
-        added: bool,
-    },
-    Typing {
-        context: EventContext,
-        active: bool,
-    },
-    MessageEdited {
-        context: EventContext,
-        message_id: Id,
-        body: MessageBody,
-    },
-    MessageDeleted {
-        context: EventContext,
-        message_id: Id,
-    },
-    Read {
-        context: EventContext,
-        message_id: Id,
-    },
+    Reaction { context: EventContext, message_id: Id, emoji: String, added: bool },
+    Typing { context: EventContext, active: bool },
+    MessageEdited { context: EventContext, message_id: Id, body: MessageBody },
+    MessageDeleted { context: EventContext, message_id: Id },
+    Read { context: EventContext, message_id: Id },
 }
 
 impl IncomingEvent {

@@ -27,12 +27,7 @@ fn every_valid_vector_round_trips_to_an_equal_value() {
         assert_eq!(encoded.last(), Some(&b'\n'));
         let reencoded: Value = serde_json::from_slice(&encoded).unwrap();
         let expected = without_unknown_fields(serde_json::from_str(line).unwrap());
-        assert_eq!(
-            reencoded,
-            expected,
-            "line {} re-encoded differently",
-            number + 1
-        );
+        assert_eq!(reencoded, expected, "line {} re-encoded differently", number + 1);
         // Decoding our own output gives the same frame back.
         assert_eq!(decode(&encoded[..encoded.len() - 1]).unwrap(), frame);
         count += 1;

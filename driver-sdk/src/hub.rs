@@ -1,0 +1,224 @@
+//! The handle a driver's platform side uses to talk to the hub, and the state it shares with
+//! the connection loop.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use channeld_link::FrameSink;
+use channeld_protocol::ext::Extensions;
+use channeld_protocol::frame::{EventFrame, HealthReport, Inbound, InboundEventFrame};
+use channeld_protocol::types::{Health, InboundMessage, IncomingEvent, LifecycleEvent};
+use channeld_protocol::{ChannelId, Frame, Id};
+use tokio::sync::{Semaphore, oneshot};
+
+use crate::driver::Declaration;
+use crate::launch::DriverLaunchConfig;
+use crate::pending::{Acceptance, PendingTable};
+
+/// Inbound messages that may wait for the hub at once; `Hub::inbound` waits beyond this.
+pub const MAX_PENDING_INBOUND: usize = 256;
+
+/// Why the hub handle refused a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HubError {
+    #[error("message is for channel {found}, this driver is {expected}")]
+    WrongChannel { expected: ChannelId, found: ChannelId },
+    #[error("driver is shutting down")]
+    ShuttingDown,
+}
+
+/// A handle to the hub, given to [`Driver::run`](crate::Driver::run). Cheap to clone.
+///
+/// Messages reported while the hub is unreachable wait (bounded) and are sent when the
+/// connection is back; each ticket resolves when the hub has taken responsibility.
+#[derive(Debug, Clone)]
+pub struct Hub {
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// Resolves when the hub has answered an inbound; see [`Acceptance`].
+#[derive(Debug)]
+pub struct InboundTicket {
+    rx: oneshot::Receiver<Acceptance>,
+}
+
+impl InboundTicket {
+    /// Waits for the hub's answer. Acknowledge to the platform only on `Accepted` (or
+    /// `Rejected`, to drop a message the hub will never take).
+    pub async fn outcome(self) -> Acceptance {
+        self.rx.await.unwrap_or(Acceptance::Unresolved)
+    }
+}
+
+impl Hub {
+    /// The channel instance this driver serves.
+    pub fn channel(&self) -> &ChannelId {
+        &self.shared.launch.channel
+    }
+
+    /// The launch settings.
+    pub fn launch(&self) -> &DriverLaunchConfig {
+        &self.shared.launch
+    }
+
+    /// Inbound messages reported but not yet answered by the hub.
+    pub fn pending_inbound(&self) -> usize {
+        self.shared.lock().pending.len()
+    }
+
+    /// True while a hub connection is up and its handshake is done.
+    pub fn is_connected(&self) -> bool {
+        self.shared.lock().negotiated.is_some()
+    }
+
+    /// Reports a platform message. The event id is the message id.
+    pub async fn inbound(&self, message: InboundMessage) -> Result<InboundTicket, HubError> {
+        self.check_channel(&message.target.channel)?;
+        let event_id = message.id.clone();
+        let frame = Frame::Inbound(Inbound { event_id: event_id.clone(), message });
+        self.submit(event_id, frame).await
+    }
+
+    /// Reports a platform event (reaction, typing, edit, delete, read).
+    pub async fn inbound_event(
+        &self,
+        event_id: Id,
+        event: IncomingEvent,
+    ) -> Result<InboundTicket, HubError> {
+        self.check_channel(&event.context().target.channel)?;
+        let frame = Frame::InboundEvent(InboundEventFrame { event_id: event_id.clone(), event });
+        self.submit(event_id, frame).await
+    }
+
+    /// Reports the platform's health (sent now if connected, and again after each reconnect).
+    pub fn health(&self, health: Health) {
+        let sink = {
+            let mut state = self.shared.lock();
+            if state.health.as_ref() == Some(&health) {
+                return;
+            }
+            state.health = Some(health.clone());
+            state.sink.clone().map(|sink| (sink, state.negotiated.unwrap_or_default()))
+        };
+        if let Some((sink, ext)) = sink {
+            let _ = sink.try_send(&Frame::Health(HealthReport { health: sanitise(health, ext) }));
+        }
+    }
+
+    /// Sends a lifecycle event (e.g. `retry_scheduled`) if connected.
+    pub fn event(&self, event: LifecycleEvent) {
+        if let Some(sink) = self.shared.lock().sink.clone() {
+            let _ = sink.try_send(&Frame::Event(EventFrame { event }));
+        }
+    }
+
+    fn check_channel(&self, channel: &ChannelId) -> Result<(), HubError> {
+        if channel != &self.shared.launch.channel {
+            return Err(HubError::WrongChannel {
+                expected: self.shared.launch.channel.clone(),
+                found: channel.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn submit(&self, event_id: Id, frame: Frame) -> Result<InboundTicket, HubError> {
+        let permit = tokio::select! {
+            permit = self.shared.slots.acquire() => permit.map_err(|_| HubError::ShuttingDown)?,
+            () = self.shared.closing.cancelled() => return Err(HubError::ShuttingDown),
+        };
+        let (tx, rx) = oneshot::channel();
+        let send_on = {
+            let mut state = self.shared.lock();
+            let fresh = state.pending.insert(event_id.clone(), frame.clone(), tx);
+            if fresh {
+                permit.forget();
+            }
+            if fresh && state.negotiated.is_some() { state.sink.clone() } else { None }
+        };
+        if let Some(sink) = send_on {
+            if sink.send(&frame).await.is_ok() {
+                self.shared.after_write(&frame);
+            }
+        }
+        Ok(InboundTicket { rx })
+    }
+}
+
+/// Removes extension fields the peer did not negotiate.
+pub(crate) fn sanitise(mut health: Health, ext: Extensions) -> Health {
+    if !ext.health_status {
+        health.status = None;
+    }
+    health
+}
+
+#[derive(Debug)]
+pub(crate) struct LinkState {
+    pub sink: Option<FrameSink>,
+    /// Known once the handshake finished: what the hub agreed to.
+    pub negotiated: Option<Extensions>,
+    pub pending: PendingTable,
+    pub health: Option<Health>,
+    pub connected_since: Option<Instant>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub launch: DriverLaunchConfig,
+    pub declaration: Declaration,
+    pub wanted: Extensions,
+    pub slots: Semaphore,
+    /// Cancelled when the driver stops taking platform input.
+    pub closing: tokio_util::sync::CancellationToken,
+    state: Mutex<LinkState>,
+}
+
+impl Shared {
+    pub fn new(launch: DriverLaunchConfig, declaration: Declaration, wanted: Extensions) -> Self {
+        Self {
+            launch,
+            declaration,
+            wanted,
+            slots: Semaphore::new(MAX_PENDING_INBOUND),
+            closing: tokio_util::sync::CancellationToken::new(),
+            state: Mutex::new(LinkState {
+                sink: None,
+                negotiated: None,
+                pending: PendingTable::default(),
+                health: None,
+                connected_since: None,
+            }),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, LinkState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Resolves a pending inbound and frees its slot.
+    pub fn resolve(&self, event_id: &str, outcome: Acceptance) {
+        if self.lock().pending.resolve(event_id, outcome) {
+            self.slots.add_permits(1);
+        }
+    }
+
+    /// Without the `accepted` extension an `inbound_event` counts as taken once written: the
+    /// reference hub sends nothing back for it.
+    pub fn after_write(&self, frame: &Frame) {
+        if let Frame::InboundEvent(event) = frame {
+            let accepted_ext = self.lock().negotiated.is_some_and(|ext| ext.accepted);
+            if !accepted_ext {
+                self.resolve(event.event_id.as_str(), Acceptance::Accepted { duplicate: false });
+            }
+        }
+    }
+
+    /// Resolves inbound entries older than the reply timeout as unresolved.
+    pub fn expire(&self, max_age: Duration) {
+        let freed = self.lock().pending.expire(Instant::now(), max_age);
+        if freed > 0 {
+            self.slots.add_permits(freed);
+        }
+    }
+}
