@@ -186,7 +186,6 @@ async fn connection_loop<D: Driver>(
                     handlers: Arc::new(Semaphore::new(MAX_CONCURRENT_HANDLERS)),
                 };
                 let end = session.run(stream, &session_token).await;
-                shared.disconnected();
                 backoff.record_uptime(up.elapsed());
                 match end {
                     SessionEnd::Finished => return Ok(()),
@@ -321,9 +320,9 @@ impl<D: Driver> Session<D> {
                 Err(err) => break SessionEnd::Lost(format!("read failed: {err}")),
             }
         };
-        drop(sink);
         self.shared.disconnected();
-        let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
+        drop(sink);
+        let _ = tokio::time::timeout(Duration::from_secs(2), writer.close()).await;
         end
     }
 

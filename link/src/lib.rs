@@ -7,7 +7,7 @@ mod writer;
 
 pub use backoff::Backoff;
 pub use reader::FrameReader;
-pub use writer::{FrameSink, SinkError, spawn_writer};
+pub use writer::{FrameSink, SinkError, Writer, spawn_writer};
 
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -20,7 +20,7 @@ pub const DEFAULT_QUEUE: usize = 1024;
 pub fn split_unix(
     stream: UnixStream,
     queue: usize,
-) -> (FrameReader<OwnedReadHalf>, FrameSink, tokio::task::JoinHandle<std::io::Result<()>>) {
+) -> (FrameReader<OwnedReadHalf>, FrameSink, Writer) {
     let (read, write): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
     let (sink, task) = spawn_writer(write, queue);
     (FrameReader::new(read), sink, task)

@@ -4,7 +4,7 @@ use std::io;
 
 use channeld_protocol::{EncodeError, Frame, encode};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// Largest batch written in one call.
@@ -21,8 +21,7 @@ pub enum SinkError {
     Encode(#[from] EncodeError),
 }
 
-/// The sending side of a connection. Cheap to clone; the connection's writer task ends when
-/// every clone is dropped.
+/// The sending side of a connection. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct FrameSink {
     tx: mpsc::Sender<Vec<u8>>,
@@ -44,7 +43,12 @@ impl FrameSink {
         })
     }
 
-    /// True once the writer task has stopped (peer gone or write failed).
+    /// Queues an already encoded line (from [`channeld_protocol::encode`]).
+    pub async fn send_encoded(&self, line: Vec<u8>) -> Result<(), SinkError> {
+        self.tx.send(line).await.map_err(|_| SinkError::Closed)
+    }
+
+    /// True once the writer task has stopped (closed, peer gone or write failed).
     pub fn is_closed(&self) -> bool {
         self.tx.is_closed()
     }
@@ -55,22 +59,54 @@ impl FrameSink {
     }
 }
 
+/// The writer task of one connection.
+#[derive(Debug)]
+pub struct Writer {
+    close: oneshot::Sender<()>,
+    task: JoinHandle<io::Result<()>>,
+}
+
+impl Writer {
+    /// Writes what is already queued, shuts the write side down and waits for the task.
+    /// Frames queued afterwards are refused with [`SinkError::Closed`].
+    pub async fn close(self) -> io::Result<()> {
+        let _ = self.close.send(());
+        self.task.await.unwrap_or_else(|err| Err(io::Error::other(err)))
+    }
+}
+
 /// Spawns the writer task for `writer` with a queue of `capacity` frames.
-pub fn spawn_writer<W>(writer: W, capacity: usize) -> (FrameSink, JoinHandle<io::Result<()>>)
+pub fn spawn_writer<W>(writer: W, capacity: usize) -> (FrameSink, Writer)
 where
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(capacity.max(1));
-    let task = tokio::spawn(write_loop(writer, rx));
-    (FrameSink { tx }, task)
+    let (close, closing) = oneshot::channel();
+    let task = tokio::spawn(write_loop(writer, rx, closing));
+    (FrameSink { tx }, Writer { close, task })
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut writer: W,
     mut rx: mpsc::Receiver<Vec<u8>>,
+    mut closing: oneshot::Receiver<()>,
 ) -> io::Result<()> {
     let mut batch = Vec::with_capacity(4096);
-    while let Some(first) = rx.recv().await {
+    loop {
+        let first = tokio::select! {
+            biased;
+            line = rx.recv() => match line {
+                Some(line) => line,
+                None => break,
+            },
+            _ = &mut closing => {
+                rx.close();
+                match rx.try_recv() {
+                    Ok(line) => line,
+                    Err(_) => break,
+                }
+            }
+        };
         batch.clear();
         batch.extend_from_slice(&first);
         while batch.len() < BATCH_BYTES {
@@ -89,4 +125,24 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     }
     writer.flush().await?;
     writer.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use channeld_protocol::frame::Lifecycle;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn close_writes_what_was_queued_then_refuses_more() {
+        let (client, mut server) = tokio::io::duplex(64 * 1024);
+        let (sink, writer) = spawn_writer(client, 8);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        sink.send(&frame).await.unwrap();
+        writer.close().await.unwrap();
+        assert!(matches!(sink.send(&frame).await, Err(SinkError::Closed)));
+        let mut received = Vec::new();
+        server.read_to_end(&mut received).await.unwrap();
+        assert_eq!(received, encode(&frame).unwrap());
+    }
 }

@@ -1,0 +1,277 @@
+//! `channelctl`: talks to a running hub over its control socket.
+//!
+//! Exit status: 0 success; 1 unexpected error; 2 usage; 3 hub unreachable; 4 refused
+//! (unknown instance, driver offline, capability not declared, invalid input); 5 outcome
+//! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use channeld_hub::control::proto::{
+    CatalogResult, HealthResult, Op, Request, Response, SendResult, StatusResult,
+};
+use channeld_protocol::framing::{LineEvent, LineFramer};
+use clap::{Parser, Subcommand};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+#[derive(Debug, Parser)]
+#[command(name = "channelctl", version, about = "Control a running channeld hub")]
+struct Cli {
+    /// The hub's control socket.
+    #[arg(long, global = true, env = "CHANNELD_CONTROL_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Print the hub's JSON result instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Send a proactive message and print its receipt.
+    Send {
+        /// Channel instance, e.g. slack.primary.
+        instance: String,
+        #[arg(long)]
+        conversation: String,
+        #[arg(long)]
+        thread: Option<String>,
+        /// Return once the driver has the message instead of waiting for the receipt.
+        #[arg(long)]
+        no_wait: bool,
+        /// Seconds to wait for the receipt.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+        /// The message text.
+        text: String,
+    },
+    /// Ask an instance's driver for its health.
+    Health { instance: String },
+    /// Every instance: connection, health, in-flight runs, counters, last error.
+    Status,
+    /// Driver families this build knows.
+    Catalog,
+}
+
+const EXIT_UNEXPECTED: u8 = 1;
+const EXIT_UNREACHABLE: u8 = 3;
+const EXIT_REFUSED: u8 = 4;
+const EXIT_UNKNOWN: u8 = 5;
+const EXIT_FAILED: u8 = 6;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let socket = cli.socket.clone().unwrap_or_else(default_socket);
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("channelctl: {err}");
+            return ExitCode::from(EXIT_UNEXPECTED);
+        }
+    };
+    let (op, wait_budget) = match &cli.command {
+        Cmd::Send { instance, conversation, thread, no_wait, timeout, text } => (
+            Op::Send {
+                instance: instance.clone(),
+                conversation: conversation.clone(),
+                thread: thread.clone(),
+                text: text.clone(),
+                metadata: Default::default(),
+                wait: !no_wait,
+                timeout_ms: Some(timeout.saturating_mul(1000)),
+            },
+            Duration::from_secs(timeout + 10),
+        ),
+        Cmd::Health { instance } => {
+            (Op::Health { instance: instance.clone() }, Duration::from_secs(60))
+        }
+        Cmd::Status => (Op::Status, Duration::from_secs(10)),
+        Cmd::Catalog => (Op::Catalog, Duration::from_secs(10)),
+    };
+    let response = match runtime.block_on(call(&socket, Request { id: 1, op }, wait_budget)) {
+        Ok(response) => response,
+        Err(err) => {
+            eprintln!("channelctl: {err}");
+            return ExitCode::from(err.exit_code());
+        }
+    };
+    if !response.ok {
+        let error = response.error.unwrap_or_else(|| channeld_hub::control::proto::ErrorBody {
+            code: "unknown".into(),
+            message: "the hub gave no reason".into(),
+            request_id: None,
+        });
+        if cli.json {
+            println!("{}", serde_json::json!({ "ok": false, "error": error }));
+        } else {
+            eprintln!("channelctl: {} ({})", error.message, error.code);
+        }
+        return ExitCode::from(match error.code.as_str() {
+            "outcome_unknown" => EXIT_UNKNOWN,
+            "send_failed" => EXIT_FAILED,
+            "unknown_instance" | "driver_offline" | "not_declared" | "invalid_target"
+            | "invalid_request" | "too_large" => EXIT_REFUSED,
+            _ => EXIT_UNEXPECTED,
+        });
+    }
+    let result = response.result.unwrap_or(serde_json::Value::Null);
+    if cli.json {
+        println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
+        return ExitCode::SUCCESS;
+    }
+    match print_text(&cli.command, result) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("channelctl: unexpected answer from the hub: {err}");
+            ExitCode::from(EXIT_UNEXPECTED)
+        }
+    }
+}
+
+fn default_socket() -> PathBuf {
+    let dir = std::env::var_os("CHANNELD_RUNTIME_DIR")
+        .map_or_else(|| PathBuf::from("/run/channeld"), PathBuf::from);
+    dir.join("control.sock")
+}
+
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    #[error("cannot reach the hub at {path}: {source}")]
+    Unreachable { path: String, source: std::io::Error },
+    #[error("connection to the hub failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the hub closed the connection without answering")]
+    NoAnswer,
+    #[error("no answer from the hub within {0} s")]
+    Timeout(u64),
+    #[error("unreadable answer from the hub: {0}")]
+    Decode(String),
+}
+
+impl CallError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            CallError::Unreachable { .. } => EXIT_UNREACHABLE,
+            CallError::Timeout(_) => EXIT_UNKNOWN,
+            _ => EXIT_UNEXPECTED,
+        }
+    }
+}
+
+async fn call(
+    socket: &std::path::Path,
+    request: Request,
+    budget: Duration,
+) -> Result<Response, CallError> {
+    let mut stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| CallError::Unreachable { path: socket.display().to_string(), source })?;
+    let mut line =
+        serde_json::to_vec(&request).map_err(|err| CallError::Decode(err.to_string()))?;
+    line.push(b'\n');
+    stream.write_all(&line).await?;
+    let read = async {
+        let mut framer = LineFramer::new(channeld_hub::control::proto::MAX_CONTROL_LINE);
+        loop {
+            if let Some(event) = framer.next_line() {
+                return match event {
+                    LineEvent::Line(line) => serde_json::from_slice::<Response>(line)
+                        .map_err(|err| CallError::Decode(err.to_string())),
+                    LineEvent::TooLong => Err(CallError::Decode("answer too long".into())),
+                };
+            }
+            if stream.read_buf(framer.buffer_for_read()).await? == 0 {
+                return Err(CallError::NoAnswer);
+            }
+        }
+    };
+    tokio::time::timeout(budget, read).await.map_err(|_| CallError::Timeout(budget.as_secs()))?
+}
+
+fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json::Error> {
+    match command {
+        Cmd::Send { .. } => {
+            let sent: SendResult = serde_json::from_value(result)?;
+            match sent.receipt {
+                Some(receipt) => {
+                    println!("receipted {} (request {})", receipt.message_id, sent.request_id)
+                }
+                None => println!("{} (request {})", sent.state, sent.request_id),
+            }
+        }
+        Cmd::Health { .. } => {
+            let health: HealthResult = serde_json::from_value(result)?;
+            match health.health.detail {
+                Some(detail) => {
+                    println!("{} {}: {detail}", health.instance, health.health.state.as_str())
+                }
+                None => println!("{} {}", health.instance, health.health.state.as_str()),
+            }
+        }
+        Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
+        Cmd::Catalog => {
+            let catalog: CatalogResult = serde_json::from_value(result)?;
+            println!("{:<10} {:<18} {:<10} TRANSPORT", "FAMILY", "BINARY", "INSTALLED");
+            for family in catalog.families {
+                let installed = if family.installed { "yes" } else { "no" };
+                println!(
+                    "{:<10} {:<18} {:<10} {}",
+                    family.family, family.binary, installed, family.transport
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_status(status: &StatusResult) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    println!("{} (pid {}), up {}", status.hub, status.pid, ago(now, status.started_ms));
+    println!(
+        "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  REASON / LAST ERROR",
+        "INSTANCE",
+        "FAMILY",
+        "CONNECTED",
+        "HEALTH",
+        "RUNS",
+        "INBOUND",
+        "OUTBOUND",
+        "DENIED",
+        "ERRORS"
+    );
+    for row in &status.instances {
+        let connected =
+            row.connected_since_ms.map_or_else(|| "-".to_owned(), |since| ago(now, since));
+        let reason = row.health.detail.clone().unwrap_or_default();
+        let last =
+            row.last_error.as_deref().map(|e| format!(" | last error: {e}")).unwrap_or_default();
+        println!(
+            "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  {}{}",
+            row.instance,
+            row.family,
+            connected,
+            row.health.state.as_str(),
+            row.in_flight,
+            row.counters.inbound,
+            row.counters.outbound,
+            row.counters.denied,
+            row.counters.errors,
+            reason,
+            last
+        );
+    }
+}
+
+fn ago(now_ms: u64, then_ms: u64) -> String {
+    let secs = now_ms.saturating_sub(then_ms) / 1000;
+    match secs {
+        0..=59 => format!("{secs}s"),
+        60..=3599 => format!("{}m{}s", secs / 60, secs % 60),
+        _ => format!("{}h{}m", secs / 3600, (secs % 3600) / 60),
+    }
+}

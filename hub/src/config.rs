@@ -1,0 +1,407 @@
+//! The hub's TOML configuration: hub settings, runtimes (who answers), and channel instances.
+//!
+//! Unknown keys are errors, and every error names the key (and line) it is about.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use channeld_protocol::ChannelId;
+use serde::Deserialize;
+
+/// Runtime directory when neither the config nor `--runtime-dir` names one.
+pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
+/// The runtime every instance uses unless it names another.
+pub const DEFAULT_RUNTIME: &str = "default";
+
+/// Why a configuration is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.into(), message: message.into() }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    hub: RawHub,
+    #[serde(default)]
+    runtime: BTreeMap<String, RawRuntime>,
+    #[serde(default)]
+    instance: BTreeMap<String, RawInstance>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHub {
+    runtime_dir: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+    control_socket: Option<PathBuf>,
+    max_inflight: Option<usize>,
+    receipt_timeout_secs: Option<u64>,
+    command_timeout_secs: Option<u64>,
+    health_probe_interval_secs: Option<u64>,
+    health_probe_timeout_secs: Option<u64>,
+    liveness_secs: Option<u64>,
+    drain_timeout_secs: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRuntime {
+    kind: RuntimeKind,
+    #[serde(default)]
+    command: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    timeout_secs: Option<u64>,
+    max_output_bytes: Option<usize>,
+    #[serde(default)]
+    stdin: StdinMode,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInstance {
+    socket: Option<PathBuf>,
+    #[serde(default)]
+    spawn: Vec<String>,
+    #[serde(default)]
+    spawn_env: BTreeMap<String, String>,
+    runtime: Option<String>,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    allow_all: bool,
+    #[serde(default)]
+    identity_isolation: bool,
+    max_inflight: Option<usize>,
+}
+
+/// Which runtime answers inbound messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeKind {
+    /// Built in: replies with the message text.
+    Echo,
+    /// Runs a command per inbound run.
+    Exec,
+}
+
+/// How the exec runtime uses the agent's stdin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StdinMode {
+    /// One envelope line, then end of file. The agent may read stdin to the end.
+    #[default]
+    Envelope,
+    /// The envelope line, then one line per command result; closed when the agent exits.
+    /// Needed for agents that ask for input, approval or a choice.
+    Stream,
+}
+
+/// A runtime binding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeConfig {
+    pub name: String,
+    pub kind: RuntimeKind,
+    pub command: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub timeout: Duration,
+    pub max_output_bytes: usize,
+    pub stdin: StdinMode,
+}
+
+impl RuntimeConfig {
+    pub fn echo() -> Self {
+        Self {
+            name: DEFAULT_RUNTIME.into(),
+            kind: RuntimeKind::Echo,
+            command: Vec::new(),
+            env: BTreeMap::new(),
+            timeout: Duration::from_secs(300),
+            max_output_bytes: 1024 * 1024,
+            stdin: StdinMode::Envelope,
+        }
+    }
+}
+
+/// Who may talk to an instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Allowlist {
+    /// Everyone (an explicit `allow_all = true`).
+    All,
+    /// These sender ids; empty denies everyone.
+    Senders(Vec<String>),
+}
+
+impl Allowlist {
+    pub fn permits(&self, sender: &str) -> bool {
+        match self {
+            Allowlist::All => true,
+            Allowlist::Senders(ids) => !sender.is_empty() && ids.iter().any(|id| id == sender),
+        }
+    }
+
+    pub fn denies_everyone(&self) -> bool {
+        matches!(self, Allowlist::Senders(ids) if ids.is_empty())
+    }
+}
+
+/// One channel instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceConfig {
+    pub id: ChannelId,
+    pub socket: PathBuf,
+    pub spawn: Vec<String>,
+    pub spawn_env: BTreeMap<String, String>,
+    pub runtime: String,
+    pub allow: Allowlist,
+    pub identity_isolation: bool,
+    pub max_inflight: usize,
+    /// Set by `channeld demo` only: the spawned driver shares the hub's terminal, and its
+    /// exit ends the hub.
+    pub interactive_child: bool,
+}
+
+/// The whole, validated configuration.
+#[derive(Debug, Clone)]
+pub struct HubConfig {
+    pub runtime_dir: PathBuf,
+    pub state_dir: Option<PathBuf>,
+    pub control_socket: PathBuf,
+    pub receipt_timeout: Duration,
+    pub command_timeout: Duration,
+    pub health_probe_interval: Duration,
+    pub health_probe_timeout: Duration,
+    /// A driver that sends nothing (not even a heartbeat) for this long is Unavailable.
+    pub liveness: Duration,
+    pub drain_timeout: Duration,
+    pub runtimes: BTreeMap<String, RuntimeConfig>,
+    pub instances: Vec<InstanceConfig>,
+}
+
+/// Command-line overrides applied on top of the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub runtime_dir: Option<PathBuf>,
+    pub state_dir: Option<PathBuf>,
+}
+
+impl HubConfig {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text, path, overrides)
+    }
+
+    /// Parses and validates config text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &Path, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|err| ConfigError::Parse {
+            path: origin.to_owned(),
+            message: err.to_string().trim_end().to_owned(),
+        })?;
+        Self::from_raw(raw, overrides)
+    }
+
+    fn from_raw(raw: RawConfig, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let hub = raw.hub;
+        let runtime_dir = overrides
+            .runtime_dir
+            .clone()
+            .or(hub.runtime_dir)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR));
+        let state_dir = overrides.state_dir.clone().or(hub.state_dir);
+        let control_socket = hub.control_socket.unwrap_or_else(|| runtime_dir.join("control.sock"));
+        let max_inflight = positive("hub.max_inflight", hub.max_inflight.unwrap_or(4))?;
+        let secs = |key: &str, value: Option<u64>, default: u64| -> Result<Duration, ConfigError> {
+            let value = value.unwrap_or(default);
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+            Ok(Duration::from_secs(value))
+        };
+
+        let mut runtimes = BTreeMap::new();
+        runtimes.insert(DEFAULT_RUNTIME.to_owned(), RuntimeConfig::echo());
+        for (name, rt) in raw.runtime {
+            let key = format!("runtime.{name}");
+            if rt.kind == RuntimeKind::Exec && rt.command.is_empty() {
+                return Err(invalid(format!("{key}.command"), "an exec runtime needs a command"));
+            }
+            if rt.kind == RuntimeKind::Echo && !rt.command.is_empty() {
+                return Err(invalid(format!("{key}.command"), "the echo runtime takes no command"));
+            }
+            let config = RuntimeConfig {
+                name: name.clone(),
+                kind: rt.kind,
+                command: rt.command,
+                env: rt.env,
+                timeout: secs(&format!("{key}.timeout_secs"), rt.timeout_secs, 300)?,
+                max_output_bytes: positive(
+                    &format!("{key}.max_output_bytes"),
+                    rt.max_output_bytes.unwrap_or(1024 * 1024),
+                )?,
+                stdin: rt.stdin,
+            };
+            runtimes.insert(name, config);
+        }
+
+        let mut instances = Vec::new();
+        let mut sockets = BTreeMap::new();
+        for (name, inst) in raw.instance {
+            let key = format!("instance.\"{name}\"");
+            let id = ChannelId::new(name.clone()).map_err(|err| invalid(&key, err.to_string()))?;
+            let runtime = inst.runtime.unwrap_or_else(|| DEFAULT_RUNTIME.to_owned());
+            if !runtimes.contains_key(&runtime) {
+                return Err(invalid(
+                    format!("{key}.runtime"),
+                    format!("no runtime named {runtime:?}"),
+                ));
+            }
+            let allow = match (inst.allow_all, inst.allow.is_empty()) {
+                (true, false) => {
+                    return Err(invalid(
+                        format!("{key}.allow"),
+                        "set either allow or allow_all, not both",
+                    ));
+                }
+                (true, true) => Allowlist::All,
+                (false, _) => {
+                    if inst.allow.iter().any(|s| s.is_empty()) {
+                        return Err(invalid(
+                            format!("{key}.allow"),
+                            "sender ids must not be empty",
+                        ));
+                    }
+                    Allowlist::Senders(inst.allow)
+                }
+            };
+            let socket = inst.socket.unwrap_or_else(|| runtime_dir.join(format!("{id}.sock")));
+            if let Some(other) = sockets.insert(socket.clone(), name.clone()) {
+                return Err(invalid(
+                    format!("{key}.socket"),
+                    format!("{} is already used by instance {other:?}", socket.display()),
+                ));
+            }
+            instances.push(InstanceConfig {
+                id,
+                socket,
+                spawn: inst.spawn,
+                spawn_env: inst.spawn_env,
+                runtime,
+                allow,
+                identity_isolation: inst.identity_isolation,
+                max_inflight: positive(
+                    &format!("{key}.max_inflight"),
+                    inst.max_inflight.unwrap_or(max_inflight),
+                )?,
+                interactive_child: false,
+            });
+        }
+
+        Ok(Self {
+            runtime_dir,
+            state_dir,
+            control_socket,
+            receipt_timeout: secs("hub.receipt_timeout_secs", hub.receipt_timeout_secs, 30)?,
+            command_timeout: secs("hub.command_timeout_secs", hub.command_timeout_secs, 300)?,
+            health_probe_interval: secs(
+                "hub.health_probe_interval_secs",
+                hub.health_probe_interval_secs,
+                30,
+            )?,
+            health_probe_timeout: secs(
+                "hub.health_probe_timeout_secs",
+                hub.health_probe_timeout_secs,
+                5,
+            )?,
+            liveness: secs("hub.liveness_secs", hub.liveness_secs, 60)?,
+            drain_timeout: secs("hub.drain_timeout_secs", hub.drain_timeout_secs, 10)?,
+            runtimes,
+            instances,
+        })
+    }
+
+    /// The runtime bound to `instance`.
+    pub fn runtime_for(&self, instance: &InstanceConfig) -> &RuntimeConfig {
+        self.runtimes.get(&instance.runtime).unwrap_or_else(|| &self.runtimes[DEFAULT_RUNTIME])
+    }
+}
+
+fn positive(key: &str, value: usize) -> Result<usize, ConfigError> {
+    if value == 0 {
+        return Err(invalid(key, "must be at least 1"));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<HubConfig, ConfigError> {
+        HubConfig::parse(text, Path::new("test.toml"), &Overrides::default())
+    }
+
+    #[test]
+    fn minimal_config_has_defaults() {
+        let config = parse("[instance.\"console.demo\"]\nallow_all = true\n").unwrap();
+        assert_eq!(config.runtime_dir, PathBuf::from("/run/channeld"));
+        assert_eq!(config.control_socket, PathBuf::from("/run/channeld/control.sock"));
+        let instance = &config.instances[0];
+        assert_eq!(instance.socket, PathBuf::from("/run/channeld/console.demo.sock"));
+        assert_eq!(instance.max_inflight, 4);
+        assert_eq!(instance.allow, Allowlist::All);
+        assert_eq!(config.runtime_for(instance).kind, RuntimeKind::Echo);
+    }
+
+    #[test]
+    fn runtime_dir_flag_overrides_the_file() {
+        let overrides = Overrides { runtime_dir: Some("/tmp/x".into()), state_dir: None };
+        let text = "[hub]\nruntime_dir = \"/run/y\"\n[instance.\"mqtt.lab\"]\n";
+        let config = HubConfig::parse(text, Path::new("t"), &overrides).unwrap();
+        assert_eq!(config.instances[0].socket, PathBuf::from("/tmp/x/mqtt.lab.sock"));
+        assert!(config.instances[0].allow.denies_everyone());
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_that_name_the_key() {
+        let err = parse("[instance.\"a.b\"]\nalow = [\"x\"]\n").unwrap_err().to_string();
+        assert!(err.contains("alow"), "{err}");
+        let err = parse("[hub]\nmax_inflight = 0\n").unwrap_err().to_string();
+        assert_eq!(err, "hub.max_inflight: must be at least 1");
+        let err = parse("[instance.\"Bad Name\"]\n").unwrap_err().to_string();
+        assert!(err.starts_with("instance.\"Bad Name\""), "{err}");
+        let err = parse("[instance.\"a.b\"]\nruntime = \"nope\"\n").unwrap_err().to_string();
+        assert!(err.starts_with("instance.\"a.b\".runtime"), "{err}");
+        let err = parse("[runtime.agent]\nkind = \"exec\"\n").unwrap_err().to_string();
+        assert_eq!(err, "runtime.agent.command: an exec runtime needs a command");
+    }
+
+    #[test]
+    fn two_instances_cannot_share_a_socket() {
+        let text =
+            "[instance.\"a.x\"]\nsocket = \"/tmp/s\"\n[instance.\"a.y\"]\nsocket = \"/tmp/s\"\n";
+        let err = parse(text).unwrap_err().to_string();
+        assert!(err.contains("already used"), "{err}");
+    }
+
+    #[test]
+    fn allowlist_semantics() {
+        assert!(!Allowlist::Senders(vec![]).permits("u1"));
+        assert!(Allowlist::Senders(vec!["u1".into()]).permits("u1"));
+        assert!(!Allowlist::Senders(vec!["u1".into()]).permits("u2"));
+        assert!(Allowlist::All.permits("anyone"));
+    }
+}

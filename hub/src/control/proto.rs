@@ -1,0 +1,150 @@
+//! The `channeld.control/v1` JSONL protocol spoken on the hub's control socket (by
+//! `channelctl` and applications): one request object per line, one response per request,
+//! matched by `id`, possibly out of order.
+
+use std::collections::BTreeMap;
+
+use channeld_protocol::types::{DeliveryReceipt, Health};
+use serde::{Deserialize, Serialize};
+
+/// The protocol name (documented in PROTOCOL.md).
+pub const CONTROL_PROTOCOL: &str = "channeld.control/v1";
+
+/// Largest request or response line.
+pub const MAX_CONTROL_LINE: usize = 1024 * 1024;
+
+/// One request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub id: u64,
+    #[serde(flatten)]
+    pub op: Op,
+}
+
+/// What a request asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Op {
+    /// A proactive message through an instance's driver.
+    Send {
+        instance: String,
+        conversation: String,
+        #[serde(default)]
+        thread: Option<String>,
+        text: String,
+        #[serde(default)]
+        metadata: BTreeMap<String, String>,
+        /// Wait for the receipt (default true).
+        #[serde(default = "yes")]
+        wait: bool,
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
+    /// Probe one instance's driver.
+    Health { instance: String },
+    /// Every instance's state.
+    Status,
+    /// Driver families this build knows.
+    Catalog,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// One response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    pub id: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+/// A failure: a machine-readable code and a sentence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub code: String,
+    pub message: String,
+    /// Set when the failure concerns a request already handed to a driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+}
+
+/// The result of `send`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendResult {
+    pub request_id: String,
+    /// `receipted` (with `receipt`) or `handed` (not waited for).
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<DeliveryReceipt>,
+}
+
+/// The result of `health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthResult {
+    pub instance: String,
+    pub health: Health,
+}
+
+/// Counters of one instance.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CountersView {
+    pub inbound: u64,
+    pub denied: u64,
+    pub busy: u64,
+    pub replies: u64,
+    pub runs_failed: u64,
+    pub outbound: u64,
+    pub receipts: u64,
+    pub errors: u64,
+}
+
+/// One row of `status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceStatus {
+    pub instance: String,
+    pub family: String,
+    pub socket: String,
+    pub runtime: String,
+    pub connected: bool,
+    #[serde(default)]
+    pub connected_since_ms: Option<u64>,
+    #[serde(default)]
+    pub driver_pid: Option<i32>,
+    pub health: Health,
+    pub health_updated_ms: u64,
+    pub in_flight: usize,
+    pub counters: CountersView,
+    #[serde(default)]
+    pub last_error: Option<String>,
+    #[serde(default)]
+    pub last_error_ms: Option<u64>,
+}
+
+/// The result of `status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusResult {
+    pub hub: String,
+    pub pid: u32,
+    pub started_ms: u64,
+    pub instances: Vec<InstanceStatus>,
+}
+
+/// One family in `catalog`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Family {
+    pub family: String,
+    pub binary: String,
+    pub transport: String,
+    pub installed: bool,
+}
+
+/// The result of `catalog`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CatalogResult {
+    pub families: Vec<Family>,
+}

@@ -1,0 +1,434 @@
+//! The hub: binds the sockets, serves driver, controller and control connections, supervises
+//! spawned drivers, probes health, and shuts down gracefully.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use channeld_protocol::ext::{CommandRefusal, Extensions};
+use channeld_protocol::frame::{CommandFrame, Delivery, Lifecycle};
+use channeld_protocol::types::{
+    Command, DeliveryReceipt, Health, HealthState, MessageTarget, OutboundMessage,
+};
+use channeld_protocol::{ChannelId, Frame, Id};
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::config::HubConfig;
+use crate::instance::{Connection, Instance, ReceiptOutcome};
+use crate::runtime::CommandAnswer;
+
+/// Extensions this hub implements and offers to peers that declare them.
+pub const HUB_EXTENSIONS: Extensions = Extensions {
+    accepted: true,
+    control_result: true,
+    responder: true,
+    health_status: true,
+    reply_receipt: true,
+};
+
+/// The hub's name and version, sent in `hello_ack`.
+pub const HUB_NAME: &str = concat!("channeld/", env!("CARGO_PKG_VERSION"));
+
+/// Why the hub could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("cannot bind {path}: {source}")]
+    Bind { path: PathBuf, source: io::Error },
+    #[error("another hub is already listening on {0}")]
+    InUse(PathBuf),
+}
+
+/// Sockets bound before the hub runs (bind outside, run inside).
+#[derive(Debug)]
+pub struct Listeners {
+    pub control: UnixListener,
+    pub instances: Vec<(ChannelId, UnixListener)>,
+    paths: Vec<PathBuf>,
+}
+
+/// Binds the control socket and one socket per instance (mode 0660), removing stale socket
+/// files left by a hub that died. Fails if another hub is listening on any of them.
+pub fn bind(config: &HubConfig) -> Result<Listeners, HubError> {
+    let mut paths = Vec::new();
+    let control = bind_one(&config.control_socket)?;
+    paths.push(config.control_socket.clone());
+    let mut instances = Vec::new();
+    for instance in &config.instances {
+        let listener = match bind_one(&instance.socket) {
+            Ok(listener) => listener,
+            Err(err) => {
+                remove_sockets(&paths);
+                return Err(err);
+            }
+        };
+        paths.push(instance.socket.clone());
+        instances.push((instance.id.clone(), listener));
+    }
+    Ok(Listeners { control, instances, paths })
+}
+
+fn bind_one(path: &Path) -> Result<UnixListener, HubError> {
+    let bind_err = |source| HubError::Bind { path: path.to_owned(), source };
+    if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir).map_err(bind_err)?;
+    }
+    if path.exists() {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => return Err(HubError::InUse(path.to_owned())),
+            Err(_) => std::fs::remove_file(path).map_err(bind_err)?,
+        }
+    }
+    let listener = UnixListener::bind(path).map_err(bind_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(bind_err)?;
+    Ok(listener)
+}
+
+fn remove_sockets(paths: &[PathBuf]) {
+    for path in paths {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// How a proactive send ended, from the caller's point of view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// The driver posted it.
+    Receipted { request_id: Id, receipt: DeliveryReceipt },
+    /// Handed to the driver; the caller did not wait for the receipt.
+    Handed { request_id: Id },
+}
+
+/// Why a proactive send did not produce a receipt.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SendError {
+    #[error("no instance named {0}")]
+    UnknownInstance(String),
+    #[error("target channel {found} does not match instance {expected}")]
+    WrongChannel { expected: String, found: String },
+    #[error("driver for {0} is not connected")]
+    Offline(String),
+    #[error("driver did not declare {0}")]
+    NotDeclared(&'static str),
+    #[error("message does not fit in a frame: {0}")]
+    TooLarge(String),
+    #[error("driver reported failure: {code}: {message}")]
+    Failed { request_id: Id, code: String, message: String },
+    #[error("delivery outcome unknown: {reason}")]
+    Unknown { request_id: Id, reason: String },
+}
+
+impl SendError {
+    /// The machine-readable code used by the control protocol.
+    pub fn code(&self) -> &'static str {
+        match self {
+            SendError::UnknownInstance(_) => "unknown_instance",
+            SendError::WrongChannel { .. } => "invalid_target",
+            SendError::Offline(_) => "driver_offline",
+            SendError::NotDeclared(_) => "not_declared",
+            SendError::TooLarge(_) => "too_large",
+            SendError::Failed { .. } => "send_failed",
+            SendError::Unknown { .. } => "outcome_unknown",
+        }
+    }
+}
+
+/// Why a command did not get an answer from a person.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommandError {
+    #[error(transparent)]
+    Refused(#[from] CommandRefusal),
+    #[error("driver disconnected before answering")]
+    Disconnected,
+    #[error("no answer within {0} s")]
+    Timeout(u64),
+    #[error("command could not be sent: {0}")]
+    Send(String),
+}
+
+/// The running hub, shared by every task.
+#[derive(Debug)]
+pub struct Hub {
+    pub config: HubConfig,
+    pub instances: BTreeMap<ChannelId, Arc<Instance>>,
+    /// Cancelled when the hub starts shutting down.
+    pub shutdown: CancellationToken,
+    /// Cancelled after runs drained: connection handlers say `stop` and close.
+    pub close_connections: CancellationToken,
+    /// Inbound runs in flight (drained on shutdown).
+    pub runs: TaskTracker,
+    pub started: SystemTime,
+    /// Exit status of an interactive child (the demo's console), once it exited.
+    pub child_exit: std::sync::Mutex<Option<i32>>,
+    next_conn: AtomicU64,
+    next_request: AtomicU64,
+    boot: String,
+}
+
+impl Hub {
+    pub fn new(config: HubConfig, shutdown: CancellationToken) -> Arc<Self> {
+        let instances = config
+            .instances
+            .iter()
+            .map(|inst| {
+                let runtime = config.runtime_for(inst).clone();
+                (inst.id.clone(), Arc::new(Instance::new(inst.clone(), runtime)))
+            })
+            .collect();
+        Arc::new(Self {
+            config,
+            instances,
+            shutdown,
+            close_connections: CancellationToken::new(),
+            runs: TaskTracker::new(),
+            started: SystemTime::now(),
+            child_exit: std::sync::Mutex::new(None),
+            next_conn: AtomicU64::new(1),
+            next_request: AtomicU64::new(1),
+            boot: boot_nonce(),
+        })
+    }
+
+    pub fn instance(&self, id: &str) -> Option<&Arc<Instance>> {
+        self.instances.get(id)
+    }
+
+    pub fn next_connection_id(&self) -> u64 {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A request id unique across hub restarts: `<kind>-<boot nonce>-<sequence>`.
+    pub fn request_id(&self, kind: &str) -> Id {
+        let seq = self.next_request.fetch_add(1, Ordering::Relaxed);
+        Id::new(format!("{kind}-{}-{seq}", self.boot)).expect("generated ids are short and valid")
+    }
+
+    /// Sends a proactive message through the instance's live driver. With `wait`, waits up to
+    /// that long for the receipt.
+    pub async fn send(
+        &self,
+        instance: &str,
+        message: OutboundMessage,
+        wait: Option<Duration>,
+    ) -> Result<SendOutcome, SendError> {
+        let inst =
+            self.instance(instance).ok_or_else(|| SendError::UnknownInstance(instance.into()))?;
+        if message.target.channel != inst.config.id {
+            return Err(SendError::WrongChannel {
+                expected: inst.config.id.to_string(),
+                found: message.target.channel.to_string(),
+            });
+        }
+        let conn = inst.live().ok_or_else(|| SendError::Offline(instance.into()))?;
+        let request_id = self.request_id("out");
+        self.send_on(inst, &conn, request_id, message, wait).await
+    }
+
+    /// Sends an `outbound` with a given request id on a given connection.
+    pub async fn send_on(
+        &self,
+        inst: &Instance,
+        conn: &Arc<Connection>,
+        request_id: Id,
+        message: OutboundMessage,
+        wait: Option<Duration>,
+    ) -> Result<SendOutcome, SendError> {
+        if !conn.declaration.can_send() {
+            return Err(SendError::NotDeclared("send"));
+        }
+        let waiter = match wait {
+            Some(_) => Some(
+                conn.expect_receipt(request_id.clone())
+                    .ok_or_else(|| SendError::Offline(inst.config.id.to_string()))?,
+            ),
+            None => None,
+        };
+        let frame = Frame::Outbound(Delivery { request_id: request_id.clone(), message });
+        if let Err(err) = conn.sink.send(&frame).await {
+            conn.forget_receipt(&request_id);
+            return Err(match err {
+                channeld_link::SinkError::Encode(err) => SendError::TooLarge(err.to_string()),
+                _ => SendError::Offline(inst.config.id.to_string()),
+            });
+        }
+        crate::instance::Counters::bump(&inst.counters.outbound);
+        let (Some(waiter), Some(timeout)) = (waiter, wait) else {
+            return Ok(SendOutcome::Handed { request_id });
+        };
+        match tokio::time::timeout(timeout, waiter).await {
+            Ok(Ok(ReceiptOutcome::Receipted(receipt))) => {
+                Ok(SendOutcome::Receipted { request_id, receipt })
+            }
+            Ok(Ok(ReceiptOutcome::Failed { code, message })) => {
+                Err(SendError::Failed { request_id, code, message })
+            }
+            Ok(Ok(ReceiptOutcome::Unknown { reason })) => {
+                Err(SendError::Unknown { request_id, reason })
+            }
+            Ok(Err(_)) => {
+                Err(SendError::Unknown { request_id, reason: "driver disconnected".into() })
+            }
+            Err(_) => {
+                conn.forget_receipt(&request_id);
+                Err(SendError::Unknown {
+                    request_id,
+                    reason: format!("no receipt within {} s", timeout.as_secs()),
+                })
+            }
+        }
+    }
+
+    /// Presents a command on `conn` and waits for the answer (fails closed).
+    pub async fn command(
+        &self,
+        conn: &Arc<Connection>,
+        session: Id,
+        command_id: Id,
+        command: Command,
+        target: Option<MessageTarget>,
+        timeout: Duration,
+    ) -> Result<CommandAnswer, CommandError> {
+        conn.declaration.command_gate(&command)?;
+        let request_id = self.request_id("cmd");
+        let waiter = conn.expect_command(request_id.clone()).ok_or(CommandError::Disconnected)?;
+        let frame = Frame::Command(CommandFrame {
+            request_id: request_id.clone(),
+            session: session.clone(),
+            command_id: command_id.clone(),
+            command,
+            target,
+        });
+        if let Err(err) = conn.sink.send(&frame).await {
+            conn.forget_command(&request_id);
+            return Err(CommandError::Send(err.to_string()));
+        }
+        match tokio::time::timeout(timeout, waiter).await {
+            Ok(Ok(result)) => {
+                if result.session != session || result.command_id != command_id {
+                    warn!(%request_id, "command_result does not match its command; treated as rejected");
+                    return Ok(CommandAnswer::rejected("mismatched command result"));
+                }
+                Ok(CommandAnswer { result: result.result, responder: result.responder })
+            }
+            Ok(Err(_)) => Err(CommandError::Disconnected),
+            Err(_) => {
+                conn.forget_command(&request_id);
+                Err(CommandError::Timeout(timeout.as_secs()))
+            }
+        }
+    }
+
+    /// Asks the live driver for its health; a missing driver or a timeout is `Unavailable`.
+    pub async fn probe(&self, inst: &Instance) -> Health {
+        let Some(conn) = inst.live() else {
+            return Health::new(HealthState::Unavailable, Some("no driver connected".into()));
+        };
+        let request_id = self.request_id("health");
+        let Some(waiter) = conn.expect_health(request_id.clone()) else {
+            return Health::new(HealthState::Unavailable, Some("driver disconnected".into()));
+        };
+        let frame = Frame::HealthRequest(Lifecycle { request_id: request_id.clone() });
+        if conn.sink.send(&frame).await.is_err() {
+            conn.forget_health(&request_id);
+            return Health::new(HealthState::Unavailable, Some("driver disconnected".into()));
+        }
+        let timeout = self.config.health_probe_timeout;
+        let health = match tokio::time::timeout(timeout, waiter).await {
+            Ok(Ok(health)) => health,
+            Ok(Err(_)) => Health::new(HealthState::Unavailable, Some("driver disconnected".into())),
+            Err(_) => {
+                conn.forget_health(&request_id);
+                Health::new(
+                    HealthState::Unavailable,
+                    Some(format!("no health_response within {} s", timeout.as_secs())),
+                )
+            }
+        };
+        inst.set_health(health.clone());
+        health
+    }
+}
+
+/// Runs the hub on already-bound listeners until `shutdown` is cancelled, then drains and
+/// removes its sockets.
+pub async fn run(
+    config: HubConfig,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    let hub = Hub::new(config, shutdown.clone());
+    run_hub(hub, listeners).await
+}
+
+/// [`run`] for a hub built by the caller (the demo keeps a handle).
+pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
+    for inst in hub.instances.values() {
+        if inst.config.allow.denies_everyone() {
+            warn!(
+                instance = %inst.config.id,
+                "sender allowlist is empty: every inbound message will be denied (set allow = [...] or allow_all = true)"
+            );
+        }
+    }
+    let tasks = TaskTracker::new();
+    let Listeners { control, instances, paths } = listeners;
+    for (id, listener) in instances {
+        let inst = hub.instances[&id].clone();
+        tasks.spawn(crate::conn::accept_loop(hub.clone(), inst, listener, tasks.clone()));
+    }
+    tasks.spawn(crate::control::accept_loop(hub.clone(), control, tasks.clone()));
+    let supervisors = TaskTracker::new();
+    for inst in hub.instances.values() {
+        if !inst.config.spawn.is_empty() {
+            supervisors.spawn(crate::supervisor::supervise(hub.clone(), inst.clone()));
+        }
+    }
+    tasks.spawn(crate::health::probe_loop(hub.clone()));
+    info!(
+        instances = hub.instances.len(),
+        control = %hub.config.control_socket.display(),
+        "hub ready"
+    );
+
+    hub.shutdown.cancelled().await;
+    info!("shutting down: no new connections, draining runs");
+    hub.runs.close();
+    if tokio::time::timeout(hub.config.drain_timeout, hub.runs.wait()).await.is_err() {
+        warn!(
+            runs = hub.runs.len(),
+            "runs still in flight after the drain deadline; abandoning them"
+        );
+    }
+    hub.close_connections.cancel();
+    supervisors.close();
+    supervisors.wait().await;
+    tasks.close();
+    if tokio::time::timeout(Duration::from_secs(5), tasks.wait()).await.is_err() {
+        warn!("some connections did not close in time");
+    }
+    remove_sockets(&paths);
+    info!("hub stopped");
+    Ok(())
+}
+
+fn boot_nonce() -> String {
+    let mut bytes = [0u8; 6];
+    let from_urandom = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| io::Read::read_exact(&mut f, &mut bytes))
+        .is_ok();
+    if !from_urandom {
+        let nanos =
+            SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let mixed = nanos ^ (u128::from(std::process::id()) << 64);
+        bytes.copy_from_slice(&mixed.to_le_bytes()[..6]);
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

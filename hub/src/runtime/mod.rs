@@ -1,0 +1,122 @@
+//! Runtimes: who answers an inbound run. `echo` is built in; `exec` runs an agent command.
+//!
+//! A runtime sees a [`RunRequest`] and talks back through [`RunIo`] (live effects and
+//! commands, routed to the connection that carried the inbound); its result is the reply.
+
+mod echo;
+mod exec;
+
+use std::future::Future;
+use std::path::PathBuf;
+
+use channeld_protocol::types::{
+    Actions, Capabilities, Command, CommandResult, Effect, InboundMessage, IncomingEvent,
+    Participant,
+};
+use channeld_protocol::{ChannelId, Id};
+use serde::Serialize;
+
+use crate::config::{RuntimeConfig, RuntimeKind};
+
+pub use exec::AGENT_ENVELOPE_VERSION;
+
+/// What a run answers.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RunInput {
+    Message { message: InboundMessage },
+    Event { event: IncomingEvent },
+}
+
+/// One run of a runtime for one inbound.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    pub instance: ChannelId,
+    pub run_id: String,
+    pub session: String,
+    pub event_id: Id,
+    pub input: RunInput,
+    pub sender: Option<Participant>,
+    pub capabilities: Capabilities,
+    pub actions: Actions,
+    /// True when this run was cut off by a crash and is being started again.
+    pub redelivered: bool,
+    pub control_socket: PathBuf,
+}
+
+/// What a run produced.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RunOutput {
+    /// The reply text, if the run has one.
+    pub reply: Option<String>,
+}
+
+/// A command's outcome as the runtime sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandAnswer {
+    pub result: CommandResult,
+    pub responder: Option<Participant>,
+}
+
+impl CommandAnswer {
+    pub fn rejected(reason: impl Into<String>) -> Self {
+        Self { result: CommandResult::rejected(reason), responder: None }
+    }
+}
+
+/// The live side of a run: effects go out at once, commands wait for their result.
+pub trait RunIo: Send + Sync {
+    /// Sends a live effect (gated by the driver's declared actions; undeclared progress is
+    /// dropped).
+    fn effect(&self, effect: Effect);
+
+    /// Presents a command on the originating connection and waits for the answer. Timeouts
+    /// and disconnects answer `rejected`: commands fail closed.
+    fn command(
+        &self,
+        command_id: Id,
+        command: Command,
+    ) -> impl Future<Output = CommandAnswer> + Send;
+}
+
+/// Why a run produced no reply.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("agent could not be started: {0}")]
+    Spawn(std::io::Error),
+    #[error("agent exceeded its time limit of {0} s")]
+    Timeout(u64),
+    #[error("agent output exceeded {0} bytes")]
+    OutputTooLarge(usize),
+    #[error("agent exited with {status}{}", stderr_suffix(.stderr))]
+    Failed { status: String, stderr: String },
+    #[error("agent i/o failed: {0}")]
+    Io(std::io::Error),
+}
+
+fn stderr_suffix(stderr: &str) -> String {
+    if stderr.is_empty() { String::new() } else { format!(": {stderr}") }
+}
+
+impl RunError {
+    /// The wire code of the `error` frame sent to the driver.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RunError::Timeout(_) => "agent_timeout",
+            RunError::OutputTooLarge(_) => "agent_output_too_large",
+            RunError::Spawn(_) | RunError::Failed { .. } | RunError::Io(_) => "agent_failed",
+        }
+    }
+}
+
+/// Runs `request` on the configured runtime.
+pub async fn run(
+    config: &RuntimeConfig,
+    request: &RunRequest,
+    io: &impl RunIo,
+) -> Result<RunOutput, RunError> {
+    match config.kind {
+        RuntimeKind::Echo => Ok(echo::run(request)),
+        RuntimeKind::Exec => exec::run(config, request, io).await,
+    }
+}
