@@ -1,0 +1,44 @@
+//! Harness for cross-process tests: locate the workspace binaries, run a real `channeld` on a
+//! config in a temp dir, talk to it as a raw driver or through `channelctl`.
+
+pub mod peer;
+pub mod process;
+
+use std::path::{Path, PathBuf};
+
+pub use peer::RawPeer;
+pub use process::{HubProcess, channelctl, rss_kib};
+
+/// The directory holding the workspace's built binaries (`target/<profile>`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test>-<hash>
+    let deps = exe.parent().expect("deps dir");
+    deps.parent().expect("profile dir").to_path_buf()
+}
+
+/// A workspace binary; panics with the fix when it has not been built.
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build the workspace binaries first (`cargo build --workspace --bins`, which scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// Writes `text` to `dir/name` and returns the path.
+pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write test file");
+    path
+}
+
+/// Writes an executable shell script.
+pub fn write_script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = write_file(dir, name, &format!("#!/bin/sh\n{body}"));
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod script");
+    path
+}

@@ -1,0 +1,142 @@
+//! Real processes: a `channeld` hub on a temp config, `channelctl`, resident memory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use crate::{workspace_bin, write_file};
+
+/// A running `channeld` with its own runtime directory. Killed on drop.
+#[derive(Debug)]
+pub struct HubProcess {
+    pub dir: TempDir,
+    pub child: Child,
+    pub config: PathBuf,
+}
+
+impl HubProcess {
+    /// Starts `channeld` on `config` (TOML without a `[hub]` runtime_dir: the harness adds
+    /// it) and waits until its control socket answers.
+    pub fn start(config: &str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        Self::start_in(dir, config)
+    }
+
+    /// Like [`start`](Self::start) in a given directory (kept across restarts).
+    pub fn start_in(dir: TempDir, config: &str) -> Self {
+        let config_path = write_file(dir.path(), "channeld.toml", config);
+        let log = std::fs::File::create(dir.path().join("channeld.log")).expect("log file");
+        let child = Command::new(workspace_bin("channeld"))
+            .arg("--config")
+            .arg(&config_path)
+            .arg("--runtime-dir")
+            .arg(dir.path().join("run"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .env("CHANNELD_LOG", std::env::var("CHANNELD_LOG").unwrap_or_else(|_| "debug".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn channeld");
+        let hub = Self { dir, child, config: config_path };
+        hub.wait_ready();
+        hub
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let control = self.control_socket();
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(&control).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("channeld did not open {} within 20 s; log:\n{}", control.display(), self.log());
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn runtime_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    pub fn control_socket(&self) -> PathBuf {
+        self.runtime_dir().join("control.sock")
+    }
+
+    pub fn socket(&self, instance: &str) -> PathBuf {
+        self.runtime_dir().join(format!("{instance}.sock"))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("channeld.log")).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        // SAFETY: plain syscall on our own child.
+        unsafe {
+            libc::kill(self.pid(), libc::SIGTERM);
+        }
+        self.wait_exit(Duration::from_secs(30))
+    }
+
+    /// Kills the hub with SIGKILL (a crash) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait channeld") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "channeld did not exit; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Runs `channelctl` against this hub.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        channelctl(&self.control_socket(), args)
+    }
+}
+
+impl Drop for HubProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("---- channeld log ----\n{}", self.log());
+        }
+    }
+}
+
+/// Runs `channelctl --socket <socket> <args>`.
+pub fn channelctl(socket: &Path, args: &[&str]) -> Output {
+    Command::new(workspace_bin("channelctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("run channelctl")
+}
+
+/// Resident set size of a process, in KiB.
+pub fn rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .expect("VmRSS in /proc status")
+}
