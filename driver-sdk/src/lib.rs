@@ -14,6 +14,8 @@ pub mod launch;
 mod pending;
 mod runtime;
 pub mod secret;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 use std::future::Future;
 use std::process::ExitCode;
