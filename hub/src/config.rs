@@ -53,6 +53,20 @@ struct RawHub {
     health_probe_timeout_secs: Option<u64>,
     liveness_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
+    durability: Option<DurabilityMode>,
+    retention_days: Option<u64>,
+    outbox_ttl_secs: Option<u64>,
+}
+
+/// `hub.durability`: how hard each ledger commit pushes to disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DurabilityMode {
+    /// Survives power loss (`synchronous = FULL`).
+    #[default]
+    Full,
+    /// Survives a crash of the hub, not of the machine (`synchronous = NORMAL`).
+    Normal,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -85,6 +99,7 @@ struct RawInstance {
     #[serde(default)]
     identity_isolation: bool,
     max_inflight: Option<usize>,
+    deny_notice: Option<String>,
 }
 
 /// Which runtime answers inbound messages.
@@ -168,6 +183,8 @@ pub struct InstanceConfig {
     pub allow: Allowlist,
     pub identity_isolation: bool,
     pub max_inflight: usize,
+    /// Reply sent to a denied sender; `None` (the default) answers nothing on the platform.
+    pub deny_notice: Option<String>,
     /// Set by `channeld demo` only: the spawned driver shares the hub's terminal, and its
     /// exit ends the hub.
     pub interactive_child: bool,
@@ -177,7 +194,13 @@ pub struct InstanceConfig {
 #[derive(Debug, Clone)]
 pub struct HubConfig {
     pub runtime_dir: PathBuf,
+    /// Where the ledger lives; `None` turns it off.
     pub state_dir: Option<PathBuf>,
+    pub durability: DurabilityMode,
+    /// How long finished inbound entries (for dedupe) and final outbox records are kept.
+    pub retention: Duration,
+    /// How long a proactive send may wait in the outbox for an offline driver.
+    pub outbox_ttl: Duration,
     pub control_socket: PathBuf,
     pub receipt_timeout: Duration,
     pub command_timeout: Duration,
@@ -306,6 +329,7 @@ impl HubConfig {
                     &format!("{key}.max_inflight"),
                     inst.max_inflight.unwrap_or(max_inflight),
                 )?,
+                deny_notice: inst.deny_notice,
                 interactive_child: false,
             });
         }
@@ -313,6 +337,13 @@ impl HubConfig {
         Ok(Self {
             runtime_dir,
             state_dir,
+            durability: hub.durability.unwrap_or_default(),
+            retention: Duration::from_secs(
+                86_400
+                    * positive("hub.retention_days", hub.retention_days.unwrap_or(7) as usize)?
+                        as u64,
+            ),
+            outbox_ttl: secs("hub.outbox_ttl_secs", hub.outbox_ttl_secs, 86_400)?,
             control_socket,
             receipt_timeout: secs("hub.receipt_timeout_secs", hub.receipt_timeout_secs, 30)?,
             command_timeout: secs("hub.command_timeout_secs", hub.command_timeout_secs, 300)?,

@@ -160,6 +160,7 @@ async fn driver_handshake(
         "driver connected"
     );
     inst.set_health(Health::new(HealthState::Ready, Some("driver connected".into())));
+    crate::delivery::driver_connected(hub, inst, &conn);
     Some(conn)
 }
 
@@ -364,10 +365,10 @@ async fn control_request(
             let wait = ext.control_result.then_some(hub.config.receipt_timeout);
             let outbound_id = hub.request_id("ctl");
             match hub.send_on(inst, &conn, outbound_id, message, wait).await {
-                Ok(SendOutcome::Receipted { receipt, .. }) => {
+                Ok(SendOutcome { receipt: Some(receipt), .. }) => {
                     response(request_id, Ok(Some(ControlResult::Receipt { receipt })), ext)
                 }
-                Ok(SendOutcome::Handed { .. }) => response(request_id, Ok(None), ext),
+                Ok(_) => response(request_id, Ok(None), ext),
                 Err(SendError::Unknown { reason, .. }) if ext.control_result => {
                     Frame::ControlResponse(ControlResponse {
                         request_id,
@@ -414,11 +415,14 @@ async fn control_request(
             let timeout = hub.config.command_timeout;
             if ext.control_result {
                 match hub.command(&conn, session, command_id, command, target, timeout).await {
-                    Ok(answer) => response(
-                        request_id,
-                        Ok(Some(ControlResult::CommandResult { result: answer.result })),
-                        ext,
-                    ),
+                    Ok(answer) => {
+                        let answer = crate::delivery::vet_answer(inst, &conn, answer);
+                        response(
+                            request_id,
+                            Ok(Some(ControlResult::CommandResult { result: answer.result })),
+                            ext,
+                        )
+                    }
                     Err(err) => response(request_id, Err(err.to_string()), ext),
                 }
             } else {

@@ -21,6 +21,9 @@ pub fn config(runtime_dir: &Path, console: PathBuf) -> HubConfig {
     HubConfig {
         runtime_dir: runtime_dir.to_owned(),
         state_dir: None,
+        durability: crate::config::DurabilityMode::Full,
+        retention: Duration::from_secs(7 * 86_400),
+        outbox_ttl: Duration::from_secs(86_400),
         control_socket: runtime_dir.join("control.sock"),
         receipt_timeout: Duration::from_secs(30),
         command_timeout: Duration::from_secs(300),
@@ -38,6 +41,7 @@ pub fn config(runtime_dir: &Path, console: PathBuf) -> HubConfig {
             allow: Allowlist::All,
             identity_isolation: false,
             max_inflight: 4,
+            deny_notice: None,
             interactive_child: true,
         }],
     }
@@ -70,7 +74,7 @@ pub async fn run(console: PathBuf, shutdown: CancellationToken) -> anyhow::Resul
     let dir = runtime_dir()?;
     let config = config(&dir, console);
     let listeners = crate::hub::bind(&config)?;
-    let hub = crate::hub::Hub::new(config, shutdown);
+    let hub = crate::hub::Hub::new(config, crate::ledger::Ledger::off(), shutdown);
     let result = crate::hub::run_hub(hub.clone(), listeners).await;
     let _ = std::fs::remove_dir_all(&dir);
     result?;

@@ -1,7 +1,7 @@
 //! The hub: binds the sockets, serves driver, controller and control connections, supervises
 //! spawned drivers, probes health, and shuts down gracefully.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -16,12 +16,15 @@ use channeld_protocol::types::{
 };
 use channeld_protocol::{ChannelId, Frame, Id};
 use tokio::net::UnixListener;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::config::HubConfig;
-use crate::instance::{Connection, Instance, ReceiptOutcome};
+use crate::instance::{Connection, Counters, Instance, ReceiptOutcome};
+use crate::ledger::Ledger;
+use crate::outbox::OutboxOutcome;
 use crate::runtime::CommandAnswer;
 
 /// Extensions this hub implements and offers to peers that declare them.
@@ -98,13 +101,49 @@ fn remove_sockets(paths: &[PathBuf]) {
     }
 }
 
-/// How a proactive send ended, from the caller's point of view.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SendOutcome {
-    /// The driver posted it.
-    Receipted { request_id: Id, receipt: DeliveryReceipt },
+/// Where a proactive send stands when the caller gets its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendState {
+    /// The driver posted it (the receipt is attached).
+    Receipted,
     /// Handed to the driver; the caller did not wait for the receipt.
-    Handed { request_id: Id },
+    Handed,
+    /// In the outbox, waiting for the driver to connect.
+    Queued,
+}
+
+impl SendState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SendState::Receipted => "receipted",
+            SendState::Handed => "handed",
+            SendState::Queued => "queued",
+        }
+    }
+}
+
+/// How a proactive send went, from the caller's point of view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendOutcome {
+    pub request_id: Id,
+    /// The outbox record, when the ledger is on.
+    pub outbox_id: Option<i64>,
+    pub state: SendState,
+    pub receipt: Option<DeliveryReceipt>,
+}
+
+impl SendOutcome {
+    pub fn receipted(request_id: Id, outbox_id: Option<i64>, receipt: DeliveryReceipt) -> Self {
+        Self { request_id, outbox_id, state: SendState::Receipted, receipt: Some(receipt) }
+    }
+
+    pub fn handed(request_id: Id, outbox_id: Option<i64>) -> Self {
+        Self { request_id, outbox_id, state: SendState::Handed, receipt: None }
+    }
+
+    pub fn queued(request_id: Id, outbox_id: Option<i64>) -> Self {
+        Self { request_id, outbox_id, state: SendState::Queued, receipt: None }
+    }
 }
 
 /// Why a proactive send did not produce a receipt.
@@ -124,6 +163,10 @@ pub enum SendError {
     Failed { request_id: Id, code: String, message: String },
     #[error("delivery outcome unknown: {reason}")]
     Unknown { request_id: Id, reason: String },
+    #[error("idempotency keys need the ledger: configure hub.state_dir")]
+    NeedsLedger,
+    #[error("ledger: {0}")]
+    Ledger(#[from] crate::ledger::LedgerError),
 }
 
 impl SendError {
@@ -137,6 +180,8 @@ impl SendError {
             SendError::TooLarge(_) => "too_large",
             SendError::Failed { .. } => "send_failed",
             SendError::Unknown { .. } => "outcome_unknown",
+            SendError::NeedsLedger => "invalid_request",
+            SendError::Ledger(_) => "ledger_unavailable",
         }
     }
 }
@@ -157,6 +202,7 @@ pub enum CommandError {
 /// The running hub, shared by every task.
 #[derive(Debug)]
 pub struct Hub {
+    pub(crate) self_ref: std::sync::Weak<Hub>,
     pub config: HubConfig,
     pub instances: BTreeMap<ChannelId, Arc<Instance>>,
     /// Cancelled when the hub starts shutting down.
@@ -166,6 +212,9 @@ pub struct Hub {
     /// Inbound runs in flight (drained on shutdown).
     pub runs: TaskTracker,
     pub started: SystemTime,
+    pub ledger: Ledger,
+    /// Callers waiting for an outbox record to settle, by record id.
+    pub outbox_waiters: std::sync::Mutex<HashMap<i64, Vec<oneshot::Sender<OutboxOutcome>>>>,
     /// Exit status of an interactive child (the demo's console), once it exited.
     pub child_exit: std::sync::Mutex<Option<i32>>,
     next_conn: AtomicU64,
@@ -174,7 +223,7 @@ pub struct Hub {
 }
 
 impl Hub {
-    pub fn new(config: HubConfig, shutdown: CancellationToken) -> Arc<Self> {
+    pub fn new(config: HubConfig, ledger: Ledger, shutdown: CancellationToken) -> Arc<Self> {
         let instances = config
             .instances
             .iter()
@@ -183,13 +232,16 @@ impl Hub {
                 (inst.id.clone(), Arc::new(Instance::new(inst.clone(), runtime)))
             })
             .collect();
-        Arc::new(Self {
+        Arc::new_cyclic(|self_ref| Self {
+            self_ref: self_ref.clone(),
             config,
             instances,
             shutdown,
             close_connections: CancellationToken::new(),
             runs: TaskTracker::new(),
             started: SystemTime::now(),
+            ledger,
+            outbox_waiters: std::sync::Mutex::new(HashMap::new()),
             child_exit: std::sync::Mutex::new(None),
             next_conn: AtomicU64::new(1),
             next_request: AtomicU64::new(1),
@@ -211,62 +263,42 @@ impl Hub {
         Id::new(format!("{kind}-{}-{seq}", self.boot)).expect("generated ids are short and valid")
     }
 
-    /// Sends a proactive message through the instance's live driver. With `wait`, waits up to
-    /// that long for the receipt.
-    pub async fn send(
-        &self,
-        instance: &str,
-        message: OutboundMessage,
-        wait: Option<Duration>,
-    ) -> Result<SendOutcome, SendError> {
-        let inst =
-            self.instance(instance).ok_or_else(|| SendError::UnknownInstance(instance.into()))?;
-        if message.target.channel != inst.config.id {
-            return Err(SendError::WrongChannel {
-                expected: inst.config.id.to_string(),
-                found: message.target.channel.to_string(),
-            });
-        }
-        let conn = inst.live().ok_or_else(|| SendError::Offline(instance.into()))?;
-        let request_id = self.request_id("out");
-        self.send_on(inst, &conn, request_id, message, wait).await
-    }
-
-    /// Sends an `outbound` with a given request id on a given connection.
-    pub async fn send_on(
+    /// Hands an `outbound` to `conn` and registers for its receipt. Fails without sending
+    /// when the driver did not declare `send` or the connection is gone.
+    pub async fn handover(
         &self,
         inst: &Instance,
         conn: &Arc<Connection>,
-        request_id: Id,
+        request_id: &Id,
         message: OutboundMessage,
-        wait: Option<Duration>,
-    ) -> Result<SendOutcome, SendError> {
+    ) -> Result<oneshot::Receiver<ReceiptOutcome>, SendError> {
         if !conn.declaration.can_send() {
             return Err(SendError::NotDeclared("send"));
         }
-        let waiter = match wait {
-            Some(_) => Some(
-                conn.expect_receipt(request_id.clone())
-                    .ok_or_else(|| SendError::Offline(inst.config.id.to_string()))?,
-            ),
-            None => None,
-        };
+        let waiter = conn
+            .expect_receipt(request_id.clone())
+            .ok_or_else(|| SendError::Offline(inst.config.id.to_string()))?;
         let frame = Frame::Outbound(Delivery { request_id: request_id.clone(), message });
         if let Err(err) = conn.sink.send(&frame).await {
-            conn.forget_receipt(&request_id);
+            conn.forget_receipt(request_id);
             return Err(match err {
                 channeld_link::SinkError::Encode(err) => SendError::TooLarge(err.to_string()),
                 _ => SendError::Offline(inst.config.id.to_string()),
             });
         }
-        crate::instance::Counters::bump(&inst.counters.outbound);
-        let (Some(waiter), Some(timeout)) = (waiter, wait) else {
-            return Ok(SendOutcome::Handed { request_id });
-        };
+        Counters::bump(&inst.counters.outbound);
+        Ok(waiter)
+    }
+
+    /// Waits up to `timeout` for the receipt of a handed-over `outbound`.
+    pub async fn settle(
+        conn: &Connection,
+        request_id: Id,
+        waiter: oneshot::Receiver<ReceiptOutcome>,
+        timeout: Duration,
+    ) -> Result<DeliveryReceipt, SendError> {
         match tokio::time::timeout(timeout, waiter).await {
-            Ok(Ok(ReceiptOutcome::Receipted(receipt))) => {
-                Ok(SendOutcome::Receipted { request_id, receipt })
-            }
+            Ok(Ok(ReceiptOutcome::Receipted(receipt))) => Ok(receipt),
             Ok(Ok(ReceiptOutcome::Failed { code, message })) => {
                 Err(SendError::Failed { request_id, code, message })
             }
@@ -284,6 +316,25 @@ impl Hub {
                 })
             }
         }
+    }
+
+    /// Sends an `outbound` with a given request id on a given connection; with `wait`, waits
+    /// up to that long for the receipt.
+    pub async fn send_on(
+        &self,
+        inst: &Instance,
+        conn: &Arc<Connection>,
+        request_id: Id,
+        message: OutboundMessage,
+        wait: Option<Duration>,
+    ) -> Result<SendOutcome, SendError> {
+        let waiter = self.handover(inst, conn, &request_id, message).await?;
+        let Some(timeout) = wait else {
+            // Nobody waits: the receipt is still counted when it arrives.
+            return Ok(SendOutcome::handed(request_id, None));
+        };
+        let receipt = Self::settle(conn, request_id.clone(), waiter, timeout).await?;
+        Ok(SendOutcome::receipted(request_id, None, receipt))
     }
 
     /// Presents a command on `conn` and waits for the answer (fails closed).
@@ -361,11 +412,26 @@ impl Hub {
 /// removes its sockets.
 pub async fn run(
     config: HubConfig,
+    ledger: Ledger,
     listeners: Listeners,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
-    let hub = Hub::new(config, shutdown.clone());
+    let hub = Hub::new(config, ledger, shutdown.clone());
     run_hub(hub, listeners).await
+}
+
+/// Opens the ledger named by the config: on with a state directory, off without one.
+pub fn open_ledger(config: &HubConfig) -> Result<Ledger, crate::ledger::LedgerError> {
+    match &config.state_dir {
+        Some(dir) => {
+            let durability = match config.durability {
+                crate::config::DurabilityMode::Full => crate::ledger::Durability::Full,
+                crate::config::DurabilityMode::Normal => crate::ledger::Durability::Normal,
+            };
+            Ledger::open(dir, durability)
+        }
+        None => Ok(Ledger::off()),
+    }
 }
 
 /// [`run`] for a hub built by the caller (the demo keeps a handle).
@@ -378,6 +444,13 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
             );
         }
     }
+    match hub.ledger.path() {
+        Some(path) => info!(ledger = %path.display(), "ledger on"),
+        None => warn!(
+            "no state directory: the ledger is off, so inbound dedupe, the outbox and /new sessions do not survive a restart"
+        ),
+    }
+    crate::recovery::restore(&hub).await;
     let tasks = TaskTracker::new();
     let Listeners { control, instances, paths } = listeners;
     for (id, listener) in instances {
@@ -392,6 +465,7 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
         }
     }
     tasks.spawn(crate::health::probe_loop(hub.clone()));
+    tasks.spawn(crate::recovery::housekeeping(hub.clone()));
     info!(
         instances = hub.instances.len(),
         control = %hub.config.control_socket.display(),
@@ -419,7 +493,7 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
     Ok(())
 }
 
-fn boot_nonce() -> String {
+pub(crate) fn boot_nonce() -> String {
     let mut bytes = [0u8; 6];
     let from_urandom = std::fs::File::open("/dev/urandom")
         .and_then(|mut f| io::Read::read_exact(&mut f, &mut bytes))

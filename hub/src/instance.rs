@@ -323,6 +323,11 @@ impl Instance {
         *entry
     }
 
+    /// Sets a route's generation (as recorded by the ledger).
+    pub fn set_generation(&self, route: &str, generation: u64) {
+        lock(&self.generations).insert(route.to_owned(), generation);
+    }
+
     /// Loads persisted generations (from the ledger).
     pub fn load_generations(&self, loaded: HashMap<String, u64>) {
         *lock(&self.generations) = loaded;

@@ -13,9 +13,12 @@ mod health;
 pub mod hub;
 mod inflight;
 pub mod instance;
+pub mod ledger;
+pub mod outbox;
+mod recovery;
 pub mod route;
 pub mod runtime;
 mod supervisor;
 
 pub use config::{HubConfig, Overrides};
-pub use hub::{Hub, Listeners, SendError, SendOutcome, bind, run};
+pub use hub::{Hub, Listeners, SendError, SendOutcome, SendState, bind, open_ledger, run};

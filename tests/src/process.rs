@@ -14,6 +14,7 @@ pub struct HubProcess {
     pub dir: TempDir,
     pub child: Child,
     pub config: PathBuf,
+    ledger: bool,
 }
 
 impl HubProcess {
@@ -24,26 +25,53 @@ impl HubProcess {
         Self::start_in(dir, config)
     }
 
-    /// Like [`start`](Self::start) in a given directory (kept across restarts).
+    /// Like [`start`](Self::start) in a given directory (kept across restarts: the ledger in
+    /// `dir/state` survives).
     pub fn start_in(dir: TempDir, config: &str) -> Self {
+        Self::spawn(dir, config, true)
+    }
+
+    /// A hub without a state directory: the ledger is off.
+    pub fn start_without_ledger(dir: TempDir, config: &str) -> Self {
+        Self::spawn(dir, config, false)
+    }
+
+    fn spawn(dir: TempDir, config: &str, ledger: bool) -> Self {
         let config_path = write_file(dir.path(), "channeld.toml", config);
-        let log = std::fs::File::create(dir.path().join("channeld.log")).expect("log file");
-        let child = Command::new(workspace_bin("channeld"))
-            .arg("--config")
-            .arg(&config_path)
-            .arg("--runtime-dir")
-            .arg(dir.path().join("run"))
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
+        let child = Self::launch(dir.path(), &config_path, ledger);
+        let hub = Self { dir, child, config: config_path, ledger };
+        hub.wait_ready();
+        hub
+    }
+
+    /// Starts the hub again on the same config, sockets and state after it exited or was
+    /// killed.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::launch(self.dir.path(), &self.config, self.ledger);
+        self.wait_ready();
+    }
+
+    fn launch(dir: &Path, config_path: &Path, ledger: bool) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("channeld.log"))
+            .expect("log file");
+        let mut command = Command::new(workspace_bin("channeld"));
+        command.arg("--config").arg(config_path).arg("--runtime-dir").arg(dir.join("run"));
+        if ledger {
+            command.arg("--state-dir").arg(dir.join("state"));
+        }
+        command
+            .env_remove("STATE_DIRECTORY")
             .env("CHANNELD_LOG", std::env::var("CHANNELD_LOG").unwrap_or_else(|_| "debug".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("spawn channeld");
-        let hub = Self { dir, child, config: config_path };
-        hub.wait_ready();
-        hub
+            .expect("spawn channeld")
     }
 
     fn wait_ready(&self) {

@@ -143,9 +143,12 @@ async fn fifth_inbound_in_flight_is_busy_and_retryable() {
     assert_eq!(busy.code, "busy");
     assert!(busy.retryable);
     assert_eq!(busy.request_id.as_ref().map(|r| r.as_str()), Some("m-5"));
-    // A duplicate of an active event is refused as well.
+    // A redelivery of an active event is not a second run: it is acknowledged as a duplicate.
     driver.inbound(ONE, "m-1", "alice", "c1", "work").await;
-    assert_eq!(driver.error().await.code, "duplicate");
+    match driver.frame().await {
+        Frame::Accepted(accepted) => assert!(accepted.duplicate && accepted.event_id == "m-1"),
+        other => panic!("expected a duplicate acceptance, got {other:?}"),
+    }
 
     std::fs::write(&gate, "").unwrap();
     let mut replied = Vec::new();
@@ -189,10 +192,28 @@ async fn send_and_wait_fails_at_once_when_the_driver_disconnects() {
         "the wait ended by disconnect, not by its 60 s timeout"
     );
 
-    // With no driver the send is refused outright.
+    // With no driver the send waits in the outbox (exit 7) and goes out when one connects.
+    let out = hub.ctl(&["send", ONE, "--conversation", "c1", "--timeout", "1", "anyone?"]);
+    assert_eq!(out.status.code(), Some(7), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("queued"));
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    let queued = expect_outbound(driver.frame().await);
+    assert_eq!(queued.message.body.text_str(), "anyone?");
+    driver.send(receipt_for(&queued.request_id, "c1", "late-1")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_ledger_an_offline_send_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub =
+        HubProcess::start_without_ledger(dir, "[instance.\"test.one\"]\nallow = [\"alice\"]\n");
     let out = hub.ctl(&["send", ONE, "--conversation", "c1", "anyone?"]);
     assert_eq!(out.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&out.stderr).contains("driver_offline"));
+    let out = hub.ctl(&["send", ONE, "--conversation", "c1", "--key", "k1", "anyone?"]);
+    assert_eq!(out.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("state_dir"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -357,7 +378,8 @@ async fn effects_and_commands_are_gated_by_the_declaration() {
         let mut peer = RawPeer::connect(&hub.socket(ONE)).await;
         let mut actions = Actions::default();
         actions.typing = true;
-        peer.hello_with(ONE, caps(&["receive", "commands"]), actions, &["accepted"]).await;
+        peer.hello_with(ONE, caps(&["receive", "commands"]), actions, &["accepted", "responder"])
+            .await;
         // The previous driver's connection may not be released yet: retry, as the SDK does.
         match peer.frame().await {
             Frame::Error(err) if err.code == "already_connected" => continue,
@@ -383,11 +405,30 @@ async fn effects_and_commands_are_gated_by_the_declaration() {
         session: command.session,
         command_id: command.command_id,
         result: CommandResult::Accepted,
-        responder: None,
+        responder: Some(channeld_protocol::types::Participant::new(id("alice"))),
     }))
     .await;
     let reply = expect_deliver(rich.frame().await);
     assert_eq!(reply.message.body.text_str(), "approval=accepted invoke=rejected");
+
+    // An approval from someone who is not on the allowlist does not count: fail closed.
+    rich.inbound(ONE, "m-3", "alice", "c1", "go").await;
+    assert!(matches!(rich.frame().await, Frame::Accepted(_)));
+    assert!(matches!(rich.frame().await, Frame::Effect(_)));
+    let command = match rich.frame().await {
+        Frame::Command(command) => command,
+        other => panic!("expected the approval command, got {other:?}"),
+    };
+    rich.send(Frame::CommandResult(channeld_protocol::frame::CommandResultFrame {
+        request_id: command.request_id,
+        session: command.session,
+        command_id: command.command_id,
+        result: CommandResult::Accepted,
+        responder: Some(channeld_protocol::types::Participant::new(id("mallory"))),
+    }))
+    .await;
+    let reply = expect_deliver(rich.frame().await);
+    assert_eq!(reply.message.body.text_str(), "approval=rejected invoke=rejected");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,14 +2,16 @@
 //!
 //! Exit status: 0 success; 1 unexpected error; 2 usage; 3 hub unreachable; 4 refused
 //! (unknown instance, driver offline, capability not declared, invalid input); 5 outcome
-//! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send.
+//! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
+//! 7 queued (the driver is offline; the hub sends it when the driver connects).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use channeld_hub::control::proto::{
-    CatalogResult, HealthResult, Op, Request, Response, SendResult, StatusResult,
+    CatalogResult, HealthResult, Op, OutboxEntry, OutboxResult, Request, Response, SendResult,
+    StatusResult,
 };
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use clap::{Parser, Subcommand};
@@ -30,6 +32,12 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+enum OutboxCmd {
+    /// Send an `unknown` or `failed` record again (it may post a second copy).
+    Retry { id: i64 },
+}
+
+#[derive(Debug, Subcommand)]
 enum Cmd {
     /// Send a proactive message and print its receipt.
     Send {
@@ -45,8 +53,24 @@ enum Cmd {
         /// Seconds to wait for the receipt.
         #[arg(long, default_value_t = 30)]
         timeout: u64,
+        /// Sending again with the same key never posts twice: the first send's record answers.
+        #[arg(long)]
+        key: Option<String>,
         /// The message text.
         text: String,
+    },
+    /// List outbox records (newest first), or retry one.
+    Outbox {
+        /// Only this instance.
+        #[arg(long)]
+        instance: Option<String>,
+        /// Only this state: queued, sent, receipted, failed, unknown.
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[command(subcommand)]
+        action: Option<OutboxCmd>,
     },
     /// Ask an instance's driver for its health.
     Health { instance: String },
@@ -61,6 +85,7 @@ const EXIT_UNREACHABLE: u8 = 3;
 const EXIT_REFUSED: u8 = 4;
 const EXIT_UNKNOWN: u8 = 5;
 const EXIT_FAILED: u8 = 6;
+const EXIT_QUEUED: u8 = 7;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -73,7 +98,7 @@ fn main() -> ExitCode {
         }
     };
     let (op, wait_budget) = match &cli.command {
-        Cmd::Send { instance, conversation, thread, no_wait, timeout, text } => (
+        Cmd::Send { instance, conversation, thread, no_wait, timeout, key, text } => (
             Op::Send {
                 instance: instance.clone(),
                 conversation: conversation.clone(),
@@ -82,6 +107,7 @@ fn main() -> ExitCode {
                 metadata: Default::default(),
                 wait: !no_wait,
                 timeout_ms: Some(timeout.saturating_mul(1000)),
+                idempotency_key: key.clone(),
             },
             Duration::from_secs(timeout + 10),
         ),
@@ -90,6 +116,13 @@ fn main() -> ExitCode {
         }
         Cmd::Status => (Op::Status, Duration::from_secs(10)),
         Cmd::Catalog => (Op::Catalog, Duration::from_secs(10)),
+        Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
+            (Op::OutboxRetry { id: *id }, Duration::from_secs(60))
+        }
+        Cmd::Outbox { instance, state, limit, action: None } => (
+            Op::Outbox { instance: instance.clone(), state: state.clone(), limit: Some(*limit) },
+            Duration::from_secs(10),
+        ),
     };
     let response = match runtime.block_on(call(&socket, Request { id: 1, op }, wait_budget)) {
         Ok(response) => response,
@@ -118,12 +151,15 @@ fn main() -> ExitCode {
         });
     }
     let result = response.result.unwrap_or(serde_json::Value::Null);
+    let queued = matches!(cli.command, Cmd::Send { .. })
+        && result.get("state").and_then(|s| s.as_str()) == Some("queued");
+    let success = if queued { ExitCode::from(EXIT_QUEUED) } else { ExitCode::SUCCESS };
     if cli.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
-        return ExitCode::SUCCESS;
+        return success;
     }
     match print_text(&cli.command, result) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => success,
         Err(err) => {
             eprintln!("channelctl: unexpected answer from the hub: {err}");
             ExitCode::from(EXIT_UNEXPECTED)
@@ -212,6 +248,29 @@ fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json
             }
         }
         Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
+        Cmd::Outbox { action: Some(_), .. } => {
+            let entry: OutboxEntry = serde_json::from_value(result)?;
+            println!("{} {} ({})", entry.id, entry.state, entry.request_id);
+        }
+        Cmd::Outbox { action: None, .. } => {
+            let list: OutboxResult = serde_json::from_value(result)?;
+            println!(
+                "{:>6} {:<20} {:<10} {:<20} {:<24} TEXT",
+                "ID", "INSTANCE", "STATE", "CONVERSATION", "RECEIPT / ERROR"
+            );
+            for r in list.records {
+                let detail = match (&r.receipt, &r.error) {
+                    (Some(receipt), _) => receipt.message_id.to_string(),
+                    (None, Some(error)) => error.clone(),
+                    _ => String::new(),
+                };
+                let text: String = r.text.chars().take(40).collect();
+                println!(
+                    "{:>6} {:<20} {:<10} {:<20} {:<24} {}",
+                    r.id, r.instance, r.state, r.conversation, detail, text
+                );
+            }
+        }
         Cmd::Catalog => {
             let catalog: CatalogResult = serde_json::from_value(result)?;
             println!("{:<10} {:<18} {:<10} TRANSPORT", "FAMILY", "BINARY", "INSTALLED");

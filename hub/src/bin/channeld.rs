@@ -24,8 +24,9 @@ struct Cli {
     /// Directory for the sockets (overrides hub.runtime_dir).
     #[arg(long, global = true, env = "CHANNELD_RUNTIME_DIR")]
     runtime_dir: Option<PathBuf>,
-    /// Directory for durable state (overrides hub.state_dir).
-    #[arg(long, global = true, env = "CHANNELD_STATE_DIR")]
+    /// Directory for durable state, the ledger (overrides hub.state_dir; systemd's
+    /// StateDirectory= sets STATE_DIRECTORY).
+    #[arg(long, global = true, env = "STATE_DIRECTORY")]
     state_dir: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Cmd>,
@@ -85,6 +86,13 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             return ExitCode::from(78);
         }
     };
+    let ledger = match channeld_hub::open_ledger(&config) {
+        Ok(ledger) => ledger,
+        Err(err) => {
+            error!(error = %err, "cannot open the ledger");
+            return ExitCode::FAILURE;
+        }
+    };
     let listeners = match channeld_hub::bind(&config) {
         Ok(listeners) => listeners,
         Err(err) => {
@@ -94,7 +102,7 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
     };
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
-    match channeld_hub::run(config, listeners, shutdown).await {
+    match channeld_hub::run(config, ledger, listeners, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             error!(error = %err, "hub failed");

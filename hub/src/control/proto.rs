@@ -39,6 +39,9 @@ pub enum Op {
         wait: bool,
         #[serde(default)]
         timeout_ms: Option<u64>,
+        /// The same key never sends twice: a repeat returns the first send's record.
+        #[serde(default)]
+        idempotency_key: Option<String>,
     },
     /// Probe one instance's driver.
     Health { instance: String },
@@ -46,6 +49,17 @@ pub enum Op {
     Status,
     /// Driver families this build knows.
     Catalog,
+    /// Outbox records, newest first.
+    Outbox {
+        #[serde(default)]
+        instance: Option<String>,
+        #[serde(default)]
+        state: Option<String>,
+        #[serde(default)]
+        limit: Option<usize>,
+    },
+    /// Sends an `unknown` or `failed` record again, on an operator's explicit request.
+    OutboxRetry { id: i64 },
 }
 
 fn yes() -> bool {
@@ -77,10 +91,39 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SendResult {
     pub request_id: String,
-    /// `receipted` (with `receipt`) or `handed` (not waited for).
+    /// `receipted` (with `receipt`), `handed` (not waited for) or `queued` (driver offline).
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub receipt: Option<DeliveryReceipt>,
+    /// The outbox record, when the hub keeps a ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outbox_id: Option<i64>,
+}
+
+/// One outbox record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutboxEntry {
+    pub id: i64,
+    pub request_id: String,
+    pub instance: String,
+    pub state: String,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    pub conversation: String,
+    pub text: String,
+    #[serde(default)]
+    pub receipt: Option<DeliveryReceipt>,
+    #[serde(default)]
+    pub error: Option<String>,
+    pub attempts: u32,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+}
+
+/// The result of `outbox`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutboxResult {
+    pub records: Vec<OutboxEntry>,
 }
 
 /// The result of `health`.

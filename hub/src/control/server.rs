@@ -18,10 +18,12 @@ use tracing::{debug, warn};
 
 use super::proto::{
     CatalogResult, CountersView, ErrorBody, Family, HealthResult, InstanceStatus, MAX_CONTROL_LINE,
-    Op, Request, Response, SendResult, StatusResult,
+    Op, OutboxEntry, OutboxResult, Request, Response, SendResult, StatusResult,
 };
 use crate::hub::{HUB_NAME, Hub, SendError, SendOutcome};
 use crate::instance::unix_ms;
+use crate::ledger::{LedgerError, OutboxRecord, OutboxState};
+use crate::outbox::SendRequest;
 
 /// Requests one control connection may have in flight.
 const MAX_CONCURRENT_REQUESTS: usize = 1024;
@@ -118,27 +120,45 @@ fn failure(id: u64, code: &str, message: String, request_id: Option<String>) -> 
 async fn handle(hub: &Arc<Hub>, request: Request) -> Response {
     let id = request.id;
     match request.op {
-        Op::Send { instance, conversation, thread, text, metadata, wait, timeout_ms } => {
+        Op::Send {
+            instance,
+            conversation,
+            thread,
+            text,
+            metadata,
+            wait,
+            timeout_ms,
+            idempotency_key,
+        } => {
             let message = match outbound(&instance, &conversation, thread, text, metadata) {
                 Ok(message) => message,
                 Err(message) => return failure(id, "invalid_request", message, None),
             };
+            if let Some(key) = &idempotency_key {
+                if key.is_empty() || key.len() > 256 {
+                    return failure(
+                        id,
+                        "invalid_request",
+                        "idempotency_key must be 1-256 bytes".into(),
+                        None,
+                    );
+                }
+            }
             let timeout = timeout_ms.map_or(hub.config.receipt_timeout, Duration::from_millis);
-            match hub.send(&instance, message, wait.then_some(timeout)).await {
-                Ok(SendOutcome::Receipted { request_id, receipt }) => success(
+            let request = SendRequest {
+                instance: instance.clone(),
+                message,
+                wait: wait.then_some(timeout),
+                idempotency_key,
+            };
+            match hub.submit(request).await {
+                Ok(SendOutcome { request_id, outbox_id, state, receipt }) => success(
                     id,
                     SendResult {
                         request_id: request_id.into_string(),
-                        state: "receipted".into(),
-                        receipt: Some(receipt),
-                    },
-                ),
-                Ok(SendOutcome::Handed { request_id }) => success(
-                    id,
-                    SendResult {
-                        request_id: request_id.into_string(),
-                        state: "handed".into(),
-                        receipt: None,
+                        state: state.as_str().into(),
+                        receipt,
+                        outbox_id,
                     },
                 ),
                 Err(err) => {
@@ -161,6 +181,65 @@ async fn handle(hub: &Arc<Hub>, request: Request) -> Response {
         },
         Op::Status => success(id, status(hub)),
         Op::Catalog => success(id, catalog(std::env::current_exe().ok().as_deref())),
+        Op::Outbox { instance, state, limit } => {
+            let state = match state.as_deref().map(|s| OutboxState::parse(s).ok_or(s)) {
+                None => None,
+                Some(Ok(state)) => Some(state),
+                Some(Err(bad)) => {
+                    return failure(
+                        id,
+                        "invalid_request",
+                        format!("unknown state {bad:?} (queued, sent, receipted, failed, unknown)"),
+                        None,
+                    );
+                }
+            };
+            match hub.ledger.outbox_list(instance, state, limit.unwrap_or(100).min(10_000)).await {
+                Ok(records) => success(
+                    id,
+                    OutboxResult { records: records.iter().map(|r| entry(hub, r)).collect() },
+                ),
+                Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
+            }
+        }
+        Op::OutboxRetry { id: record } => match hub.retry_send(record).await {
+            Ok(record) => success(id, entry(hub, &record)),
+            Err(SendError::Ledger(LedgerError::NoSuchRecord(_))) => {
+                failure(id, "not_found", format!("no outbox record {record}"), None)
+            }
+            Err(err @ SendError::Ledger(LedgerError::NotRetryable { .. })) => {
+                failure(id, "not_retryable", err.to_string(), None)
+            }
+            Err(err) => failure(id, err.code(), err.to_string(), None),
+        },
+    }
+}
+
+fn ledger_code(err: &LedgerError) -> &'static str {
+    match err {
+        LedgerError::Off => "ledger_off",
+        _ => "ledger_unavailable",
+    }
+}
+
+fn entry(hub: &Hub, record: &OutboxRecord) -> OutboxEntry {
+    let message: Option<OutboundMessage> = serde_json::from_slice(&record.message).ok();
+    OutboxEntry {
+        id: record.id,
+        request_id: hub.ledger.outbox_request_id(record.id),
+        instance: record.instance.clone(),
+        state: record.state.as_str().to_owned(),
+        idempotency_key: record.idempotency_key.clone(),
+        conversation: message
+            .as_ref()
+            .map(|m| m.target.conversation.to_string())
+            .unwrap_or_default(),
+        text: message.as_ref().map(|m| m.body.text_str().to_owned()).unwrap_or_default(),
+        receipt: record.receipt.as_ref().and_then(|r| serde_json::from_slice(r).ok()),
+        error: record.error.clone(),
+        attempts: record.attempts,
+        created_ms: record.created_ms,
+        updated_ms: record.updated_ms,
     }
 }
 

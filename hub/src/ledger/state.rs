@@ -1,0 +1,210 @@
+//! The ledger's state machines, free of I/O: inbound entries and outbox records.
+
+use std::fmt;
+
+/// Where an inbound run stands.
+///
+/// An entry is written as `Running` when the hub accepts the inbound (admission, record and
+/// run start are one step), then moves to `Replied` (reply stored, not yet confirmed handed to
+/// the driver), `Delivered`, or `Failed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InboundState {
+    Running,
+    Replied,
+    Delivered,
+    Failed,
+}
+
+impl InboundState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboundState::Running => "running",
+            InboundState::Replied => "replied",
+            InboundState::Delivered => "delivered",
+            InboundState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<Self> {
+        Some(match value {
+            "running" => InboundState::Running,
+            "replied" => InboundState::Replied,
+            "delivered" => InboundState::Delivered,
+            "failed" => InboundState::Failed,
+            _ => return None,
+        })
+    }
+
+    /// A run that finished (its outcome is recorded and will never be run again).
+    pub fn is_final(self) -> bool {
+        !matches!(self, InboundState::Running)
+    }
+
+    /// Whether an entry may move from `self` to `next`.
+    pub fn may_become(self, next: InboundState) -> bool {
+        use InboundState::*;
+        matches!(
+            (self, next),
+            (Running, Replied) | (Running, Delivered) | (Running, Failed) | (Replied, Delivered)
+        )
+    }
+}
+
+impl fmt::Display for InboundState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What to do with an inbound whose event id may already be in the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordDecision {
+    /// First time: record it and run it.
+    Insert,
+    /// Seen before with the same content: never run again; replay what exists.
+    Replay,
+    /// Seen before with different content: refuse.
+    Conflict,
+}
+
+pub fn decide(existing_hash: Option<&[u8]>, new_hash: &[u8]) -> RecordDecision {
+    match existing_hash {
+        None => RecordDecision::Insert,
+        Some(hash) if hash == new_hash => RecordDecision::Replay,
+        Some(_) => RecordDecision::Conflict,
+    }
+}
+
+/// A run is tried at most this many times: the first run and one retry after a crash.
+pub const MAX_ATTEMPTS: u32 = 2;
+
+/// What recovery does with a run that was in progress when the hub died.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    /// Start it again (flagged `redelivered`) as attempt `attempt`.
+    Rerun { attempt: u32 },
+    /// It was already retried once: record it as failed rather than loop on a poison message.
+    GiveUp,
+}
+
+pub fn recover(attempts: u32) -> Recovery {
+    if attempts >= MAX_ATTEMPTS {
+        Recovery::GiveUp
+    } else {
+        Recovery::Rerun { attempt: attempts + 1 }
+    }
+}
+
+/// Where a proactive send stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutboxState {
+    /// Waiting for the driver (offline).
+    Queued,
+    /// Handed to the driver; no receipt yet.
+    Sent,
+    Receipted,
+    /// The driver reported failure, or the record expired while queued.
+    Failed,
+    /// Handed to the driver but no receipt came (timeout, disconnect, hub restart): it may or
+    /// may not have been posted, so it is never resent automatically.
+    Unknown,
+}
+
+impl OutboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutboxState::Queued => "queued",
+            OutboxState::Sent => "sent",
+            OutboxState::Receipted => "receipted",
+            OutboxState::Failed => "failed",
+            OutboxState::Unknown => "unknown",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<Self> {
+        Some(match value {
+            "queued" => OutboxState::Queued,
+            "sent" => OutboxState::Sent,
+            "receipted" => OutboxState::Receipted,
+            "failed" => OutboxState::Failed,
+            "unknown" => OutboxState::Unknown,
+            _ => return None,
+        })
+    }
+
+    pub fn is_final(self) -> bool {
+        matches!(self, OutboxState::Receipted | OutboxState::Failed | OutboxState::Unknown)
+    }
+
+    /// Whether a record may move from `self` to `next`. `Sent` → `Queued` only when the frame
+    /// never left the hub; `Unknown`/`Failed` → `Queued` is an operator's explicit retry.
+    pub fn may_become(self, next: OutboxState) -> bool {
+        use OutboxState::*;
+        matches!(
+            (self, next),
+            (Queued, Sent)
+                | (Queued, Failed)
+                | (Sent, Receipted)
+                | (Sent, Failed)
+                | (Sent, Unknown)
+                | (Sent, Queued)
+                | (Unknown, Queued)
+                | (Failed, Queued)
+        )
+    }
+
+    /// What a record in this state becomes when the hub restarts.
+    pub fn after_restart(self) -> OutboxState {
+        match self {
+            OutboxState::Sent => OutboxState::Unknown,
+            other => other,
+        }
+    }
+}
+
+impl fmt::Display for OutboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redelivery_with_same_content_replays_and_different_content_conflicts() {
+        assert_eq!(decide(None, b"a"), RecordDecision::Insert);
+        assert_eq!(decide(Some(b"a"), b"a"), RecordDecision::Replay);
+        assert_eq!(decide(Some(b"a"), b"b"), RecordDecision::Conflict);
+    }
+
+    #[test]
+    fn completed_runs_never_go_back_to_running() {
+        for state in [InboundState::Replied, InboundState::Delivered, InboundState::Failed] {
+            assert!(!state.may_become(InboundState::Running));
+            assert!(state.is_final());
+        }
+        assert!(InboundState::Running.may_become(InboundState::Replied));
+        assert!(InboundState::Replied.may_become(InboundState::Delivered));
+        assert!(!InboundState::Delivered.may_become(InboundState::Replied));
+    }
+
+    #[test]
+    fn an_interrupted_run_is_retried_once() {
+        assert_eq!(recover(1), Recovery::Rerun { attempt: 2 });
+        assert_eq!(recover(2), Recovery::GiveUp);
+    }
+
+    #[test]
+    fn a_handed_send_is_never_resent_by_itself() {
+        assert_eq!(OutboxState::Sent.after_restart(), OutboxState::Unknown);
+        assert_eq!(OutboxState::Queued.after_restart(), OutboxState::Queued);
+        assert!(!OutboxState::Unknown.may_become(OutboxState::Sent));
+        assert!(OutboxState::Unknown.may_become(OutboxState::Queued));
+        assert!(!OutboxState::Receipted.may_become(OutboxState::Queued));
+        for state in ["queued", "sent", "receipted", "failed", "unknown"] {
+            assert_eq!(OutboxState::parse(state).unwrap().as_str(), state);
+        }
+    }
+}
