@@ -25,6 +25,10 @@ pub enum HubError {
     WrongChannel { expected: ChannelId, found: ChannelId },
     #[error("driver is shutting down")]
     ShuttingDown,
+    /// The message does not fit in one protocol line; the platform message must be dropped
+    /// (or split) by the driver.
+    #[error("message does not fit in a frame: {0}")]
+    TooLarge(String),
 }
 
 /// A handle to the hub, given to [`Driver::run`](crate::Driver::run). Cheap to clone.
@@ -123,6 +127,7 @@ impl Hub {
     }
 
     async fn submit(&self, event_id: Id, frame: Frame) -> Result<InboundTicket, HubError> {
+        channeld_protocol::encode(&frame).map_err(|err| HubError::TooLarge(err.to_string()))?;
         let permit = tokio::select! {
             permit = self.shared.slots.acquire() => permit.map_err(|_| HubError::ShuttingDown)?,
             () = self.shared.closing.cancelled() => return Err(HubError::ShuttingDown),

@@ -261,10 +261,11 @@ impl<D: Driver> Session<D> {
             return SessionEnd::Lost("hub closed the socket during the handshake".into());
         }
 
-        let (negotiated, mut first) = match self.await_hello_ack(&mut reader, &hello_id).await {
-            Ok(pair) => pair,
-            Err(end) => return end,
-        };
+        let (negotiated, mut first) =
+            match self.await_hello_ack(&mut reader, &sink, &hello_id).await {
+                Ok(pair) => pair,
+                Err(end) => return end,
+            };
         info!(
             channel = %launch.channel,
             extensions = ?negotiated.names(),
@@ -331,28 +332,39 @@ impl<D: Driver> Session<D> {
     async fn await_hello_ack(
         &self,
         reader: &mut FrameReader<OwnedReadHalf>,
+        sink: &FrameSink,
         hello_id: &Id,
     ) -> Result<(Extensions, Option<Frame>), SessionEnd> {
         if self.shared.wanted.is_empty() {
             return Ok((Extensions::default(), None));
         }
-        match tokio::time::timeout(HELLO_ACK_WAIT, reader.next()).await {
-            Err(_) => Ok((Extensions::default(), None)),
-            Ok(Ok(Some(Ok(Frame::HelloAck(ack))))) => {
-                Ok((self.shared.wanted.intersect(Extensions::from_names(&ack.extensions)), None))
+        let deadline = tokio::time::Instant::now() + HELLO_ACK_WAIT;
+        loop {
+            match tokio::time::timeout_at(deadline, reader.next()).await {
+                Err(_) => return Ok((Extensions::default(), None)),
+                Ok(Ok(Some(Ok(Frame::HelloAck(ack))))) => {
+                    let agreed =
+                        self.shared.wanted.intersect(Extensions::from_names(&ack.extensions));
+                    return Ok((agreed, None));
+                }
+                Ok(Ok(Some(Ok(Frame::Error(err)))))
+                    if err.request_id.as_ref() == Some(hello_id) =>
+                {
+                    return Err(refusal(err));
+                }
+                Ok(Ok(Some(Ok(frame)))) => return Ok((Extensions::default(), Some(frame))),
+                Ok(Ok(Some(Err(err)))) => {
+                    // Answer the bad line as the ABI requires and keep waiting for the ack.
+                    warn!(code = err.code(), error = %err, "undecodable line from the hub");
+                    let _ = sink.try_send(&err.to_error_frame());
+                }
+                Ok(Ok(None)) => {
+                    return Err(SessionEnd::Lost(
+                        "hub closed the connection during the handshake".into(),
+                    ));
+                }
+                Ok(Err(err)) => return Err(SessionEnd::Lost(format!("read failed: {err}"))),
             }
-            Ok(Ok(Some(Ok(Frame::Error(err))))) if err.request_id.as_ref() == Some(hello_id) => {
-                Err(refusal(err))
-            }
-            Ok(Ok(Some(Ok(frame)))) => Ok((Extensions::default(), Some(frame))),
-            Ok(Ok(Some(Err(err)))) => {
-                warn!(error = %err, "undecodable first line from the hub");
-                Ok((Extensions::default(), None))
-            }
-            Ok(Ok(None)) => {
-                Err(SessionEnd::Lost("hub closed the connection during the handshake".into()))
-            }
-            Ok(Err(err)) => Err(SessionEnd::Lost(format!("read failed: {err}"))),
         }
     }
 

@@ -1,6 +1,7 @@
 //! Harness for cross-process tests: locate the workspace binaries, run a real `channeld` on a
 //! config in a temp dir, talk to it as a raw driver or through `channelctl`.
 
+pub mod control;
 pub mod peer;
 pub mod process;
 
