@@ -402,3 +402,126 @@ async fn outbox_sends_end_receipted_once_or_unknown_across_kills_and_driver_rest
     driver_stop.cancel();
     driver_task.await.unwrap().unwrap();
 }
+
+mod sessions_and_commands {
+    use std::time::Duration;
+
+    use channeld_protocol::Frame;
+    use channeld_tests::peer::caps;
+    use channeld_tests::{HubProcess, RawPeer, write_script};
+
+    const ONE: &str = "test.one";
+
+    async fn reply(peer: &mut RawPeer) -> String {
+        loop {
+            match peer.frame().await {
+                Frame::Deliver(delivery) => return delivery.message.body.text_str().to_owned(),
+                Frame::Accepted(_) | Frame::HelloAck(_) => continue,
+                other => panic!("expected a reply, got {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn new_sessions_survive_a_hub_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = write_script(dir.path(), "agent.sh", "echo \"$CHANNELD_SESSION\"\n");
+        let config = format!(
+            "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\n[instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
+            agent.display()
+        );
+        let mut hub = HubProcess::start(&config);
+        let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+        driver.hello(ONE, caps(&["receive"]), &[]).await;
+        driver.inbound(ONE, "m-1", "alice", "c1", "hi").await;
+        let first = reply(&mut driver).await;
+        driver.inbound(ONE, "m-2", "alice", "c1", "/new").await;
+        assert_eq!(reply(&mut driver).await, "Started a new session.");
+        driver.inbound(ONE, "m-3", "alice", "c1", "hi again").await;
+        let second = reply(&mut driver).await;
+        assert_ne!(first, second, "/new must change the session");
+        assert!(second.starts_with("im-"));
+
+        hub.restart();
+        let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+        driver.hello(ONE, caps(&["receive"]), &[]).await;
+        driver.inbound(ONE, "m-4", "alice", "c1", "after restart").await;
+        assert_eq!(reply(&mut driver).await, second, "the session generation was lost on restart");
+        // A redelivered /new is not a second /new.
+        driver.inbound(ONE, "m-2", "alice", "c1", "/new").await;
+        assert_eq!(reply(&mut driver).await, "Started a new session.");
+        driver.inbound(ONE, "m-5", "alice", "c1", "same session?").await;
+        assert_eq!(reply(&mut driver).await, second);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn denied_senders_get_the_notice_only_when_configured() {
+        let hub = HubProcess::start(&format!(
+            "[instance.\"{ONE}\"]\nallow = [\"alice\"]\ndeny_notice = \"This bot is private.\"\n[instance.\"test.two\"]\n"
+        ));
+        let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+        driver.hello(ONE, caps(&["receive"]), &[]).await;
+        driver.inbound(ONE, "m-1", "mallory", "c1", "hello?").await;
+        match driver.frame().await {
+            Frame::Deliver(notice) => {
+                assert_eq!(notice.message.body.text_str(), "This bot is private.")
+            }
+            other => panic!("expected the notice, got {other:?}"),
+        }
+        assert_eq!(driver.error().await.code, "sender_denied");
+        // An empty allowlist denies everyone, silently, and the hub warned at startup.
+        let mut two = RawPeer::connect(&hub.socket("test.two")).await;
+        two.hello("test.two", caps(&["receive"]), &[]).await;
+        two.inbound("test.two", "m-1", "alice", "c1", "hello?").await;
+        assert_eq!(two.error().await.code, "sender_denied");
+        assert!(hub.log().contains("sender allowlist is empty"));
+        let status = hub.ctl(&["status", "--json"]);
+        let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+        let denied: u64 = status["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["counters"]["denied"].as_u64().unwrap())
+            .sum();
+        assert_eq!(denied, 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_disconnect_during_an_approval_fails_closed_and_the_reply_waits_for_the_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = write_script(
+            dir.path(),
+            "agent.sh",
+            "IFS= read -r envelope\n\
+             echo '{\"type\":\"request_approval\",\"tool\":\"deploy\",\"arguments\":{}}'\n\
+             IFS= read -r answer\n\
+             case \"$answer\" in *accepted*) echo approved;; *) echo refused;; esac\n",
+        );
+        let hub = HubProcess::start(&format!(
+            "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\nstdin = \"stream\"\n[instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
+            agent.display()
+        ));
+        let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+        driver.hello(ONE, caps(&["receive", "commands"]), &["accepted", "responder"]).await;
+        assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+        driver.inbound(ONE, "m-1", "alice", "c1", "deploy it").await;
+        assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+        assert!(matches!(driver.frame().await, Frame::Command(_)));
+        // The driver goes away with the approval pending: it must not count as approved.
+        driver.close().await;
+        let mut driver = loop {
+            let mut peer = RawPeer::connect(&hub.socket(ONE)).await;
+            peer.hello(ONE, caps(&["receive", "commands"]), &["accepted"]).await;
+            match peer.frame().await {
+                Frame::HelloAck(_) => break peer,
+                Frame::Error(err) if err.code == "already_connected" => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        // The run finished while no driver was connected (or just as one came back); its
+        // reply is delivered to the new connection.
+        assert_eq!(reply(&mut driver).await, "refused");
+    }
+}

@@ -628,3 +628,45 @@ async fn channelctl_reports_status_health_catalog_and_exit_codes() {
     let missing = channeld_tests::channelctl(&hub.dir.path().join("absent.sock"), &["status"]);
     assert_eq!(missing.status.code(), Some(3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spawned_driver_that_keeps_dying_is_restarted_with_growing_backoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let starts = dir.path().join("starts");
+    let driver = write_script(
+        dir.path(),
+        "driver.sh",
+        &format!(
+            "date +%s.%N >> '{}'\necho \"$CHANNELD_CHANNEL_ID $CHANNELD_SOCKET\" >> '{}.env'\nexit 1\n",
+            starts.display(),
+            starts.display()
+        ),
+    );
+    let hub = HubProcess::start(&format!(
+        "[instance.\"test.one\"]\nallow = [\"alice\"]\nspawn = [\"{}\"]\n",
+        driver.display()
+    ));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let times = loop {
+        let times: Vec<f64> = std::fs::read_to_string(&starts)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect();
+        if times.len() >= 4 {
+            break times;
+        }
+        assert!(Instant::now() < deadline, "only {} starts; log:\n{}", times.len(), hub.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let gaps: Vec<f64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+    // 1 s, 2 s, 4 s with ±25 % jitter: each gap grows.
+    assert!(gaps[0] >= 0.7 && gaps[1] > gaps[0] && gaps[2] > gaps[1], "gaps {gaps:?}");
+    let env = std::fs::read_to_string(format!("{}.env", starts.display())).unwrap();
+    assert!(env.starts_with(&format!("test.one {}", hub.socket(ONE).display())), "{env}");
+    let status: serde_json::Value =
+        serde_json::from_slice(&hub.ctl(&["status", "--json"]).stdout).unwrap();
+    assert!(
+        status["instances"][0]["last_error"].as_str().unwrap().contains("driver process exited")
+    );
+}
