@@ -126,11 +126,10 @@ pub async fn run_driver<D: Driver>(
         );
     }
     session_token.cancel();
-    if !connection_done {
-        if let Ok(Err(err)) = connection.await {
+    if !connection_done
+        && let Ok(Err(err)) = connection.await {
             outcome = outcome.and(Err(err));
         }
-    }
     let abandoned = shared.lock().pending.abandon_all();
     if abandoned > 0 {
         warn!(
@@ -466,11 +465,10 @@ impl<D: Driver> Session<D> {
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
                     let frame = shared.lock().pending.frame(request_id.as_str()).cloned();
-                    if let Some(frame) = frame {
-                        if sink.send(&frame).await.is_ok() {
+                    if let Some(frame) = frame
+                        && sink.send(&frame).await.is_ok() {
                             shared.after_write(&frame);
                         }
-                    }
                 });
             }
             ErrorAction::Resolved => {

@@ -425,8 +425,8 @@ async fn authorised(
             sender = sender.map_or("<none>", |p| p.id.as_str()),
             "sender not on the allowlist; denied"
         );
-        if let (Some(notice), Some(target)) = (&inst.config.deny_notice, reply_in) {
-            if let Ok(body) = MessageBody::text(notice.clone()) {
+        if let (Some(notice), Some(target)) = (&inst.config.deny_notice, reply_in)
+            && let Ok(body) = MessageBody::text(notice.clone()) {
                 let frame = Frame::Deliver(Delivery {
                     request_id: event_id.clone(),
                     message: OutboundMessage {
@@ -437,7 +437,6 @@ async fn authorised(
                 });
                 let _ = conn.sink.send(&frame).await;
             }
-        }
         refuse(
             conn,
             event_id,
@@ -598,15 +597,14 @@ async fn deliver(
     match conn.sink.send(&frame).await {
         Ok(()) => {
             Counters::bump(&inst.counters.replies);
-            if hub.ledger.is_on() && !conn.declaration.extensions.reply_receipt {
-                if let Err(err) = hub
+            if hub.ledger.is_on() && !conn.declaration.extensions.reply_receipt
+                && let Err(err) = hub
                     .ledger
                     .mark_delivered(inst.config.id.to_string(), event_id.to_string(), now_ms())
                     .await
                 {
                     warn!(instance = %inst.config.id, %event_id, error = %err, "delivery not recorded");
                 }
-            }
         }
         Err(err) => {
             inst.record_error(format!("reply for {event_id} not delivered: {err}"));

@@ -61,11 +61,10 @@ impl Hub {
             message.metadata.insert(IDEMPOTENCY_METADATA.to_owned(), key.clone());
         }
         let live = inst.live();
-        if let Some(conn) = &live {
-            if !conn.declaration.can_send() {
+        if let Some(conn) = &live
+            && !conn.declaration.can_send() {
                 return Err(SendError::NotDeclared("send"));
             }
-        }
         if !self.ledger.is_on() {
             if idempotency_key.is_some() {
                 return Err(SendError::NeedsLedger);
@@ -301,11 +300,10 @@ impl Hub {
             .ledger
             .outbox_requeue(id, now, now + self.config.outbox_ttl.as_millis() as u64)
             .await?;
-        if let Some(inst) = self.instance(&record.instance).cloned() {
-            if let Some(conn) = inst.live() {
+        if let Some(inst) = self.instance(&record.instance).cloned()
+            && let Some(conn) = inst.live() {
                 self.dispatch_queued(&inst, &conn).await;
             }
-        }
         Ok(self.ledger.outbox_get(id).await?.unwrap_or(record))
     }
 }

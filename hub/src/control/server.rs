@@ -134,8 +134,8 @@ async fn handle(hub: &Arc<Hub>, request: Request) -> Response {
                 Ok(message) => message,
                 Err(message) => return failure(id, "invalid_request", message, None),
             };
-            if let Some(key) = &idempotency_key {
-                if key.is_empty() || key.len() > 256 {
+            if let Some(key) = &idempotency_key
+                && (key.is_empty() || key.len() > 256) {
                     return failure(
                         id,
                         "invalid_request",
@@ -143,7 +143,6 @@ async fn handle(hub: &Arc<Hub>, request: Request) -> Response {
                         None,
                     );
                 }
-            }
             let timeout = timeout_ms.map_or(hub.config.receipt_timeout, Duration::from_millis);
             let request = SendRequest {
                 instance: instance.clone(),
