@@ -63,7 +63,7 @@ pub(crate) async fn on_inbound(
             "target channel {} does not match instance {}",
             message.target.channel, inst.config.id
         );
-        refuse(conn, &inbound.event_id, "invalid_target", text, false);
+        refuse(conn, &inbound.event_id, "invalid_target", text, false).await;
         return;
     }
     let sender = message.sender.clone();
@@ -95,7 +95,7 @@ pub(crate) async fn on_inbound_event(
             "target channel {} does not match instance {}",
             context.target.channel, inst.config.id
         );
-        refuse(conn, &frame.event_id, "invalid_target", text, false);
+        refuse(conn, &frame.event_id, "invalid_target", text, false).await;
         return;
     }
     // An event without a verified actor is denied: nobody else may stand in for it.
@@ -131,13 +131,14 @@ async fn admit_and_run(
         Admission::Admitted => {}
         Admission::Busy { max } => {
             Counters::bump(&inst.counters.busy);
-            refuse(conn, &event_id, "busy", format!("{max} inbound runs already in flight"), true);
+            refuse(conn, &event_id, "busy", format!("{max} inbound runs already in flight"), true)
+                .await;
             return;
         }
         Admission::Duplicate => {
             // The run is in progress on this connection; its reply will come.
             if conn.declaration.extensions.accepted {
-                accept(conn, &event_id, true);
+                accept(conn, &event_id, true).await;
             } else {
                 refuse(
                     conn,
@@ -145,7 +146,8 @@ async fn admit_and_run(
                     "duplicate",
                     "a run for this event is already in flight".into(),
                     false,
-                );
+                )
+                .await;
             }
             return;
         }
@@ -156,7 +158,7 @@ async fn admit_and_run(
             Ok(line) => line,
             Err(err) => {
                 lock(&conn.inflight).finish(&event_id);
-                refuse(conn, &event_id, "invalid_frame", err.to_string(), false);
+                refuse(conn, &event_id, "invalid_frame", err.to_string(), false).await;
                 return;
             }
         };
@@ -173,7 +175,7 @@ async fn admit_and_run(
             Ok(Recorded::New) => {}
             Ok(Recorded::Replay(stored)) => {
                 lock(&conn.inflight).finish(&event_id);
-                accept(conn, &event_id, true);
+                accept(conn, &event_id, true).await;
                 replay(hub, inst, conn, &admitted, stored).await;
                 return;
             }
@@ -185,7 +187,8 @@ async fn admit_and_run(
                     "conflict",
                     "this event id was already used for different content".into(),
                     false,
-                );
+                )
+                .await;
                 return;
             }
             Err(err) => {
@@ -198,12 +201,13 @@ async fn admit_and_run(
                     "ledger_unavailable",
                     "the hub could not record this message".into(),
                     true,
-                );
+                )
+                .await;
                 return;
             }
         }
     }
-    accept(conn, &event_id, false);
+    accept(conn, &event_id, false).await;
     let request = run_request(hub, inst, &admitted, run_id, Some(conn), false);
     spawn_run(
         hub,
@@ -236,7 +240,7 @@ async fn replay(
         InboundState::Failed => {
             let (code, message) =
                 stored.error.unwrap_or_else(|| ("agent_failed".into(), "the run failed".into()));
-            refuse(conn, &admitted.event_id, &code, message, false);
+            refuse(conn, &admitted.event_id, &code, message, false).await;
         }
     }
 }
@@ -426,37 +430,42 @@ async fn authorised(
             "sender not on the allowlist; denied"
         );
         if let (Some(notice), Some(target)) = (&inst.config.deny_notice, reply_in)
-            && let Ok(body) = MessageBody::text(notice.clone()) {
-                let frame = Frame::Deliver(Delivery {
-                    request_id: event_id.clone(),
-                    message: OutboundMessage {
-                        target: target.clone(),
-                        body,
-                        metadata: Default::default(),
-                    },
-                });
-                let _ = conn.sink.send(&frame).await;
-            }
+            && let Ok(body) = MessageBody::text(notice.clone())
+        {
+            let frame = Frame::Deliver(Delivery {
+                request_id: event_id.clone(),
+                message: OutboundMessage {
+                    target: target.clone(),
+                    body,
+                    metadata: Default::default(),
+                },
+            });
+            let _ = conn.sink.send(&frame).await;
+        }
         refuse(
             conn,
             event_id,
             "sender_denied",
             "sender is not allowed on this channel".into(),
             false,
-        );
+        )
+        .await;
     }
     permitted
 }
 
-fn refuse(conn: &Connection, event_id: &Id, code: &str, message: String, retryable: bool) {
-    let _ = conn.sink.try_send(&Frame::error(Some(event_id.clone()), code, message, retryable));
+/// Answers an inbound with an `error` frame. It waits for room in the connection's queue:
+/// the driver relies on this answer to settle the message.
+async fn refuse(conn: &Connection, event_id: &Id, code: &str, message: String, retryable: bool) {
+    let _ = conn.sink.send(&Frame::error(Some(event_id.clone()), code, message, retryable)).await;
 }
 
-fn accept(conn: &Connection, event_id: &Id, duplicate: bool) {
+/// Tells the driver the hub took responsibility (extension `accepted`). Like `refuse`, it
+/// waits for room rather than drop the answer.
+async fn accept(conn: &Connection, event_id: &Id, duplicate: bool) {
     if conn.declaration.extensions.accepted {
-        let _ = conn
-            .sink
-            .try_send(&Frame::Accepted(Accepted { event_id: event_id.clone(), duplicate }));
+        let frame = Frame::Accepted(Accepted { event_id: event_id.clone(), duplicate });
+        let _ = conn.sink.send(&frame).await;
     }
 }
 
@@ -555,7 +564,7 @@ fn spawn_run(
                 inst.record_error(format!("run {}: {err}", request.run_id));
                 warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
                 if let Some(conn) = conn {
-                    refuse(&conn, &event_id, &code, message, false);
+                    refuse(&conn, &event_id, &code, message, false).await;
                 }
             }
         }
@@ -597,14 +606,15 @@ async fn deliver(
     match conn.sink.send(&frame).await {
         Ok(()) => {
             Counters::bump(&inst.counters.replies);
-            if hub.ledger.is_on() && !conn.declaration.extensions.reply_receipt
+            if hub.ledger.is_on()
+                && !conn.declaration.extensions.reply_receipt
                 && let Err(err) = hub
                     .ledger
                     .mark_delivered(inst.config.id.to_string(), event_id.to_string(), now_ms())
                     .await
-                {
-                    warn!(instance = %inst.config.id, %event_id, error = %err, "delivery not recorded");
-                }
+            {
+                warn!(instance = %inst.config.id, %event_id, error = %err, "delivery not recorded");
+            }
         }
         Err(err) => {
             inst.record_error(format!("reply for {event_id} not delivered: {err}"));

@@ -17,6 +17,9 @@ use crate::ledger::{Added, LedgerError, NewSend, OutboxRecord, OutboxState};
 /// Metadata key carrying the caller's idempotency key to the driver (as the reference does).
 pub const IDEMPOTENCY_METADATA: &str = "idempotency_key";
 
+/// How long a waiting caller allows beyond its timeout for the outcome to be recorded.
+const SETTLE_MARGIN: Duration = Duration::from_secs(2);
+
 /// How many queued records are claimed per dispatch round.
 const DISPATCH_BATCH: usize = 256;
 
@@ -62,9 +65,10 @@ impl Hub {
         }
         let live = inst.live();
         if let Some(conn) = &live
-            && !conn.declaration.can_send() {
-                return Err(SendError::NotDeclared("send"));
-            }
+            && !conn.declaration.can_send()
+        {
+            return Err(SendError::NotDeclared("send"));
+        }
         if !self.ledger.is_on() {
             if idempotency_key.is_some() {
                 return Err(SendError::NeedsLedger);
@@ -96,8 +100,7 @@ impl Hub {
         let settled = self.watch(id);
         match live {
             Some(conn) => {
-                let timeout =
-                    wait.unwrap_or(self.config.receipt_timeout).max(self.config.receipt_timeout);
+                let timeout = wait.unwrap_or(self.config.receipt_timeout);
                 match self.handover(&inst, &conn, &request_id, message).await {
                     Ok(waiter) => {
                         self.spawn_settle(
@@ -136,7 +139,8 @@ impl Hub {
                 SendOutcome::handed(request_id, Some(id))
             });
         };
-        match tokio::time::timeout(wait, settled).await {
+        // The settle task decides at `wait`; give it a moment to record the outcome.
+        match tokio::time::timeout(wait + SETTLE_MARGIN, settled).await {
             Ok(Ok(outcome)) => outcome_result(request_id, id, outcome),
             _ => match self.ledger.outbox_get(id).await? {
                 Some(record) if record.state == OutboxState::Queued => {
@@ -301,9 +305,10 @@ impl Hub {
             .outbox_requeue(id, now, now + self.config.outbox_ttl.as_millis() as u64)
             .await?;
         if let Some(inst) = self.instance(&record.instance).cloned()
-            && let Some(conn) = inst.live() {
-                self.dispatch_queued(&inst, &conn).await;
-            }
+            && let Some(conn) = inst.live()
+        {
+            self.dispatch_queued(&inst, &conn).await;
+        }
         Ok(self.ledger.outbox_get(id).await?.unwrap_or(record))
     }
 }

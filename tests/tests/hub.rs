@@ -232,7 +232,13 @@ async fn a_receipt_counts_only_from_the_connection_that_got_the_outbound() {
     let forger = RawPeer::connect(&hub.socket(ONE)).await;
     forger.send(receipt_for(&outbound.request_id, "c1", "forged")).await;
     let out = ctl.await.unwrap();
-    assert_eq!(out.status.code(), Some(5), "no genuine receipt: outcome unknown");
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "no genuine receipt: outcome unknown; stdout {} stderr {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("forged"));
 }
 
