@@ -543,3 +543,40 @@ mod sessions_and_commands {
         assert_eq!(reply(&mut driver).await, "refused");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_die_with_a_killed_hub() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("agent.pid");
+    let agent = write_script(
+        dir.path(),
+        "agent.sh",
+        &format!("echo $$ > '{}'\nexec sleep 60\n", pid_file.display()),
+    );
+    let mut hub = HubProcess::start(&hub_config(&agent));
+    let driver = channeld_tests::RawPeer::connect(&hub.socket(CHANNEL)).await;
+    driver.hello(CHANNEL, channeld_tests::peer::caps(&["receive"]), &[]).await;
+    driver.inbound(CHANNEL, "m-1", "user", "c1", "take forever").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let pid: i32 = loop {
+        if let Some(pid) =
+            std::fs::read_to_string(&pid_file).ok().and_then(|p| p.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "the agent never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    kill(&mut hub);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // SAFETY: signal 0 only checks whether the process exists.
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        // A zombie still answers kill(0); it has exited when its state is Z or it is gone.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if state.split_whitespace().nth(2) == Some("Z") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "agent {pid} outlived the hub");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -788,6 +788,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn pruning_removes_only_finished_entries_past_the_window() {
+        let (_dir, ledger) = ledger();
+        ledger.record_inbound(inbound("old-done", 1)).await.unwrap();
+        ledger.finish_run("a.b".into(), "old-done".into(), RunEnd::NoReply, 10).await.unwrap();
+        ledger.record_inbound(inbound("old-running", 1)).await.unwrap();
+        ledger.record_inbound(NewInbound { now_ms: 500, ..inbound("new-done", 1) }).await.unwrap();
+        ledger.finish_run("a.b".into(), "new-done".into(), RunEnd::NoReply, 500).await.unwrap();
+        assert_eq!(ledger.prune(100).await.unwrap(), 1);
+        // The pruned id is forgotten; the others still dedupe.
+        assert_eq!(ledger.record_inbound(inbound("old-done", 2)).await.unwrap(), Recorded::New);
+        assert!(matches!(
+            ledger.record_inbound(inbound("old-running", 1)).await.unwrap(),
+            Recorded::Replay(_)
+        ));
+        assert!(matches!(
+            ledger.record_inbound(inbound("new-done", 1)).await.unwrap(),
+            Recorded::Replay(_)
+        ));
+    }
+
+    #[tokio::test]
     async fn the_off_ledger_refuses_every_call() {
         let ledger = Ledger::off();
         assert_eq!(ledger.record_inbound(inbound("e", 1)).await, Err(LedgerError::Off));
