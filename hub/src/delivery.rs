@@ -50,6 +50,43 @@ struct Admitted {
     route: RouteKey,
 }
 
+impl Admitted {
+    fn message(inbound: Inbound, identity_isolation: bool) -> Self {
+        let message = &inbound.message;
+        Self {
+            event_id: inbound.event_id.clone(),
+            origin: message.target.clone(),
+            reply_to: Some(message.id.clone()),
+            route: RouteKey::new(&message.target, message.sender.id.as_str(), identity_isolation),
+            sender: Some(message.sender.clone()),
+            input: RunInput::Message { message: inbound.message.clone() },
+            frame: Frame::Inbound(inbound),
+        }
+    }
+
+    fn event(frame: InboundEventFrame, identity_isolation: bool) -> Self {
+        let context = frame.event.context();
+        let actor = context.participant.clone();
+        Self {
+            event_id: frame.event_id.clone(),
+            origin: context.target.clone(),
+            reply_to: None,
+            route: RouteKey::new(
+                &context.target,
+                actor.as_ref().map_or("", |p| p.id.as_str()),
+                identity_isolation,
+            ),
+            sender: actor,
+            input: RunInput::Event { event: frame.event.clone() },
+            frame: Frame::InboundEvent(frame),
+        }
+    }
+
+    fn reply_target(&self) -> MessageTarget {
+        reply_target(&self.origin, self.reply_to.clone())
+    }
+}
+
 pub(crate) async fn on_inbound(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
@@ -66,19 +103,12 @@ pub(crate) async fn on_inbound(
         refuse(conn, &inbound.event_id, "invalid_target", text, false).await;
         return;
     }
-    let sender = message.sender.clone();
-    if !authorised(inst, conn, &inbound.event_id, Some(&sender), Some(&message.target)).await {
+    if !authorised(inst, conn, &inbound.event_id, Some(&message.sender), Some(&message.target))
+        .await
+    {
         return;
     }
-    let admitted = Admitted {
-        event_id: inbound.event_id.clone(),
-        origin: message.target.clone(),
-        reply_to: Some(message.id.clone()),
-        route: RouteKey::new(&message.target, sender.id.as_str(), inst.config.identity_isolation),
-        sender: Some(sender),
-        input: RunInput::Message { message: inbound.message.clone() },
-        frame: Frame::Inbound(inbound),
-    };
+    let admitted = Admitted::message(inbound, inst.config.identity_isolation);
     admit_and_run(hub, inst, conn, admitted).await;
 }
 
@@ -102,20 +132,7 @@ pub(crate) async fn on_inbound_event(
     if !authorised(inst, conn, &frame.event_id, context.participant.as_ref(), None).await {
         return;
     }
-    let actor = context.participant.clone();
-    let admitted = Admitted {
-        event_id: frame.event_id.clone(),
-        origin: context.target.clone(),
-        reply_to: None,
-        route: RouteKey::new(
-            &context.target,
-            actor.as_ref().map_or("", |p| p.id.as_str()),
-            inst.config.identity_isolation,
-        ),
-        sender: actor,
-        input: RunInput::Event { event: frame.event.clone() },
-        frame: Frame::InboundEvent(frame),
-    };
+    let admitted = Admitted::event(frame, inst.config.identity_isolation);
     admit_and_run(hub, inst, conn, admitted).await;
 }
 
@@ -209,14 +226,8 @@ async fn admit_and_run(
     }
     accept(conn, &event_id, false).await;
     let request = run_request(hub, inst, &admitted, run_id, Some(conn), false);
-    spawn_run(
-        hub,
-        inst,
-        Some(conn.clone()),
-        request,
-        reply_target(&admitted.origin, admitted.reply_to.clone()),
-        admitted.route,
-    );
+    let target = admitted.reply_target();
+    spawn_run(hub, inst, Some(conn.clone()), request, target, admitted.route);
 }
 
 /// A redelivered event that already has an entry: never run again.
@@ -233,8 +244,7 @@ async fn replay(
         InboundState::Running => {}
         InboundState::Replied | InboundState::Delivered => {
             if let Some(reply) = stored.reply {
-                let target = reply_target(&admitted.origin, admitted.reply_to.clone());
-                deliver(hub, inst, conn, &admitted.event_id, target, reply).await;
+                deliver(hub, inst, conn, &admitted.event_id, admitted.reply_target(), reply).await;
             }
         }
         InboundState::Failed => {
@@ -283,29 +293,7 @@ pub(crate) fn rerun_message(
     inbound: Inbound,
     run_id: String,
 ) {
-    let message = &inbound.message;
-    let admitted = Admitted {
-        event_id: inbound.event_id.clone(),
-        origin: message.target.clone(),
-        reply_to: Some(message.id.clone()),
-        route: RouteKey::new(
-            &message.target,
-            message.sender.id.as_str(),
-            inst.config.identity_isolation,
-        ),
-        sender: Some(message.sender.clone()),
-        input: RunInput::Message { message: inbound.message.clone() },
-        frame: Frame::Inbound(inbound),
-    };
-    let request = run_request(hub, inst, &admitted, run_id, None, true);
-    spawn_run(
-        hub,
-        inst,
-        None,
-        request,
-        reply_target(&admitted.origin, admitted.reply_to.clone()),
-        admitted.route,
-    );
+    rerun(hub, inst, Admitted::message(inbound, inst.config.identity_isolation), run_id);
 }
 
 /// Starts again an event run that a crash interrupted.
@@ -315,23 +303,12 @@ pub(crate) fn rerun_event(
     frame: InboundEventFrame,
     run_id: String,
 ) {
-    let context = frame.event.context().clone();
-    let actor = context.participant.clone();
-    let admitted = Admitted {
-        event_id: frame.event_id.clone(),
-        origin: context.target.clone(),
-        reply_to: None,
-        route: RouteKey::new(
-            &context.target,
-            actor.as_ref().map_or("", |p| p.id.as_str()),
-            inst.config.identity_isolation,
-        ),
-        sender: actor,
-        input: RunInput::Event { event: frame.event.clone() },
-        frame: Frame::InboundEvent(frame),
-    };
+    rerun(hub, inst, Admitted::event(frame, inst.config.identity_isolation), run_id);
+}
+
+fn rerun(hub: &Arc<Hub>, inst: &Arc<Instance>, admitted: Admitted, run_id: String) {
     let request = run_request(hub, inst, &admitted, run_id, None, true);
-    spawn_run(hub, inst, None, request, reply_target(&admitted.origin, None), admitted.route);
+    spawn_run(hub, inst, None, request, admitted.reply_target(), admitted.route);
 }
 
 pub(crate) fn on_receipt(
