@@ -1,0 +1,22 @@
+//! `channeld-mqtt`: a channeld driver for an MQTT 3.1.1 broker. Settings come from
+//! `CHANNELD_MQTT_*` (see the `config` module), the password from the credentials directory.
+
+use std::process::ExitCode;
+
+use channeld_driver_sdk::DriverError;
+use channeld_mqtt::{MqttConfig, MqttDriver};
+
+fn main() -> ExitCode {
+    channeld_driver_sdk::main(|launch| async move {
+        let config =
+            MqttConfig::from_launch(&launch).map_err(|err| DriverError::Config(err.to_string()))?;
+        tracing::info!(
+            channel = %config.channel,
+            broker = %config.broker,
+            client_id = %config.client_id,
+            subscriptions = ?config.subscriptions,
+            "starting the MQTT driver"
+        );
+        MqttDriver::new(config)
+    })
+}

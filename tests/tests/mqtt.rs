@@ -1,0 +1,543 @@
+//! The MQTT driver as a real process between a real mosquitto and a real `channeld`: round
+//! trips, two instances on one broker, identity from the topic (hub allowlist and broker ACL),
+//! proactive sends, and 1,000 messages across a broker restart and a driver SIGKILL with
+//! nothing lost and nothing run twice.
+
+use std::collections::HashSet;
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use channeld_tests::mosquitto::{Mosquitto, MosquittoOptions, MqttTestClient, provision_session};
+use channeld_tests::{HubProcess, workspace_bin, write_script};
+use serde_json::{Value, json};
+
+const ONE: &str = "mqtt.one";
+const TWO: &str = "mqtt.two";
+/// How long a test waits for one MQTT message.
+const MESSAGE_WITHIN: Duration = Duration::from_secs(15);
+
+fn inbound_topic(instance: &str, sender: &str, conversation: &str) -> String {
+    format!("channeld/{instance}/in/{sender}/{conversation}")
+}
+
+fn outbound_filter(instance: &str) -> String {
+    format!("channeld/{instance}/out/+")
+}
+
+/// A `channeld-mqtt` process for one instance of a hub. Killed on drop; its log is printed
+/// when the test fails.
+struct DriverProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl DriverProcess {
+    fn spawn(hub: &HubProcess, instance: &str, broker: &Mosquitto, env: &[(&str, &str)]) -> Self {
+        let log = hub.dir.path().join(format!("{instance}.driver.log"));
+        let stderr = OpenOptions::new().create(true).append(true).open(&log).expect("driver log");
+        let mut command = Command::new(workspace_bin("channeld-mqtt"));
+        command
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CHANNELD_CHANNEL_ID", instance)
+            .env("CHANNELD_SOCKET", hub.socket(instance))
+            .env("CHANNELD_MQTT_URL", broker.url())
+            .env("CHANNELD_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let child = command.spawn().expect("spawn channeld-mqtt");
+        Self { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL: a crash.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and the exit status.
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        // SAFETY: a plain syscall on our own child's PID.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait driver") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "driver did not exit after SIGTERM:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for DriverProcess {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("---- {} ----\n{}", self.log.display(), self.log());
+        }
+    }
+}
+
+/// The hub's view of an instance (`channelctl status --json`).
+fn instance_status(hub: &HubProcess, instance: &str) -> Value {
+    let out = hub.ctl(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let status: Value = serde_json::from_slice(&out.stdout).expect("status json");
+    status["instances"]
+        .as_array()
+        .and_then(|all| all.iter().find(|i| i["instance"] == instance).cloned())
+        .unwrap_or_else(|| panic!("{instance} missing from status: {status}"))
+}
+
+/// Waits until the driver is connected to the hub and reports Ready (broker connected).
+async fn wait_ready(hub: &HubProcess, instance: &str, driver: &DriverProcess) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = instance_status(hub, instance);
+        if status["connected"] == true && status["health"]["state"] == "Ready" {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{instance} not Ready within 20 s: {status}\n{}",
+            driver.log()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Creates the driver's persistent session (default client id, default inbound filter), so
+/// messages published before it first connects are queued for it.
+async fn provision(broker: &Mosquitto, instance: &str, login: Option<(&str, &str)>) {
+    let filter = inbound_topic(instance, "+", "+");
+    provision_session(broker.port(), &format!("channeld-{instance}"), login, &[&filter]).await;
+}
+
+fn payload(message: &rumqttc::Publish) -> Value {
+    serde_json::from_slice(&message.payload).expect("outbound payload is JSON")
+}
+
+fn echo_hub(allow: &[&str], instances: &[&str]) -> HubProcess {
+    let allow: Vec<String> = allow.iter().map(|sender| format!("\"{sender}\"")).collect();
+    let config: String = instances
+        .iter()
+        .map(|instance| format!("[instance.\"{instance}\"]\nallow = [{}]\n", allow.join(", ")))
+        .collect();
+    HubProcess::start(&config)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_round_trips_through_the_echo_runtime() {
+    let broker = Mosquitto::start();
+    let hub = echo_hub(&["alice"], &[ONE]);
+    provision(&broker, ONE, None).await;
+    let mut observer =
+        MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
+    let mut alice = MqttTestClient::connect(broker.port(), "alice-phone", &[]).await;
+    let driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    wait_ready(&hub, ONE, &driver).await;
+
+    let ping = json!({"text": "ping", "id": "1", "thread": "t-1"}).to_string();
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), ping).await;
+    let reply = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(reply.topic, "channeld/mqtt.one/out/c1");
+    assert_eq!(
+        payload(&reply),
+        json!({
+            "id": "reply-alice/1",
+            "text": "ping",
+            "conversation": "c1",
+            "thread": "t-1",
+            "reply_to": "alice/1",
+        })
+    );
+
+    // Junk is acknowledged away and does not hold up what follows; raw text is a message.
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c2"), vec![0xff, 0xfe, 0x00]).await;
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c2"), "{\"id\":\"no text\"}").await;
+    let oversize = json!({"text": "x".repeat(300 * 1024), "id": "big"}).to_string();
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c2"), oversize).await;
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c2"), "hello raw\n").await;
+    let reply = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(reply.topic, "channeld/mqtt.one/out/c2");
+    assert_eq!(payload(&reply)["text"], "hello raw");
+
+    let out = hub.ctl(&["health", ONE]);
+    let health = String::from_utf8_lossy(&out.stdout);
+    assert!(health.starts_with("mqtt.one Ready"), "{health}");
+    assert_eq!(instance_status(&hub, ONE)["counters"]["inbound"], 2, "junk never reached the hub");
+    assert!(observer.next_within(Duration::from_millis(200)).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_a_broker_with_their_own_client_ids_and_topics() {
+    let broker = Mosquitto::start();
+    let hub = echo_hub(&["alice"], &[ONE, TWO]);
+    provision(&broker, ONE, None).await;
+    provision(&broker, TWO, None).await;
+    let mut observer =
+        MqttTestClient::connect(broker.port(), "observer", &["channeld/+/out/+"]).await;
+    let mut alice = MqttTestClient::connect(broker.port(), "alice-phone", &[]).await;
+    let one = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let two = DriverProcess::spawn(&hub, TWO, &broker, &[]);
+    wait_ready(&hub, ONE, &one).await;
+    wait_ready(&hub, TWO, &two).await;
+
+    for (instance, text) in [(ONE, "for one"), (TWO, "for two"), (ONE, "one again")] {
+        let body = json!({"text": text, "id": text}).to_string();
+        alice.publish_confirmed(&inbound_topic(instance, "alice", "c"), body).await;
+        let reply = observer.next_message(MESSAGE_WITHIN).await;
+        assert_eq!(reply.topic, format!("channeld/{instance}/out/c"), "reply to {text:?}");
+        assert_eq!(payload(&reply)["text"], text);
+    }
+    assert!(observer.next_within(Duration::from_millis(200)).await.is_none(), "cross-talk");
+    assert_eq!(instance_status(&hub, ONE)["counters"]["inbound"], 2);
+    assert_eq!(instance_status(&hub, TWO)["counters"]["inbound"], 1);
+
+    let log = broker.log();
+    assert!(log.contains("as channeld-mqtt.one") && log.contains("as channeld-mqtt.two"), "{log}");
+    assert!(!log.contains("already connected"), "a client id was shared:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_claiming_an_allowed_sender_is_denied_by_the_topic_identity() {
+    let broker = Mosquitto::start();
+    let hub = echo_hub(&["alice"], &[ONE]);
+    provision(&broker, ONE, None).await;
+    let mut observer =
+        MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
+    let mut clients = MqttTestClient::connect(broker.port(), "clients", &[]).await;
+    let mut driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    wait_ready(&hub, ONE, &driver).await;
+
+    let spoof = json!({"text": "wire the money", "sender": "alice", "id": "s-1"}).to_string();
+    clients.publish_confirmed(&inbound_topic(ONE, "mallory", "c1"), spoof).await;
+    let genuine = json!({"text": "hi", "id": "a-1"}).to_string();
+    clients.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), genuine).await;
+    let reply = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(payload(&reply)["reply_to"], "alice/a-1", "only alice's own message is answered");
+    let status = instance_status(&hub, ONE);
+    assert_eq!(status["counters"]["denied"], 1, "{status}");
+
+    // A retained message is a message when it is published...
+    clients.publish_retained(&inbound_topic(ONE, "alice", "c1"), "kept on the broker").await;
+    let reply = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(payload(&reply)["text"], "kept on the broker");
+
+    // The refused message was acknowledged: a restarted driver does not get it again. Nor
+    // does the retained message run again when the resubscription replays it.
+    assert!(driver.terminate().success(), "clean exit after SIGTERM:\n{}", driver.log());
+    let driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    wait_ready(&hub, ONE, &driver).await;
+    let later = json!({"text": "still there?", "id": "a-2"}).to_string();
+    clients.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), later).await;
+    let reply = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(payload(&reply)["reply_to"], "alice/a-2");
+    let status = instance_status(&hub, ONE);
+    assert_eq!(status["counters"]["denied"], 1, "the spoof came back");
+    // The spoof, a-1, the retained message when published, a-2: not its replay.
+    assert_eq!(status["counters"]["inbound"], 4, "{status}");
+    assert!(driver.log().contains("retained message replayed"), "{}", driver.log());
+    assert!(observer.next_within(Duration::from_millis(200)).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_acl_decides_who_may_publish_as_whom() {
+    let acl = "pattern write channeld/mqtt.one/in/%u/#\n\
+               pattern read channeld/mqtt.one/out/#\n\
+               user bridge\n\
+               topic read channeld/mqtt.one/in/#\n\
+               topic write channeld/mqtt.one/out/#\n";
+    let users = [("bridge", "bridge-pw"), ("alice", "alice-pw"), ("mallory", "mallory-pw")];
+    let broker = Mosquitto::start_with(MosquittoOptions {
+        users: users.iter().map(|(u, p)| ((*u).to_owned(), (*p).to_owned())).collect(),
+        acl: Some(acl.into()),
+        ..MosquittoOptions::default()
+    });
+    // Both are allowed by the hub: only the broker stands between mallory and alice's name.
+    let hub = echo_hub(&["alice", "mallory"], &[ONE]);
+    provision(&broker, ONE, Some(("bridge", "bridge-pw"))).await;
+    let port = broker.port();
+    let mut observer = MqttTestClient::connect_as(
+        port,
+        "observer",
+        Some(("alice", "alice-pw")),
+        &[&outbound_filter(ONE)],
+    )
+    .await;
+    let mut alice =
+        MqttTestClient::connect_as(port, "alice-phone", Some(("alice", "alice-pw")), &[]).await;
+    let mut mallory =
+        MqttTestClient::connect_as(port, "mallory-phone", Some(("mallory", "mallory-pw")), &[])
+            .await;
+    let credentials = tempfile::tempdir().unwrap();
+    std::fs::write(credentials.path().join("mqtt-password"), "bridge-pw\n").unwrap();
+    let credentials_dir = credentials.path().display().to_string();
+    let driver = DriverProcess::spawn(
+        &hub,
+        ONE,
+        &broker,
+        &[("CHANNELD_MQTT_USERNAME", "bridge"), ("CREDENTIALS_DIRECTORY", &credentials_dir)],
+    );
+    wait_ready(&hub, ONE, &driver).await;
+
+    let spoof = json!({"text": "spoofed", "id": "x"}).to_string();
+    mallory.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), spoof).await;
+    let own = json!({"text": "mallory here", "id": "m"}).to_string();
+    mallory.publish_confirmed(&inbound_topic(ONE, "mallory", "c1"), own).await;
+    let genuine = json!({"text": "alice here", "id": "a"}).to_string();
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), genuine).await;
+    let mut replied = vec![
+        payload(&observer.next_message(MESSAGE_WITHIN).await)["reply_to"].clone(),
+        payload(&observer.next_message(MESSAGE_WITHIN).await)["reply_to"].clone(),
+    ];
+    replied.sort_by_key(|v| v.to_string());
+    assert_eq!(replied, vec![json!("alice/a"), json!("mallory/m")]);
+    // Had the broker let the spoof through, the driver would have handed it over first.
+    assert_eq!(instance_status(&hub, ONE)["counters"]["inbound"], 2);
+    assert!(!driver.log().contains("bridge-pw"), "the password reached the driver's log");
+    let status = hub.ctl(&["status", "--json"]);
+    assert!(!String::from_utf8_lossy(&status.stdout).contains("bridge-pw"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_degrades_health_without_revealing_it() {
+    let broker = Mosquitto::start_with(MosquittoOptions {
+        users: vec![("bridge".into(), "right-pw".into())],
+        ..MosquittoOptions::default()
+    });
+    let hub = echo_hub(&["alice"], &[ONE]);
+    let driver = DriverProcess::spawn(
+        &hub,
+        ONE,
+        &broker,
+        &[("CHANNELD_MQTT_USERNAME", "bridge"), ("CHANNELD_MQTT_PASSWORD", "wrong-pw")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        let status = instance_status(&hub, ONE);
+        if status["connected"] == true && status["health"]["state"] == "Degraded" {
+            let detail = status["health"]["detail"].as_str().unwrap_or_default().to_owned();
+            if detail.contains("BadUserNamePassword") || detail.contains("NotAuthorized") {
+                break status;
+            }
+        }
+        assert!(Instant::now() < deadline, "no auth failure in health: {status}\n{}", driver.log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert!(!status.to_string().contains("wrong-pw"), "{status}");
+    let health = hub.ctl(&["health", ONE]);
+    let text = String::from_utf8_lossy(&health.stdout);
+    assert!(text.starts_with("mqtt.one Degraded: broker mqtt://127.0.0.1:"), "{text}");
+    assert!(!text.contains("wrong-pw") && !driver.log().contains("wrong-pw"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proactive_send_is_receipted_after_the_broker_took_it() {
+    let broker = Mosquitto::start();
+    let mut broker = broker;
+    let hub = echo_hub(&["alice"], &[ONE]);
+    let mut observer =
+        MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
+    let driver =
+        DriverProcess::spawn(&hub, ONE, &broker, &[("CHANNELD_MQTT_PUBLISH_TIMEOUT_SECONDS", "1")]);
+    wait_ready(&hub, ONE, &driver).await;
+
+    let out = hub.ctl(&["send", ONE, "--conversation", "ops", "deploy finished"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let message_id = stdout
+        .strip_prefix("receipted ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no receipt in {stdout:?}"))
+        .to_owned();
+    assert!(message_id.starts_with("send-"), "{message_id}");
+    let sent = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(sent.topic, "channeld/mqtt.one/out/ops");
+    let sent = payload(&sent);
+    assert_eq!(sent["text"], "deploy finished");
+    assert_eq!(sent["id"], message_id.as_str());
+    assert_eq!(sent["reply_to"], Value::Null);
+
+    // A conversation that is not one topic level is refused, not published elsewhere.
+    let out = hub.ctl(&["send", ONE, "--conversation", "ops/#", "escape"]);
+    assert_eq!(out.status.code(), Some(6), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // With the broker down the send fails (nothing was published) once the publish timeout
+    // has passed, and works again after the broker is back.
+    tokio::task::block_in_place(|| broker.stop());
+    let out = hub.ctl(&["send", ONE, "--conversation", "ops", "while down"]);
+    assert_eq!(out.status.code(), Some(6), "{}", String::from_utf8_lossy(&out.stderr));
+    tokio::task::block_in_place(|| broker.start_again());
+    wait_ready(&hub, ONE, &driver).await;
+    let out = hub.ctl(&["send", ONE, "--conversation", "ops", "back again"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let back = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(payload(&back)["text"], "back again");
+    assert!(observer.next_within(Duration::from_millis(200)).await.is_none(), "nothing else");
+}
+
+/// An agent that appends the run's event id to `log`, then answers.
+fn counting_agent(dir: &Path, log: &Path) -> PathBuf {
+    write_script(
+        dir,
+        "agent.sh",
+        &format!(
+            "IFS= read -r line\n\
+             id=$(printf '%s' \"$line\" | sed -n 's/.*\"event_id\":\"\\([^\"]*\\)\".*/\\1/p')\n\
+             echo \"$id\" >> '{}'\n\
+             echo \"done $id\"\n",
+            log.display()
+        ),
+    )
+}
+
+fn runs(log: &Path) -> Vec<String> {
+    std::fs::read_to_string(log).unwrap_or_default().lines().map(str::to_owned).collect()
+}
+
+/// What interrupts the stream of messages.
+#[derive(Debug, Clone, Copy)]
+enum Disruption {
+    /// mosquitto stopped and started again on the same port (sessions persisted).
+    BrokerRestart,
+    /// The driver killed with SIGKILL and started again.
+    DriverKill,
+}
+
+/// Publishes `TOTAL` messages with ids while `disruption` happens in the middle, then checks
+/// that every message ran exactly once.
+///
+/// The publisher stays at most `AHEAD` messages ahead of the completed runs, so the
+/// disruption finds messages in every stage: being published, queued in the broker, in flight
+/// to the driver, waiting for the hub, running.
+async fn thousand_messages_across(disruption: Disruption) {
+    const TOTAL: usize = 1000;
+    const AHEAD: usize = 150;
+    const DISRUPT_AFTER_RUNS: usize = 400;
+    let started = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("runs.log");
+    let agent = counting_agent(dir.path(), &log);
+    let mut broker = Mosquitto::start();
+    // The broker hands the driver up to 20 unacknowledged messages; with the hub's default of
+    // 4 runs in flight the others bounce as `busy` and back off for up to 5 s each, which is
+    // correct but slow. Room for the broker's whole window keeps the test fast.
+    let hub = HubProcess::start(&format!(
+        "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\n\
+         [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\nmax_inflight = 32\n",
+        agent.display()
+    ));
+    provision(&broker, ONE, None).await;
+    let mut driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    wait_ready(&hub, ONE, &driver).await;
+
+    let published = Arc::new(AtomicUsize::new(0));
+    let port = broker.port();
+    let publisher = tokio::spawn({
+        let published = published.clone();
+        let log = log.clone();
+        async move {
+            let mut alice = MqttTestClient::connect(port, "alice-phone", &[]).await;
+            for n in 0..TOTAL {
+                while runs(&log).len() + AHEAD < n {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let body = json!({"text": format!("message {n}"), "id": n.to_string()});
+                let topic = inbound_topic(ONE, "alice", &format!("c{}", n % 5));
+                alice.publish_confirmed(&topic, body.to_string()).await;
+                published.store(n + 1, Ordering::SeqCst);
+            }
+            alice
+        }
+    });
+
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while runs(&log).len() < DISRUPT_AFTER_RUNS {
+        assert!(Instant::now() < deadline, "runs stalled:\n{}", driver.log());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let runs_before = runs(&log).len();
+    match disruption {
+        Disruption::BrokerRestart => tokio::task::block_in_place(|| broker.restart()),
+        Disruption::DriverKill => {
+            driver.kill();
+            driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+        }
+    }
+    eprintln!(
+        "{disruption:?} after {} published, {runs_before} runs",
+        published.load(Ordering::SeqCst)
+    );
+    let mut alice = publisher.await.expect("publisher task");
+
+    // A last message: once it has run and nothing is in flight, every earlier one has been
+    // handed over (the driver forwards in order) and finished.
+    let sentinel = json!({"text": "the end", "id": "sentinel"}).to_string();
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c0"), sentinel).await;
+    loop {
+        let done = runs(&log);
+        if done.len() > TOTAL && done.iter().any(|id| id == "alice/sentinel") {
+            let status = instance_status(&hub, ONE);
+            if status["in_flight"] == 0 {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} runs after {:?}; driver log:\n{}",
+            done.len(),
+            TOTAL + 1,
+            started.elapsed(),
+            driver.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let done = runs(&log);
+    let distinct: HashSet<&str> = done.iter().map(String::as_str).collect();
+    let expected: HashSet<String> =
+        (0..TOTAL).map(|n| format!("alice/{n}")).chain(["alice/sentinel".to_owned()]).collect();
+    let missing: Vec<&String> =
+        expected.iter().filter(|id| !distinct.contains(id.as_str())).collect();
+    assert!(missing.is_empty(), "lost: {missing:?}");
+    let repeated = done.len() - distinct.len();
+    assert_eq!(repeated, 0, "{repeated} runs repeated an event id after {disruption:?}");
+    assert_eq!(distinct.len(), TOTAL + 1);
+    let duplicates = driver.log().matches("duplicate=true").count();
+    eprintln!(
+        "{disruption:?}: {} runs, none lost or repeated ({duplicates} redeliveries the hub \
+         recognised), in {:?}",
+        done.len(),
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restart_amid_1000_messages_loses_none_and_repeats_no_run() {
+    thousand_messages_across(Disruption::BrokerRestart).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_sigkill_amid_1000_messages_loses_none_and_repeats_no_run() {
+    thousand_messages_across(Disruption::DriverKill).await;
+}
