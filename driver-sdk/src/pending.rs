@@ -3,7 +3,7 @@
 //! Pure bookkeeping: the runtime decides when to (re)send; this table remembers what is
 //! outstanding, in arrival order, and who waits for each outcome.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use channeld_protocol::{Frame, Id};
@@ -48,11 +48,16 @@ pub struct PendingTable {
     entries: HashMap<Id, Entry>,
     order: BTreeMap<u64, Id>,
     next_seq: u64,
+    /// Events the hub answered `busy` (or another retryable error), oldest first: each is
+    /// resent when a run ends (a slot frees up) or when its retry timer fires, whichever comes
+    /// first.
+    waiting: VecDeque<Id>,
 }
 
-/// Retryable errors back off from this delay, doubling up to [`MAX_RETRY_DELAY`].
-const FIRST_RETRY_DELAY: Duration = Duration::from_millis(100);
-const MAX_RETRY_DELAY: Duration = Duration::from_secs(5);
+/// Retryable errors back off from this delay, doubling up to [`MAX_RETRY_DELAY`]; a run
+/// ending on the connection usually resends sooner.
+const FIRST_RETRY_DELAY: Duration = Duration::from_millis(50);
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(2);
 
 impl PendingTable {
     /// Adds an inbound. Returns true when it is new (and must be sent); a redelivery of an
@@ -81,6 +86,7 @@ impl PendingTable {
         let Some(entry) = self.entries.remove(event_id) else {
             return false;
         };
+        self.waiting.retain(|id| id.as_str() != event_id);
         self.order.remove(&entry.seq);
         for waiter in entry.waiters {
             let _ = waiter.send(outcome.clone());
@@ -104,6 +110,10 @@ impl PendingTable {
                 .saturating_mul(1u32 << entry.retries.min(16))
                 .min(MAX_RETRY_DELAY);
             entry.retries = entry.retries.saturating_add(1);
+            let id = event_id_of(&self.order, entry.seq);
+            if !self.waiting.contains(&id) {
+                self.waiting.push_back(id);
+            }
             return ErrorAction::Retry(delay);
         }
         let outcome = Acceptance::Rejected { code: code.to_owned(), message: message.to_owned() };
@@ -111,9 +121,22 @@ impl PendingTable {
         ErrorAction::Resolved
     }
 
-    /// The frame to resend for `event_id`, if it is still pending.
-    pub fn frame(&self, event_id: &str) -> Option<&Frame> {
-        self.entries.get(event_id).map(|entry| &entry.frame)
+    /// Takes `event_id` off the waiting list; its frame if it was waiting (and so is to be
+    /// resent by the caller).
+    pub fn take_waiting(&mut self, event_id: &str) -> Option<Frame> {
+        let position = self.waiting.iter().position(|id| id.as_str() == event_id)?;
+        let id = self.waiting.remove(position)?;
+        self.entries.get(&id).map(|entry| entry.frame.clone())
+    }
+
+    /// Takes the oldest waiting event still pending: a slot freed up, resend it now.
+    pub fn take_oldest_waiting(&mut self) -> Option<Frame> {
+        while let Some(id) = self.waiting.pop_front() {
+            if let Some(entry) = self.entries.get(&id) {
+                return Some(entry.frame.clone());
+            }
+        }
+        None
     }
 
     /// Every pending frame in arrival order (resent after a reconnect).
@@ -154,6 +177,10 @@ impl PendingTable {
     }
 }
 
+fn event_id_of(order: &BTreeMap<u64, Id>, seq: u64) -> Id {
+    order.get(&seq).cloned().expect("every entry is in the order index")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +213,8 @@ mod tests {
             table.on_error("e1", "busy", "", true),
             ErrorAction::Retry(FIRST_RETRY_DELAY * 2)
         );
+        assert_eq!(table.take_oldest_waiting(), Some(frame("e1")));
+        assert_eq!(table.take_waiting("e1"), None, "taken once");
         assert_eq!(table.on_error("e1", "denied", "no", false), ErrorAction::Resolved);
         assert!(
             matches!(ra.try_recv().unwrap(), Acceptance::Rejected { code, .. } if code == "denied")

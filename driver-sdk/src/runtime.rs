@@ -32,8 +32,10 @@ use crate::pending::{Acceptance, ErrorAction};
 const HELLO_ACK_WAIT: Duration = Duration::from_secs(2);
 /// Interval of `heartbeat` events, so the hub can tell a live driver from a stuck one.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(15);
-/// Hub frames handled concurrently; the reader waits beyond this (backpressure on the socket).
+/// Hub requests (posts, effects, commands) handled concurrently.
 const MAX_CONCURRENT_HANDLERS: usize = 64;
+/// Hub requests queued for a handler; the reader waits beyond this (backpressure on the socket).
+const MAX_QUEUED_REQUESTS: usize = 4096;
 /// Outgoing frame queue per connection.
 const SEND_QUEUE: usize = 512;
 /// Posts remembered so a redelivered `deliver`/`outbound` is answered without posting twice.
@@ -126,10 +128,9 @@ pub async fn run_driver<D: Driver>(
         );
     }
     session_token.cancel();
-    if !connection_done
-        && let Ok(Err(err)) = connection.await {
-            outcome = outcome.and(Err(err));
-        }
+    if !connection_done && let Ok(Err(err)) = connection.await {
+        outcome = outcome.and(Err(err));
+    }
     let abandoned = shared.lock().pending.abandon_all();
     if abandoned > 0 {
         warn!(
@@ -183,6 +184,7 @@ async fn connection_loop<D: Driver>(
                     tracker: tracker.clone(),
                     recent: recent.clone(),
                     handlers: Arc::new(Semaphore::new(MAX_CONCURRENT_HANDLERS)),
+                    queued: Arc::new(Semaphore::new(MAX_QUEUED_REQUESTS)),
                 };
                 let end = session.run(stream, &session_token).await;
                 backoff.record_uptime(up.elapsed());
@@ -241,6 +243,22 @@ struct Session<D> {
     tracker: TaskTracker,
     recent: Arc<Mutex<RecentPosts>>,
     handlers: Arc<Semaphore>,
+    queued: Arc<Semaphore>,
+}
+
+/// A queued hub request's right to run: it holds its queue slot and waits for a handler.
+struct Permit {
+    queued: tokio::sync::OwnedSemaphorePermit,
+    handlers: Arc<Semaphore>,
+}
+
+impl Permit {
+    async fn run(
+        self,
+    ) -> Option<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit)> {
+        let handler = self.handlers.acquire_owned().await.ok()?;
+        Some((self.queued, handler))
+    }
 }
 
 impl<D: Driver> Session<D> {
@@ -385,6 +403,8 @@ impl<D: Driver> Session<D> {
                     delivery.request_id.as_str(),
                     Acceptance::Accepted { duplicate: false },
                 );
+                // A run ended, so the hub has room for an inbound it refused `busy`.
+                self.resend_waiting(sink);
                 self.spawn_post(
                     PostKind::Reply { event_id: delivery.request_id.clone() },
                     delivery,
@@ -464,11 +484,13 @@ impl<D: Driver> Session<D> {
                 let sink = sink.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
-                    let frame = shared.lock().pending.frame(request_id.as_str()).cloned();
+                    // Unless a finished run already resent it.
+                    let frame = shared.lock().pending.take_waiting(request_id.as_str());
                     if let Some(frame) = frame
-                        && sink.send(&frame).await.is_ok() {
-                            shared.after_write(&frame);
-                        }
+                        && sink.send(&frame).await.is_ok()
+                    {
+                        shared.after_write(&frame);
+                    }
                 });
             }
             ErrorAction::Resolved => {
@@ -476,14 +498,32 @@ impl<D: Driver> Session<D> {
                 warn!(event_id = %request_id, code = %err.code, message = %err.message, "hub rejected an inbound");
             }
             ErrorAction::NotPending => {
+                // Often a run that failed: a slot is free again.
+                self.resend_waiting(sink);
                 warn!(request_id = %request_id, code = %err.code, message = %err.message, "error from the hub");
             }
         }
         None
     }
 
-    async fn permit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.handlers.clone().acquire_owned().await.ok()
+    /// A run ended on the hub, so a slot is free: resend the oldest inbound it refused `busy`.
+    fn resend_waiting(&self, sink: &FrameSink) {
+        let Some(frame) = self.shared.lock().pending.take_oldest_waiting() else { return };
+        let shared = self.shared.clone();
+        let sink = sink.clone();
+        tokio::spawn(async move {
+            if sink.send(&frame).await.is_ok() {
+                shared.after_write(&frame);
+            }
+        });
+    }
+
+    /// A slot in the queue of hub requests waiting for a handler. The reader waits here only
+    /// when [`MAX_QUEUED_REQUESTS`] are queued; it never waits for a handler itself, so
+    /// `accepted` and `error` frames are read even while every handler is busy.
+    async fn permit(&self) -> Option<Permit> {
+        let queued = self.queued.clone().acquire_owned().await.ok()?;
+        Some(Permit { queued, handlers: self.handlers.clone() })
     }
 
     async fn spawn_post(
@@ -512,7 +552,7 @@ impl<D: Driver> Session<D> {
         let recent = self.recent.clone();
         let sink = sink.clone();
         self.tracker.spawn(async move {
-            let _permit = permit;
+            let Some(_permits) = permit.run().await else { return };
             let result = driver.post(Post { kind, message: delivery.message }).await;
             let answer = match result {
                 Ok(receipt) => {
@@ -550,7 +590,7 @@ impl<D: Driver> Session<D> {
         let driver = self.driver.clone();
         let sink = sink.clone();
         self.tracker.spawn(async move {
-            let _permit = permit;
+            let Some(_permits) = permit.run().await else { return };
             let request_id = frame.request_id.clone();
             let request = EffectRequest {
                 request_id: frame.request_id,
@@ -585,7 +625,7 @@ impl<D: Driver> Session<D> {
         let driver = self.driver.clone();
         let sink = sink.clone();
         self.tracker.spawn(async move {
-            let _permit = permit;
+            let Some(_permits) = permit.run().await else { return };
             let request = CommandRequest {
                 request_id: frame.request_id.clone(),
                 session: frame.session.clone(),

@@ -183,7 +183,7 @@ async fn admit_and_run(
         let record = NewInbound {
             instance: inst.config.id.to_string(),
             event_id: event_id.to_string(),
-            content_hash: Sha256::digest(body).into(),
+            content_hash: fingerprint(&admitted.frame),
             frame: body.to_vec(),
             run_id: run_id.clone(),
             now_ms: now_ms(),
@@ -526,6 +526,11 @@ fn spawn_run(
                 warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
             }
         }
+        // The outcome is recorded: a redelivery from now on replays it instead of waiting for
+        // this run, so the slot is free before the reply goes out.
+        if let Some(origin) = &origin {
+            lock(&origin.inflight).finish(&event_id);
+        }
         // The reply goes back on the connection that carried the inbound, or, if that one is
         // gone, on the instance's current driver; with neither it waits in the ledger.
         let conn = origin.clone().filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
@@ -544,9 +549,6 @@ fn spawn_run(
                     refuse(&conn, &event_id, &code, message, false).await;
                 }
             }
-        }
-        if let Some(origin) = origin {
-            lock(&origin.inflight).finish(&event_id);
         }
     });
 }
@@ -598,6 +600,39 @@ async fn deliver(
             warn!(instance = %inst.config.id, %event_id, error = %err, "reply not delivered: driver connection gone");
         }
     }
+}
+
+/// What makes two deliveries of an event id "the same content": the frame without the fields
+/// a platform may legitimately change on redelivery (timestamps, metadata, display names).
+fn fingerprint(frame: &Frame) -> [u8; 32] {
+    let mut frame = frame.clone();
+    let strip = |participant: &mut Participant| {
+        participant.display_name = None;
+        participant.handle = None;
+    };
+    match &mut frame {
+        Frame::Inbound(inbound) => {
+            inbound.message.timestamp_ms = None;
+            inbound.message.metadata.clear();
+            strip(&mut inbound.message.sender);
+        }
+        Frame::InboundEvent(event) => {
+            let context = match &mut event.event {
+                channeld_protocol::types::IncomingEvent::Reaction { context, .. }
+                | channeld_protocol::types::IncomingEvent::Typing { context, .. }
+                | channeld_protocol::types::IncomingEvent::MessageEdited { context, .. }
+                | channeld_protocol::types::IncomingEvent::MessageDeleted { context, .. }
+                | channeld_protocol::types::IncomingEvent::Read { context, .. } => context,
+            };
+            context.timestamp_ms = None;
+            context.metadata.clear();
+            if let Some(participant) = context.participant.as_mut() {
+                strip(participant);
+            }
+        }
+        _ => {}
+    }
+    Sha256::digest(encode(&frame).unwrap_or_default()).into()
 }
 
 /// Removes NULs and cuts an over-long reply at a character boundary, saying so.

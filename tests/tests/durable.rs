@@ -580,3 +580,48 @@ async fn agents_die_with_a_killed_hub() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_replays_and_only_changed_content_conflicts() {
+    use channeld_protocol::Frame;
+    use channeld_protocol::frame::Inbound;
+
+    let hub = HubProcess::start("[instance.\"crash.one\"]\nallow = [\"user\"]\n");
+    let mut driver = channeld_tests::RawPeer::connect(&hub.socket(CHANNEL)).await;
+    driver.hello(CHANNEL, channeld_tests::peer::caps(&["receive"]), &["accepted"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    let mut message = channeld_tests::peer::message(CHANNEL, "m-1", "user", "c1", "first");
+    message.timestamp_ms = Some(1);
+    driver
+        .send(Frame::Inbound(Inbound {
+            event_id: Id::new("m-1").unwrap(),
+            message: message.clone(),
+        }))
+        .await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(a) if !a.duplicate));
+    assert!(
+        matches!(driver.frame().await, Frame::Deliver(d) if d.message.body.text_str() == "first")
+    );
+
+    // The platform redelivers it with another receive time and a display name: same message.
+    message.timestamp_ms = Some(2);
+    message.sender.display_name = Some("User".into());
+    message.metadata.insert("delivery".into(), "2".into());
+    driver
+        .send(Frame::Inbound(Inbound {
+            event_id: Id::new("m-1").unwrap(),
+            message: message.clone(),
+        }))
+        .await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(a) if a.duplicate));
+    assert!(
+        matches!(driver.frame().await, Frame::Deliver(d) if d.message.body.text_str() == "first")
+    );
+
+    // The same id with other text is not a redelivery.
+    message.body = MessageBody::text("second").unwrap();
+    driver.send(Frame::Inbound(Inbound { event_id: Id::new("m-1").unwrap(), message })).await;
+    let conflict = driver.error().await;
+    assert_eq!(conflict.code, "conflict");
+    assert!(!conflict.retryable);
+}
