@@ -9,6 +9,8 @@ use std::time::Duration;
 use channeld_protocol::ChannelId;
 use serde::Deserialize;
 
+pub use crate::peer::PeerRule;
+
 /// Runtime directory when neither the config nor `--runtime-dir` names one.
 pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
 /// The runtime every instance uses unless it names another.
@@ -100,6 +102,16 @@ struct RawInstance {
     identity_isolation: bool,
     max_inflight: Option<usize>,
     deny_notice: Option<String>,
+    allow_uids: Option<Vec<Principal>>,
+    allow_gids: Option<Vec<Principal>>,
+}
+
+/// A user or group in `allow_uids` / `allow_gids`: a number or a name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+enum Principal {
+    Id(u32),
+    Name(String),
 }
 
 /// Which runtime answers inbound messages.
@@ -185,6 +197,8 @@ pub struct InstanceConfig {
     pub max_inflight: usize,
     /// Reply sent to a denied sender; `None` (the default) answers nothing on the platform.
     pub deny_notice: Option<String>,
+    /// Which local processes may connect to the socket (`allow_uids` / `allow_gids`).
+    pub peers: PeerRule,
     /// Set by `channeld demo` only: the spawned driver shares the hub's terminal, and its
     /// exit ends the hub.
     pub interactive_child: bool,
@@ -330,6 +344,7 @@ impl HubConfig {
                     inst.max_inflight.unwrap_or(max_inflight),
                 )?,
                 deny_notice: inst.deny_notice,
+                peers: peer_rule(&key, inst.allow_uids, inst.allow_gids)?,
                 interactive_child: false,
             });
         }
@@ -368,6 +383,52 @@ impl HubConfig {
     pub fn runtime_for(&self, instance: &InstanceConfig) -> &RuntimeConfig {
         self.runtimes.get(&instance.runtime).unwrap_or_else(|| &self.runtimes[DEFAULT_RUNTIME])
     }
+}
+
+/// `allow_uids` / `allow_gids`: absent, the socket's mode decides; present, only the listed
+/// users and group members may connect. Names are resolved now, so a typo fails the start.
+fn peer_rule(
+    key: &str,
+    uids: Option<Vec<Principal>>,
+    gids: Option<Vec<Principal>>,
+) -> Result<PeerRule, ConfigError> {
+    if uids.is_none() && gids.is_none() {
+        return Ok(PeerRule::SocketMode);
+    }
+    let resolve = |field: &str,
+                   list: Option<Vec<Principal>>,
+                   lookup: fn(&str) -> std::io::Result<Option<u32>>,
+                   what: &str|
+     -> Result<Vec<u32>, ConfigError> {
+        let key = format!("{key}.{field}");
+        let list = list.unwrap_or_default();
+        let mut ids = Vec::with_capacity(list.len());
+        for principal in list {
+            match principal {
+                Principal::Id(id) => ids.push(id),
+                Principal::Name(name) => match lookup(&name) {
+                    Ok(Some(id)) => ids.push(id),
+                    Ok(None) => return Err(invalid(&key, format!("no {what} named {name:?}"))),
+                    Err(err) => {
+                        return Err(invalid(
+                            &key,
+                            format!("cannot look up {what} {name:?}: {err}"),
+                        ));
+                    }
+                },
+            }
+        }
+        Ok(ids)
+    };
+    let uids = resolve("allow_uids", uids, crate::peer::lookup_user, "user")?;
+    let gids = resolve("allow_gids", gids, crate::peer::lookup_group, "group")?;
+    if uids.is_empty() && gids.is_empty() {
+        return Err(invalid(
+            format!("{key}.allow_uids"),
+            "empty lists would refuse every driver; remove allow_uids and allow_gids to admit whom the socket's mode admits",
+        ));
+    }
+    Ok(PeerRule::Listed { uids, gids })
 }
 
 fn positive(key: &str, value: usize) -> Result<usize, ConfigError> {
@@ -426,6 +487,26 @@ mod tests {
             "[instance.\"a.x\"]\nsocket = \"/tmp/s\"\n[instance.\"a.y\"]\nsocket = \"/tmp/s\"\n";
         let err = parse(text).unwrap_err().to_string();
         assert!(err.contains("already used"), "{err}");
+    }
+
+    #[test]
+    fn peer_lists_take_numbers_and_names_and_default_to_the_socket_mode() {
+        let config = parse("[instance.\"a.b\"]\n").unwrap();
+        assert_eq!(config.instances[0].peers, PeerRule::SocketMode);
+        let text = "[instance.\"a.b\"]\nallow_uids = [12345, \"root\"]\nallow_gids = [\"root\"]\n";
+        let config = parse(text).unwrap();
+        assert_eq!(
+            config.instances[0].peers,
+            PeerRule::Listed { uids: vec![12345, 0], gids: vec![0] }
+        );
+        let err = parse("[instance.\"a.b\"]\nallow_gids = [\"no-such-group-x\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "instance.\"a.b\".allow_gids: no group named \"no-such-group-x\"");
+        let err = parse("[instance.\"a.b\"]\nallow_uids = []\n").unwrap_err().to_string();
+        assert!(err.starts_with("instance.\"a.b\".allow_uids: empty lists"), "{err}");
+        let err = parse("[instance.\"a.b\"]\nallow_uids = [-1]\n").unwrap_err().to_string();
+        assert!(err.contains("allow_uids"), "{err}");
     }
 
     #[test]

@@ -19,6 +19,7 @@ use tracing::{debug, info, warn};
 
 use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub, SendError, SendOutcome};
 use crate::instance::{Connection, Counters, Instance, PeerKind, ReceiptOutcome};
+use crate::peer::{PeerCreds, PeerPolicy};
 
 /// Outgoing frames queued per connection before senders wait.
 pub const CONNECTION_QUEUE: usize = 1024;
@@ -31,12 +32,13 @@ pub(crate) async fn accept_loop(
     listener: UnixListener,
     tasks: TaskTracker,
 ) {
+    let policy = Arc::new(peer_policy(&inst));
     loop {
         tokio::select! {
             () = hub.shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    tasks.spawn(serve(hub.clone(), inst.clone(), stream));
+                    tasks.spawn(serve(hub.clone(), inst.clone(), stream, policy.clone()));
                 }
                 Err(err) => {
                     warn!(instance = %inst.config.id, error = %err, "accept failed");
@@ -47,9 +49,38 @@ pub(crate) async fn accept_loop(
     }
 }
 
-async fn serve(hub: Arc<Hub>, inst: Arc<Instance>, stream: UnixStream) {
-    let peer_pid = stream.peer_cred().ok().and_then(|cred| cred.pid());
+/// The instance's peer rule resolved against this hub: its uid and the socket's group.
+fn peer_policy(inst: &Instance) -> PeerPolicy {
+    use std::os::unix::fs::MetadataExt;
+    let socket_gid = std::fs::metadata(&inst.config.socket)
+        .map_or_else(|_| crate::peer::effective_gid(), |meta| meta.gid());
+    PeerPolicy {
+        rule: inst.config.peers.clone(),
+        hub_uid: crate::peer::effective_uid(),
+        socket_gid,
+    }
+}
+
+/// The connecting process's credentials, or `None` when the kernel cannot say.
+fn peer_creds(stream: &UnixStream) -> Option<PeerCreds> {
+    let cred = stream.peer_cred().ok()?;
+    let groups = crate::peer::peer_groups(std::os::fd::AsFd::as_fd(stream)).unwrap_or_else(|err| {
+        debug!(error = %err, "supplementary groups of the peer unknown; checking its primary group only");
+        Vec::new()
+    });
+    Some(PeerCreds { uid: cred.uid(), gid: cred.gid(), groups, pid: cred.pid() })
+}
+
+async fn serve(hub: Arc<Hub>, inst: Arc<Instance>, stream: UnixStream, policy: Arc<PeerPolicy>) {
+    let creds = peer_creds(&stream);
+    let peer_pid = creds.as_ref().and_then(|cred| cred.pid);
     let (mut reader, sink, writer) = split_unix(stream, CONNECTION_QUEUE);
+    if !creds.as_ref().is_some_and(|cred| policy.admits(cred)) {
+        refuse_peer(&inst, &policy, creds.as_ref(), &sink).await;
+        drop(sink);
+        let _ = tokio::time::timeout(Duration::from_secs(5), writer.close()).await;
+        return;
+    }
     let first = tokio::select! {
         () = hub.close_connections.cancelled() => None,
         first = tokio::time::timeout(FIRST_FRAME_TIMEOUT, next_valid(&mut reader, &sink)) => {
@@ -85,6 +116,34 @@ async fn serve(hub: Arc<Hub>, inst: Arc<Instance>, stream: UnixStream) {
     }
     drop(sink);
     let _ = tokio::time::timeout(Duration::from_secs(5), writer.close()).await;
+}
+
+/// Answers a process the socket's peer rule does not admit with `peer_not_allowed`; the
+/// caller then closes the connection without reading from it.
+async fn refuse_peer(
+    inst: &Instance,
+    policy: &PeerPolicy,
+    creds: Option<&PeerCreds>,
+    sink: &FrameSink,
+) {
+    let who = match creds {
+        Some(cred) => format!("uid {} gid {}", cred.uid, cred.gid),
+        None => "a peer with unknown credentials".to_owned(),
+    };
+    warn!(
+        instance = %inst.config.id,
+        uid = creds.map(|c| c.uid),
+        gid = creds.map(|c| c.gid),
+        pid = creds.and_then(|c| c.pid),
+        allowed = %policy.describe(),
+        "connection refused: peer not allowed on this socket"
+    );
+    inst.record_error(format!(
+        "refused a connection from {who} (pid {})",
+        creds.and_then(|c| c.pid).map_or_else(|| "unknown".to_owned(), |p| p.to_string())
+    ));
+    let message = format!("{who} may not connect to the socket of {}", inst.config.id);
+    let _ = sink.send(&Frame::error(None, "peer_not_allowed", message, false)).await;
 }
 
 /// Reads until a frame decodes, answering bad lines with `error` frames. `None` at EOF.

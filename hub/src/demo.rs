@@ -42,6 +42,7 @@ pub fn config(runtime_dir: &Path, console: PathBuf) -> HubConfig {
             identity_isolation: false,
             max_inflight: 4,
             deny_notice: None,
+            peers: crate::config::PeerRule::SocketMode,
             interactive_child: true,
         }],
     }

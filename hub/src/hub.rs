@@ -209,6 +209,8 @@ pub struct Hub {
     pub shutdown: CancellationToken,
     /// Cancelled after runs drained: connection handlers say `stop` and close.
     pub close_connections: CancellationToken,
+    /// Cancelled once every listener is served ("hub ready"; systemd's `READY=1`).
+    pub ready: CancellationToken,
     /// Inbound runs in flight (drained on shutdown).
     pub runs: TaskTracker,
     pub started: SystemTime,
@@ -238,6 +240,7 @@ impl Hub {
             instances,
             shutdown,
             close_connections: CancellationToken::new(),
+            ready: CancellationToken::new(),
             runs: TaskTracker::new(),
             started: SystemTime::now(),
             ledger,
@@ -471,6 +474,7 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
         control = %hub.config.control_socket.display(),
         "hub ready"
     );
+    hub.ready.cancel();
 
     hub.shutdown.cancelled().await;
     info!("shutting down: no new connections, draining runs");

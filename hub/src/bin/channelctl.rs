@@ -14,6 +14,7 @@ use channeld_hub::control::proto::{
     StatusResult,
 };
 use channeld_protocol::framing::{LineEvent, LineFramer};
+use channeld_protocol::types::Health;
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -240,11 +241,11 @@ fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json
         }
         Cmd::Health { .. } => {
             let health: HealthResult = serde_json::from_value(result)?;
-            match health.health.detail {
-                Some(detail) => {
-                    println!("{} {}: {detail}", health.instance, health.health.state.as_str())
+            match health_reason(&health.health).as_str() {
+                "" => println!("{} {}", health.instance, health.health.state.as_str()),
+                reason => {
+                    println!("{} {}: {reason}", health.instance, health.health.state.as_str())
                 }
-                None => println!("{} {}", health.instance, health.health.state.as_str()),
             }
         }
         Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
@@ -306,7 +307,7 @@ fn print_status(status: &StatusResult) {
     for row in &status.instances {
         let connected =
             row.connected_since_ms.map_or_else(|| "-".to_owned(), |since| ago(now, since));
-        let reason = row.health.detail.clone().unwrap_or_default();
+        let reason = health_reason(&row.health);
         let last =
             row.last_error.as_deref().map(|e| format!(" | last error: {e}")).unwrap_or_default();
         println!(
@@ -326,11 +327,69 @@ fn print_status(status: &StatusResult) {
     }
 }
 
+/// The driver's free-text detail, then its structured status (extension `health_status`)
+/// when it sent one, e.g. `broker unreachable [transport=connecting auth=ok idle=42s]`.
+fn health_reason(health: &Health) -> String {
+    let mut fields = Vec::new();
+    if let Some(status) = &health.status {
+        if let Some(transport) = &status.transport {
+            fields.push(format!("transport={transport}"));
+        }
+        if let Some(auth) = &status.auth {
+            fields.push(format!("auth={auth}"));
+        }
+        if let Some(idle) = status.idle_seconds {
+            fields.push(format!("idle={idle}s"));
+        }
+        if let Some(backlog) = status.backlog {
+            fields.push(format!("backlog={backlog}"));
+        }
+        if let Some(attempt) = status.attempt {
+            fields.push(format!("attempt={attempt}"));
+        }
+    }
+    let detail = health.detail.as_deref().unwrap_or_default();
+    match (detail.is_empty(), fields.is_empty()) {
+        (_, true) => detail.to_owned(),
+        (true, false) => format!("[{}]", fields.join(" ")),
+        (false, false) => format!("{detail} [{}]", fields.join(" ")),
+    }
+}
+
 fn ago(now_ms: u64, then_ms: u64) -> String {
     let secs = now_ms.saturating_sub(then_ms) / 1000;
     match secs {
         0..=59 => format!("{secs}s"),
         60..=3599 => format!("{}m{}s", secs / 60, secs % 60),
         _ => format!("{}h{}m", secs / 3600, (secs % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::types::{HealthState, HealthStatus};
+
+    use super::*;
+
+    #[test]
+    fn health_reason_shows_detail_and_structured_status() {
+        let mut health = Health::new(HealthState::Degraded, Some("broker unreachable".into()));
+        assert_eq!(health_reason(&health), "broker unreachable");
+        health.status = Some(HealthStatus {
+            transport: Some("connecting".into()),
+            auth: Some("rejected".into()),
+            idle_seconds: Some(42),
+            backlog: Some(3),
+            attempt: Some(5),
+        });
+        assert_eq!(
+            health_reason(&health),
+            "broker unreachable [transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
+        );
+        health.detail = None;
+        assert_eq!(
+            health_reason(&health),
+            "[transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
+        );
     }
 }
