@@ -51,9 +51,23 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
     let root = dest.path();
     install(root, &[]);
 
-    for binary in ["channeld", "channelctl", "channeld-console", "channeld-mqtt", "channeld-amqp"] {
+    let families = ["console", "mqtt", "amqp", "slack", "wechat", "wecom", "nostr"];
+    let drivers = families.iter().map(|family| format!("channeld-{family}"));
+    let built = drivers.filter(|binary| bin_dir().join(binary).is_file());
+    let binaries: Vec<String> =
+        ["channeld".to_owned(), "channelctl".to_owned()].into_iter().chain(built).collect();
+    assert!(binaries.iter().any(|b| b == "channeld-mqtt"), "channeld-mqtt was not built");
+    for binary in &binaries {
         assert_eq!(mode(&root.join("usr/local/bin").join(binary)), 0o755, "{binary}");
     }
+    let mut in_bin: Vec<String> = std::fs::read_dir(root.join("usr/local/bin"))
+        .expect("bin dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    in_bin.sort();
+    let mut expected_bin = binaries.clone();
+    expected_bin.sort();
+    assert_eq!(in_bin, expected_bin, "only channeld, channelctl and drivers are installed");
     let units = root.join("usr/local/lib/systemd/system");
     let mut installed: Vec<String> = std::fs::read_dir(&units)
         .expect("unit dir")
