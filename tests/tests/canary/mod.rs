@@ -1,0 +1,303 @@
+//! The canary harness shared by the secrets tests: a driver process with its log, everything
+//! an operator or a peer could see collected in one place, and two exercises — through a real
+//! hub (`channelctl` in text and `--json`, probes, sends that fail, shutdown) and on a bare
+//! socket that records every line the driver writes.
+
+use std::fs::OpenOptions;
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use channeld_protocol::frame::{Delivery, HealthRequest, HelloAck};
+use channeld_protocol::types::{HealthState, MessageBody, OutboundMessage};
+use channeld_protocol::{Frame, frame};
+use channeld_tests::peer::{id, target};
+use channeld_tests::{HubProcess, workspace_bin, write_file};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixListener;
+
+/// How long a driver may take to reach the expected health.
+const SETTLE_WITHIN: Duration = Duration::from_secs(45);
+
+/// A fresh secret that nothing else could print by chance.
+pub fn canary(tag: &str) -> String {
+    format!("canary-{tag}-{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
+/// A TCP port on loopback that nothing listens on.
+pub fn closed_port() -> u16 {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}
+
+/// A `LoadCredential=` directory holding one credential, as systemd lays it out.
+pub fn credentials(name: &str, value: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new().prefix("credentials-").tempdir().expect("temp dir");
+    write_file(dir.path(), name, &format!("{value}\n"));
+    dir
+}
+
+/// A driver process whose stderr goes to a file. Killed on drop.
+struct Driver {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Driver {
+    fn spawn(
+        binary: &str,
+        socket: &Path,
+        channel: &str,
+        env: &[(&str, String)],
+        dir: &Path,
+    ) -> Self {
+        let log = dir.join(format!("{channel}.driver.log"));
+        let stderr = OpenOptions::new().create(true).append(true).open(&log).expect("driver log");
+        let mut command = Command::new(workspace_bin(binary));
+        command
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CHANNELD_CHANNEL_ID", channel)
+            .env("CHANNELD_SOCKET", socket)
+            // Everything the driver can log, including its libraries.
+            .env("CHANNELD_LOG", "trace")
+            .env("RUST_LOG", "trace")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let child = command.spawn().unwrap_or_else(|err| panic!("spawn {binary}: {err}"));
+        Self { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM (the drain path logs too) and waits for the exit.
+    fn terminate(&mut self) {
+        // SAFETY: a plain syscall on our own child's PID.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().expect("wait driver").is_none() {
+            assert!(Instant::now() < deadline, "driver ignored SIGTERM:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("---- {} ----\n{}", self.log.display(), self.log());
+        }
+    }
+}
+
+/// Everything an operator or a peer could see, labelled, to search for a canary.
+#[derive(Default)]
+struct Exposed(Vec<(String, String)>);
+
+impl Exposed {
+    fn add(&mut self, what: impl Into<String>, text: impl Into<String>) {
+        self.0.push((what.into(), text.into()));
+    }
+
+    fn add_output(&mut self, what: &str, output: &std::process::Output) {
+        self.add(format!("{what} stdout"), String::from_utf8_lossy(&output.stdout));
+        self.add(format!("{what} stderr"), String::from_utf8_lossy(&output.stderr));
+    }
+
+    fn assert_free_of(&self, canaries: &[&str]) {
+        for canary in canaries {
+            for (what, text) in &self.0 {
+                assert!(!text.contains(canary), "the secret {canary} leaked into {what}:\n{text}");
+            }
+        }
+        assert!(self.0.iter().any(|(_, text)| !text.is_empty()), "nothing was captured");
+    }
+}
+
+/// The hub's view of `instance` (`channelctl status --json`).
+fn instance_status(hub: &HubProcess, instance: &str) -> Value {
+    let out = hub.ctl(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let status: Value = serde_json::from_slice(&out.stdout).expect("status json");
+    status["instances"]
+        .as_array()
+        .and_then(|all| all.iter().find(|i| i["instance"] == instance).cloned())
+        .unwrap_or_else(|| panic!("{instance} missing from status: {status}"))
+}
+
+/// What the driver should end up reporting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Broker {
+    /// Nothing listens: Degraded.
+    Unreachable,
+    /// The login is refused: Degraded.
+    Rejecting,
+    /// The login works: Ready, and a send is receipted.
+    Accepting,
+}
+
+/// Runs `binary` for `channel` against a real hub with `env`, waits for the health the
+/// broker implies, exercises probes, a send and shutdown, and asserts no canary is exposed.
+pub async fn through_the_hub(
+    binary: &str,
+    channel: &str,
+    broker: Broker,
+    env: &[(&str, String)],
+    canaries: &[&str],
+) {
+    let hub = HubProcess::start(&format!(
+        "[hub]\nhealth_probe_interval_secs = 1\n[instance.\"{channel}\"]\nallow_all = true\n"
+    ));
+    let mut driver = Driver::spawn(binary, &hub.socket(channel), channel, env, hub.dir.path());
+    let wanted = if broker == Broker::Accepting { "Ready" } else { "Degraded" };
+    let deadline = Instant::now() + SETTLE_WITHIN;
+    let settled = loop {
+        let status = instance_status(&hub, channel);
+        let detail = status["health"]["detail"].as_str().unwrap_or_default();
+        let explained = broker == Broker::Accepting || !detail.is_empty();
+        if status["connected"] == true && status["health"]["state"] == wanted && explained {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{channel} not {wanted} within {SETTLE_WITHIN:?}: {status}\n{}",
+            driver.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    let mut exposed = Exposed::default();
+    exposed.add("status while settled", settled.to_string());
+    for args in [
+        vec!["health", channel],
+        vec!["health", channel, "--json"],
+        vec!["status"],
+        vec!["status", "--json"],
+    ] {
+        let out = hub.ctl(&args);
+        assert_eq!(out.status.code(), Some(0), "channelctl {args:?}: {out:?}");
+        exposed.add_output(&format!("channelctl {}", args.join(" ")), &out);
+    }
+    let send = ["send", channel, "--conversation", "room", "--timeout", "10", "hello"];
+    for json in [false, true] {
+        let mut args = send.to_vec();
+        if json {
+            args.push("--json");
+        }
+        let out = hub.ctl(&args);
+        if broker == Broker::Accepting {
+            assert_eq!(out.status.code(), Some(0), "send failed: {out:?}\n{}", driver.log());
+        } else {
+            // Refused, unknown, failed or queued: anything but a receipt or a crash.
+            let code = out.status.code();
+            assert!(matches!(code, Some(4..=7)), "send answered {code:?}: {out:?}");
+        }
+        exposed.add_output(&format!("channelctl {}", args.join(" ")), &out);
+    }
+    exposed.add("status after the sends", instance_status(&hub, channel).to_string());
+    driver.terminate();
+    exposed.add(format!("{binary} log"), driver.log());
+    exposed.add("hub log", hub.log());
+    exposed.assert_free_of(canaries);
+    if broker != Broker::Accepting {
+        // The failure was exercised, so the error paths' output is part of what was checked.
+        let status = instance_status(&hub, channel);
+        assert!(status["last_error"].is_string() || status["counters"]["errors"] != 0, "{status}");
+    }
+}
+
+/// Plays the hub on a bare socket, recording every line the driver writes: answers `hello`,
+/// waits for a Degraded health report, then sends a probe and an outbound that cannot be
+/// posted, and stops the driver. Asserts no line carries a canary.
+pub async fn every_frame_on_the_wire(
+    binary: &str,
+    channel: &str,
+    env: &[(&str, String)],
+    canaries: &[&str],
+) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("hub.sock");
+    let listener = UnixListener::bind(&socket).expect("bind fake hub");
+    let mut driver = Driver::spawn(binary, &socket, channel, env, dir.path());
+    let (stream, _) = tokio::time::timeout(SETTLE_WITHIN, listener.accept())
+        .await
+        .expect("the driver did not connect")
+        .expect("accept");
+    let (read, mut write) = stream.into_split();
+    let mut lines = BufReader::new(read).lines();
+    let mut wire: Vec<String> = Vec::new();
+    let mut next = async |wire: &mut Vec<String>| -> Option<Frame> {
+        let line = tokio::time::timeout(SETTLE_WITHIN, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no frame within {SETTLE_WITHIN:?}; wire: {wire:#?}"))
+            .expect("read from driver")?;
+        let decoded = frame::decode(line.as_bytes());
+        wire.push(line);
+        Some(decoded.unwrap_or_else(|err| panic!("undecodable line from the driver: {err}")))
+    };
+
+    let hello = match next(&mut wire).await {
+        Some(Frame::Hello(hello)) => hello,
+        other => panic!("expected hello, got {other:?}"),
+    };
+    let ack = Frame::HelloAck(HelloAck {
+        request_id: hello.request_id.clone(),
+        extensions: hello.extensions.clone(),
+        hub: "secrets-test".into(),
+    });
+    write.write_all(&frame::encode(&ack).expect("encode")).await.expect("send hello_ack");
+    loop {
+        match next(&mut wire).await {
+            Some(Frame::Health(report)) if report.health.state == HealthState::Degraded => break,
+            Some(_) => {}
+            None => panic!("the driver left before reporting Degraded; wire: {wire:#?}"),
+        }
+    }
+    let probe = Frame::HealthRequest(HealthRequest { request_id: id("probe-1") });
+    let outbound = Frame::Outbound(Delivery {
+        request_id: id("send-1"),
+        message: OutboundMessage {
+            target: target(channel, "room"),
+            body: MessageBody::text("hello").expect("body"),
+            metadata: Default::default(),
+        },
+    });
+    for frame in [&probe, &outbound] {
+        write.write_all(&frame::encode(frame).expect("encode")).await.expect("send frame");
+    }
+    let (mut probed, mut answered) = (false, false);
+    while !(probed && answered) {
+        match next(&mut wire).await {
+            Some(Frame::HealthResponse(response)) if response.request_id.as_str() == "probe-1" => {
+                assert_ne!(response.health.state, HealthState::Ready);
+                probed = true;
+            }
+            Some(Frame::Error(err))
+                if err.request_id.as_ref().is_some_and(|r| r.as_str() == "send-1") =>
+            {
+                answered = true;
+            }
+            Some(Frame::Receipt(receipt)) => panic!("posted without a broker: {receipt:?}"),
+            Some(_) => {}
+            None => panic!("the driver left before answering; wire: {wire:#?}"),
+        }
+    }
+    driver.terminate();
+    while next(&mut wire).await.is_some() {}
+    let mut exposed = Exposed::default();
+    exposed.add("frames the driver wrote", wire.join("\n"));
+    exposed.add(format!("{binary} log"), driver.log());
+    exposed.assert_free_of(canaries);
+}
