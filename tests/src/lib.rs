@@ -5,6 +5,7 @@ pub mod control;
 pub mod mosquitto;
 pub mod peer;
 pub mod process;
+pub mod rabbitmq;
 
 use std::path::{Path, PathBuf};
 
