@@ -1,0 +1,185 @@
+//! A real `channeld` hub on its own config in a temp dir, ledger off or on, plus the few
+//! synchronous control requests the setup needs (`status`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::procs::{Proc, binary, wait_until};
+
+/// The instance every throughput row uses.
+pub const MAIN_INSTANCE: &str = "bench.main";
+
+/// Inbound runs one driver connection may have in flight. The hub's default is 4; the
+/// pipelined rows keep up to 256 in flight, so the bench raises it.
+pub const BENCH_MAX_INFLIGHT: usize = 512;
+
+/// What the hub is started with.
+#[derive(Debug, Clone)]
+pub struct HubSpec {
+    /// Keep a durable ledger (`--state-dir`).
+    pub ledger: bool,
+    /// Instances besides [`MAIN_INSTANCE`], each allowing every sender.
+    pub extra_instances: Vec<String>,
+    /// `hub.durability = "normal"`: commits skip the fsync (the default is `full`).
+    pub durability_normal: bool,
+}
+
+/// A running hub, stopped by PID on drop.
+#[derive(Debug)]
+pub struct HubProc {
+    pub proc: Proc,
+    pub runtime_dir: PathBuf,
+}
+
+impl HubProc {
+    /// Writes the config into `dir`, starts `bin_dir/channeld` and waits for its control socket.
+    pub fn start(bin_dir: &Path, dir: &Path, spec: &HubSpec) -> Result<Self> {
+        Self::start_wrapped(bin_dir, dir, spec, None)
+    }
+
+    /// Like [`start`](Self::start), with the hub under a wrapper command (a profiler).
+    pub fn start_wrapped(
+        bin_dir: &Path,
+        dir: &Path,
+        spec: &HubSpec,
+        wrap: Option<&str>,
+    ) -> Result<Self> {
+        let channeld = binary(
+            bin_dir,
+            "channeld",
+            "build it with `cargo build --release -p channeld-hub` (scripts/bench does)",
+        )?;
+        let runtime_dir = dir.join("run");
+        let config = dir.join("channeld.toml");
+        std::fs::write(&config, config_text(spec))
+            .with_context(|| format!("write {}", config.display()))?;
+        let log = dir.join("channeld.log");
+        let mut words = wrap.map(str::split_whitespace).into_iter().flatten();
+        let mut command = match words.next() {
+            Some(wrapper) => {
+                let mut command = Command::new(wrapper);
+                command.args(words).arg(&channeld);
+                command
+            }
+            None => Command::new(&channeld),
+        };
+        command.arg("--config").arg(&config).arg("--runtime-dir").arg(&runtime_dir);
+        if spec.ledger {
+            command.arg("--state-dir").arg(dir.join("state"));
+        }
+        let child = command
+            .env_remove("STATE_DIRECTORY")
+            .env("CHANNELD_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .with_context(|| format!("start {}", channeld.display()))?;
+        let mut proc = Proc::new("channeld", child, Some(log));
+        let control = runtime_dir.join("control.sock");
+        wait_until(&mut proc, Duration::from_secs(120), "open its control socket", || {
+            UnixStream::connect(&control).is_ok()
+        })?;
+        Ok(Self { proc, runtime_dir })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.proc.pid()
+    }
+
+    pub fn control_socket(&self) -> PathBuf {
+        self.runtime_dir.join("control.sock")
+    }
+
+    pub fn socket(&self, instance: &str) -> PathBuf {
+        self.runtime_dir.join(format!("{instance}.sock"))
+    }
+
+    /// Waits until every instance in `instances` has a connected driver whose health passes
+    /// `healthy` (the hub's own view: what a send would see).
+    pub fn wait_connected(
+        &mut self,
+        instances: &[&str],
+        limit: Duration,
+        healthy: impl Fn(&Value) -> bool,
+    ) -> Result<()> {
+        self.wait_status(limit, "see the drivers connect", |rows| {
+            instances.iter().all(|name| {
+                rows.iter().any(|row| {
+                    row["instance"] == *name
+                        && row["connected"] == Value::Bool(true)
+                        && healthy(&row["health"])
+                })
+            })
+        })
+        .with_context(|| format!("waiting for {instances:?}"))
+    }
+
+    /// Waits until exactly `count` drivers are connected.
+    pub fn wait_connected_count(&mut self, count: usize, limit: Duration) -> Result<()> {
+        self.wait_status(limit, "see the drivers leave", |rows| {
+            rows.iter().filter(|row| row["connected"] == Value::Bool(true)).count() == count
+        })
+    }
+
+    /// Polls `status` until `ready` holds for its instance rows.
+    fn wait_status(
+        &mut self,
+        limit: Duration,
+        what: &str,
+        ready: impl Fn(&[Value]) -> bool,
+    ) -> Result<()> {
+        let control = self.control_socket();
+        let mut last_error = None;
+        let waited = wait_until(&mut self.proc, limit, what, || match status_at(&control) {
+            Ok(status) => ready(status["instances"].as_array().map_or(&[], Vec::as_slice)),
+            Err(err) => {
+                last_error = Some(err.to_string());
+                false
+            }
+        });
+        waited.with_context(|| format!("last status error: {last_error:?}"))
+    }
+}
+
+/// One `status` request on the control socket at `control`.
+pub fn status_at(control: &Path) -> Result<Value> {
+    let mut stream =
+        UnixStream::connect(control).with_context(|| format!("connect {}", control.display()))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(b"{\"id\":1,\"op\":\"status\"}\n")?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    let answer: Value = serde_json::from_str(&line).context("status answer is not JSON")?;
+    if answer["ok"] != Value::Bool(true) {
+        bail!("status failed: {line}");
+    }
+    Ok(answer["result"].clone())
+}
+
+fn config_text(spec: &HubSpec) -> String {
+    let durability = if spec.durability_normal { "durability = \"normal\"\n" } else { "" };
+    let mut text = format!(
+        "[hub]\nmax_inflight = {BENCH_MAX_INFLIGHT}\n{durability}\n[instance.\"{MAIN_INSTANCE}\"]\nallow_all = true\n"
+    );
+    for name in &spec.extra_instances {
+        text.push_str(&format!("\n[instance.\"{name}\"]\nallow_all = true\n"));
+    }
+    text
+}
+
+/// Health that is simply "a driver is connected".
+pub fn any_health(_: &Value) -> bool {
+    true
+}
+
+/// Health of a broker driver that reached its broker.
+pub fn transport_connected(health: &Value) -> bool {
+    health["status"]["transport"] == "connected"
+}

@@ -1,0 +1,235 @@
+//! `channeld-bench`: channeld against mosquitto side by side on this machine, memory per idle
+//! driver, and the hub with up to 1,000 connected drivers. Prints a markdown table and writes
+//! the numbers as JSON. It prints numbers; it never judges them by failing.
+//!
+//! The default command orchestrates: it runs one `phase` process per CPU setting under
+//! `taskset` (every process a phase starts inherits the affinity), then a `memory` process,
+//! and merges their results. `driver` and `mqtt-responder` are the processes standing where
+//! a platform driver would.
+
+mod broker;
+mod control;
+mod driver;
+mod hub;
+mod memory;
+mod mqtt;
+mod payload;
+mod peers;
+mod phase;
+mod procs;
+mod report;
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+use crate::phase::{Budget, PhaseArgs};
+use crate::report::{Machine, Phase, Report, Settings};
+
+#[derive(Debug, Parser)]
+#[command(name = "channeld-bench", about = "Benchmark channeld against mosquitto on this machine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Cmd>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Tiny counts and one repetition: checks that everything runs, in seconds.
+    #[arg(long, global = true)]
+    quick: bool,
+    /// Also measure the idle AMQP driver (starts RabbitMQ, which takes ~11 s to boot).
+    #[arg(long, global = true)]
+    amqp: bool,
+    /// Where to write the JSON results.
+    #[arg(long, global = true, default_value = "target/bench.json")]
+    out: PathBuf,
+    /// Directory holding `channeld` and the driver binaries (default: next to this binary).
+    #[arg(long, global = true)]
+    bin_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run the whole benchmark (the default).
+    Run,
+    /// Internal: one CPU setting's throughput and scaling rows.
+    #[command(hide = true)]
+    Phase {
+        #[arg(long)]
+        mode: String,
+        #[arg(long)]
+        cpus: String,
+        #[arg(long)]
+        result: PathBuf,
+    },
+    /// Internal: resident size of idle drivers.
+    #[command(hide = true)]
+    Memory {
+        #[arg(long)]
+        result: PathBuf,
+    },
+    /// Runs one path against a hub for a while and prints the PIDs, for profiling:
+    /// `perf record -e cpu-clock -g -p <hub pid>` or `valgrind --tool=callgrind` on the hub.
+    Soak {
+        /// `send` (control socket → driver → receipt) or `inbound` (driver → echo → deliver).
+        #[arg(long, default_value = "send")]
+        path: String,
+        #[arg(long, default_value_t = 256)]
+        window: usize,
+        #[arg(long, default_value_t = 20)]
+        seconds: u64,
+        /// Keep the durable ledger.
+        #[arg(long)]
+        ledger: bool,
+        /// With `--ledger`: `hub.durability = "normal"` (no fsync per commit).
+        #[arg(long)]
+        durability_normal: bool,
+        /// Start the hub under this wrapper (e.g. "valgrind --tool=callgrind").
+        #[arg(long)]
+        wrap: Option<String>,
+    },
+    /// Internal: the minimal SDK driver (launch settings from the environment).
+    #[command(hide = true)]
+    Driver,
+    /// Internal: the MQTT responder standing where a driver would.
+    #[command(hide = true)]
+    MqttResponder { port: u16, prefix: String },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let outcome = match cli.command.unwrap_or(Cmd::Run) {
+        Cmd::Driver => return driver::driver_main(),
+        Cmd::MqttResponder { port, prefix } => return mqtt::responder_main(port, &prefix),
+        Cmd::Run => run_all(&cli.run),
+        Cmd::Phase { mode, cpus, result } => bin_dir(&cli.run).and_then(|bin_dir| {
+            let args = PhaseArgs { mode, cpus, bin_dir, budget: Budget::new(cli.run.quick) };
+            write_json(&result, &phase::run_phase(&args)?)
+        }),
+        Cmd::Soak { path, window, seconds, ledger, durability_normal, wrap } => bin_dir(&cli.run)
+            .and_then(|bin_dir| {
+                let measure = std::time::Duration::from_secs(seconds);
+                let wrap = wrap.as_deref();
+                phase::soak(&bin_dir, &path, window, measure, ledger, durability_normal, wrap)
+            }),
+        Cmd::Memory { result } => bin_dir(&cli.run).and_then(|bin_dir| {
+            let drivers = memory::run_memory(&bin_dir, cli.run.quick, cli.run.amqp)?;
+            write_json(&result, &drivers)
+        }),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("channeld-bench: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bin_dir(args: &RunArgs) -> Result<PathBuf> {
+    match &args.bin_dir {
+        Some(dir) => Ok(dir.clone()),
+        None => {
+            let exe = std::env::current_exe().context("locate channeld-bench")?;
+            Ok(exe.parent().context("channeld-bench has no directory")?.to_owned())
+        }
+    }
+}
+
+fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parse {}", path.display()))
+}
+
+/// The 1-, 5- and 15-minute load averages.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|text| text.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn run_all(args: &RunArgs) -> Result<()> {
+    let bin_dir = bin_dir(args)?;
+    procs::binary(&bin_dir, "channeld", "build it with `cargo build --release -p channeld-hub`")?;
+    broker::mosquitto_binary()?;
+    let taskset = procs::find_program("taskset", &["/usr/bin/taskset"])
+        .context("taskset is not installed (util-linux): it pins the processes to one CPU")?;
+    let exe = std::env::current_exe().context("locate channeld-bench")?;
+    // Every online CPU, not this process's affinity (the caller may itself be pinned).
+    // SAFETY: sysconf has no preconditions.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    let all_cpus = format!("0-{}", cpus - 1);
+    let scratch = tempfile::Builder::new().prefix("channeld-bench-run-").tempdir()?;
+    let load_before = load_average();
+
+    let child = |subcommand: &[&str], cpu_list: &str| -> Result<()> {
+        let mut command = Command::new(&taskset);
+        command.arg("-c").arg(cpu_list).arg(&exe).args(subcommand);
+        command.arg("--bin-dir").arg(&bin_dir);
+        if args.quick {
+            command.arg("--quick");
+        }
+        if args.amqp {
+            command.arg("--amqp");
+        }
+        let status = command.status().with_context(|| format!("start {}", exe.display()))?;
+        if !status.success() {
+            bail!("`channeld-bench {}` failed ({status})", subcommand.join(" "));
+        }
+        Ok(())
+    };
+
+    let mut phases: Vec<Phase> = Vec::new();
+    for (mode, cpu_list) in [("pinned", "0"), ("unpinned", all_cpus.as_str())] {
+        let result = scratch.path().join(format!("{mode}.json"));
+        let result_arg = result.to_string_lossy().into_owned();
+        child(&["phase", "--mode", mode, "--cpus", cpu_list, "--result", &result_arg], cpu_list)?;
+        phases.push(read_json(&result)?);
+    }
+    let result = scratch.path().join("memory.json");
+    child(&["memory", "--result", &result.to_string_lossy()], &all_cpus)?;
+    let idle_drivers = read_json(&result)?;
+
+    let budget = Budget::new(args.quick);
+    let report = Report {
+        schema: "channeld-bench/1".into(),
+        quick: args.quick,
+        machine: Machine {
+            cpus,
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map(|s| format!("Linux {}", s.trim()))
+                .unwrap_or_else(|_| "Linux".into()),
+            mosquitto: broker::mosquitto_version().unwrap_or_else(|| "mosquitto".into()),
+            load_before,
+            load_after: load_average(),
+        },
+        settings: Settings {
+            payload_bytes: payload::PAYLOAD_BYTES,
+            repetitions: budget.repetitions,
+            measure_ms: budget.measure.as_millis() as u64,
+            windows: budget.windows.clone(),
+            hub_max_inflight: hub::BENCH_MAX_INFLIGHT,
+            ledger_durability: "full (default)".into(),
+        },
+        phases,
+        idle_drivers,
+    };
+    write_json(&args.out, &report)?;
+    println!("{}", report.markdown());
+    eprintln!("channeld-bench: results written to {}", args.out.display());
+    Ok(())
+}

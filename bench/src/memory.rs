@@ -1,0 +1,266 @@
+//! Resident size of idle driver processes, one per family that can run here, each connected
+//! to a hub (and to its broker, for the broker families) and then left alone.
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+
+use crate::broker::Mosquitto;
+use crate::hub::{HubProc, HubSpec, MAIN_INSTANCE, any_health, transport_connected};
+use crate::procs::{Proc, find_program, free_port, rss_kib, wait_until};
+use crate::report::DriverMemory;
+
+/// How long a driver sits idle after connecting before its resident size is read.
+fn idle_period(quick: bool) -> Duration {
+    if quick { Duration::from_millis(100) } else { Duration::from_secs(2) }
+}
+
+/// Measures every driver family found in `bin_dir`. AMQP needs RabbitMQ, started only with
+/// `with_rabbitmq` (it takes seconds to boot).
+pub fn run_memory(bin_dir: &Path, quick: bool, with_rabbitmq: bool) -> Result<Vec<DriverMemory>> {
+    let dir = tempfile::Builder::new().prefix("channeld-bench-mem-").tempdir()?;
+    let broker_dir = dir.path().join("mosquitto");
+    std::fs::create_dir_all(&broker_dir)?;
+    let mut broker = Mosquitto::start(&broker_dir)?;
+    let hub_dir = dir.path().join("hub");
+    std::fs::create_dir_all(&hub_dir)?;
+    let families = ["console.idle", "mqtt.idle", "amqp.idle"];
+    let spec = HubSpec {
+        ledger: false,
+        extra_instances: families.iter().map(|s| s.to_string()).collect(),
+        durability_normal: false,
+    };
+    let mut hub = HubProc::start(bin_dir, &hub_dir, &spec)?;
+    let mut results = Vec::new();
+    let idle = idle_period(quick);
+
+    let exe = std::env::current_exe()?;
+    let mut bench = spawn(&exe, &["driver"], MAIN_INSTANCE, &hub, &hub_dir, &[])?;
+    results.push(measure(
+        &mut hub,
+        &mut bench,
+        "bench (minimal SDK driver)",
+        &exe,
+        any_health,
+        idle,
+        "",
+    )?);
+
+    match bin_dir.join("channeld-console") {
+        path if path.is_file() => {
+            let mut console = spawn(&path, &[], "console.idle", &hub, &hub_dir, &[])?;
+            let note = "stdin open, nothing typed";
+            results.push(measure(
+                &mut hub,
+                &mut console,
+                "console",
+                &path,
+                any_health,
+                idle,
+                note,
+            )?);
+        }
+        path => results.push(missing("console", &path)),
+    }
+
+    match bin_dir.join("channeld-mqtt") {
+        path if path.is_file() => {
+            let url = format!("mqtt://127.0.0.1:{}", broker.port);
+            let env = [("CHANNELD_MQTT_URL", url.as_str())];
+            let mut mqtt = spawn(&path, &[], "mqtt.idle", &hub, &hub_dir, &env)?;
+            let note = "connected to the bench's mosquitto, subscribed";
+            results.push(measure(
+                &mut hub,
+                &mut mqtt,
+                "mqtt",
+                &path,
+                transport_connected,
+                idle,
+                note,
+            )?);
+        }
+        path => results.push(missing("mqtt", &path)),
+    }
+
+    match bin_dir.join("channeld-amqp") {
+        path if !path.is_file() => results.push(missing("amqp", &path)),
+        path if !with_rabbitmq => results.push(DriverMemory {
+            family: "amqp".into(),
+            binary: path.display().to_string(),
+            rss_kib: None,
+            note: "not measured by default: RabbitMQ needs ~11 s to boot here; `scripts/bench --amqp` includes it".into(),
+        }),
+        path => {
+            let rabbit_dir = dir.path().join("rabbitmq");
+            std::fs::create_dir_all(&rabbit_dir)?;
+            match RabbitMq::start(&rabbit_dir) {
+                Ok(rabbit) => {
+                    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit.port);
+                    let env = [("CHANNELD_AMQP_URL", url.as_str()), ("CHANNELD_AMQP_QUEUE", "bench-idle")];
+                    let mut amqp = spawn(&path, &[], "amqp.idle", &hub, &hub_dir, &env)?;
+                    let note = "connected to a RabbitMQ the bench started, consuming";
+                    results.push(measure(&mut hub, &mut amqp, "amqp", &path, transport_connected, idle, note)?);
+                    amqp.proc.stop(Duration::from_secs(10))?;
+                    drop(rabbit);
+                }
+                Err(err) => results.push(DriverMemory {
+                    family: "amqp".into(),
+                    binary: path.display().to_string(),
+                    rss_kib: None,
+                    note: format!("not measured: {err:#}"),
+                }),
+            }
+        }
+    }
+    hub.proc.stop(Duration::from_secs(15))?;
+    broker.proc.stop(Duration::from_secs(5))?;
+    Ok(results)
+}
+
+/// A driver process; its stdin stays open (the console driver ends at end of input).
+struct Spawned {
+    proc: Proc,
+    _stdin: Option<ChildStdin>,
+}
+
+fn spawn(
+    binary: &Path,
+    args: &[&str],
+    instance: &str,
+    hub: &HubProc,
+    dir: &Path,
+    env: &[(&str, &str)],
+) -> Result<Spawned> {
+    let log = dir.join(format!("{instance}.log"));
+    let mut child: Child = Command::new(binary)
+        .args(args)
+        .env("CHANNELD_CHANNEL_ID", instance)
+        .env("CHANNELD_SOCKET", hub.socket(instance))
+        .env("CHANNELD_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()
+        .with_context(|| format!("start {}", binary.display()))?;
+    let stdin = child.stdin.take();
+    Ok(Spawned { proc: Proc::new(instance, child, Some(log)), _stdin: stdin })
+}
+
+fn measure(
+    hub: &mut HubProc,
+    driver: &mut Spawned,
+    family: &str,
+    binary: &Path,
+    healthy: fn(&Value) -> bool,
+    idle: Duration,
+    note: &str,
+) -> Result<DriverMemory> {
+    let instance = driver.proc.name.clone();
+    hub.wait_connected(&[instance.as_str()], Duration::from_secs(30), healthy)
+        .with_context(|| format!("{family} driver{}", driver.proc.log_tail()))?;
+    // Idle time, not synchronisation: the driver is connected; this lets it settle.
+    std::thread::sleep(idle);
+    driver.proc.check_alive()?;
+    let rss = rss_kib(driver.proc.pid())?;
+    eprintln!("channeld-bench [memory] idle {family} driver: {:.1} MiB", rss as f64 / 1024.0);
+    Ok(DriverMemory {
+        family: family.into(),
+        binary: binary.display().to_string(),
+        rss_kib: Some(rss),
+        note: note.into(),
+    })
+}
+
+fn missing(family: &str, path: &Path) -> DriverMemory {
+    DriverMemory {
+        family: family.into(),
+        binary: path.display().to_string(),
+        rss_kib: None,
+        note: format!("not measured: {} is not built", path.display()),
+    }
+}
+
+/// A RabbitMQ node with its own epmd (so nothing outlives the bench), both stopped by PID.
+struct RabbitMq {
+    port: u16,
+    node: Proc,
+    epmd: Proc,
+}
+
+impl Drop for RabbitMq {
+    fn drop(&mut self) {
+        // The start script stops the Erlang node on SIGTERM; that takes a few seconds, and
+        // killing the script early would orphan the node.
+        let _ = self.node.stop(Duration::from_secs(60));
+        let _ = self.epmd.stop(Duration::from_secs(5));
+    }
+}
+
+impl RabbitMq {
+    fn start(dir: &Path) -> Result<Self> {
+        let server = find_program(
+            "rabbitmq-server",
+            &["/usr/lib/rabbitmq/bin/rabbitmq-server", "/usr/sbin/rabbitmq-server"],
+        )
+        .context("rabbitmq-server is not installed: apt-get install rabbitmq-server")?;
+        let epmd_bin = find_epmd().context("epmd (Erlang) is not installed")?;
+        let epmd_port = free_port()?;
+        let epmd_child = Command::new(&epmd_bin)
+            .arg("-port")
+            .arg(epmd_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start epmd")?;
+        let mut epmd = Proc::new("epmd", epmd_child, None);
+        wait_until(&mut epmd, Duration::from_secs(10), "listen", || {
+            TcpStream::connect(("127.0.0.1", epmd_port)).is_ok()
+        })?;
+        let port = free_port()?;
+        let dist_port = free_port()?;
+        std::fs::write(
+            dir.join("rabbit.conf"),
+            format!("listeners.tcp.default = 127.0.0.1:{port}\n"),
+        )?;
+        std::fs::write(dir.join("plugins"), "[].\n")?;
+        let log = dir.join("rabbitmq.log");
+        let node = format!("channeld-bench-{}@localhost", std::process::id());
+        let child = Command::new(&server)
+            .env("ERL_EPMD_PORT", epmd_port.to_string())
+            .env("RABBITMQ_NODENAME", node)
+            .env("RABBITMQ_NODE_PORT", port.to_string())
+            .env("RABBITMQ_DIST_PORT", dist_port.to_string())
+            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbit"))
+            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", dir.join("log"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("plugins"))
+            .env("RABBITMQ_PID_FILE", dir.join("pid"))
+            .env("HOME", dir)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log)?)
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start rabbitmq-server")?;
+        let mut node = Proc::new("rabbitmq-server", child, Some(log));
+        wait_until(&mut node, Duration::from_secs(60), "accept AMQP connections", || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        })?;
+        Ok(Self { port, node, epmd })
+    }
+}
+
+fn find_epmd() -> Option<PathBuf> {
+    if let Some(path) = find_program("epmd", &[]) {
+        return Some(path);
+    }
+    let erts = std::fs::read_dir("/usr/lib/erlang").ok()?;
+    erts.filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join("bin/epmd"))
+        .find(|path| path.is_file())
+}

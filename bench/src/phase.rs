@@ -1,0 +1,291 @@
+//! One phase of the bench, run in a process of its own under one CPU setting (the parent
+//! starts it under `taskset`, and every process it starts inherits the affinity): the
+//! throughput rows for the hub (ledger off and on) and mosquitto, then the scaling rows.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use channeld_protocol::ChannelId;
+use tokio::runtime::Runtime;
+
+use crate::broker::Mosquitto;
+use crate::control;
+use crate::driver::DriverProc;
+use crate::hub::{HubProc, HubSpec, MAIN_INSTANCE, any_health};
+use crate::mqtt::{self, Responder};
+use crate::peers::Peers;
+use crate::procs::cpu_time;
+use crate::report::{CpuRow, PathKind, Phase, Row, Scale};
+use crate::stats::{Plan, Sample, median_sample};
+
+/// How much a phase measures.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    pub quick: bool,
+    pub repetitions: usize,
+    pub measure: Duration,
+    pub windows: Vec<usize>,
+    /// Connected drivers at the top of the scaling rows.
+    pub max_drivers: usize,
+    /// Measuring time of each CPU-per-message run.
+    pub cpu_measure: Duration,
+}
+
+impl Budget {
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                quick,
+                repetitions: 1,
+                measure: Duration::from_millis(50),
+                windows: vec![1, 16, 256],
+                max_drivers: 20,
+                cpu_measure: Duration::from_millis(100),
+            }
+        } else {
+            Self {
+                quick,
+                repetitions: 5,
+                measure: Duration::from_secs(1),
+                windows: vec![1, 16, 256],
+                max_drivers: 1000,
+                cpu_measure: Duration::from_secs(3),
+            }
+        }
+    }
+
+    pub fn plan(&self, window: usize) -> Plan {
+        let warmup = if self.quick { 20 } else { 200 + 2 * window as u64 };
+        Plan { window, warmup, measure: self.measure }
+    }
+}
+
+/// Everything a phase needs from its parent.
+#[derive(Debug, Clone)]
+pub struct PhaseArgs {
+    pub mode: String,
+    pub cpus: String,
+    pub bin_dir: PathBuf,
+    pub budget: Budget,
+}
+
+fn runtime() -> Result<Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+fn progress(mode: &str, what: &str, sample: &Sample) {
+    eprintln!(
+        "channeld-bench [{mode}] {what}: {}/s p50 {:.1} µs p99 {:.1} µs{}",
+        crate::report::fmt_rate(sample.rate_per_s),
+        sample.p50_us,
+        sample.p99_us,
+        if sample.errors > 0 { format!(" ({} errors)", sample.errors) } else { String::new() }
+    );
+}
+
+pub fn run_phase(args: &PhaseArgs) -> Result<Phase> {
+    let rt = runtime()?;
+    let dir = tempfile::Builder::new().prefix("channeld-bench-").tempdir()?;
+    let budget = &args.budget;
+    let mut rows = Vec::new();
+
+    for ledger in [false, true] {
+        let hub_dir = dir.path().join(if ledger { "hub-ledger" } else { "hub" });
+        std::fs::create_dir_all(&hub_dir)?;
+        let spec = HubSpec { ledger, extra_instances: Vec::new(), durability_normal: false };
+        let mut hub = HubProc::start(&args.bin_dir, &hub_dir, &spec)?;
+        let mut driver = DriverProc::start(
+            MAIN_INSTANCE,
+            &hub.socket(MAIN_INSTANCE),
+            &hub_dir.join("driver.log"),
+        )?;
+        hub.wait_connected(&[MAIN_INSTANCE], Duration::from_secs(20), any_health)?;
+        let instances = vec![MAIN_INSTANCE.to_owned()];
+        let ledger_name = if ledger { "on" } else { "off" };
+        for &window in &budget.windows {
+            let plan = budget.plan(window);
+            let mut sends = Vec::new();
+            let mut inbound = Vec::new();
+            for rep in 0..budget.repetitions {
+                let sample = rt
+                    .block_on(control::send_round_trips(&hub.control_socket(), &instances, plan))
+                    .with_context(|| format!("send, ledger {ledger_name}, {window} in flight"))?;
+                progress(
+                    &args.mode,
+                    &format!("send ledger={ledger_name} window={window} rep {rep}"),
+                    &sample,
+                );
+                sends.push(sample);
+                let prefix = format!("{}-{ledger_name}-{window}-{rep}", args.mode);
+                let sample = driver.inbound(plan, &prefix).with_context(|| {
+                    format!("inbound, ledger {ledger_name}, {window} in flight")
+                })?;
+                progress(
+                    &args.mode,
+                    &format!("inbound ledger={ledger_name} window={window} rep {rep}"),
+                    &sample,
+                );
+                inbound.push(sample);
+            }
+            rows.push(row(PathKind::Send, Some(ledger), window, sends));
+            rows.push(row(PathKind::Inbound, Some(ledger), window, inbound));
+        }
+        driver.stop()?;
+        hub.proc.stop(Duration::from_secs(15))?;
+    }
+
+    let broker_dir = dir.path().join("mosquitto");
+    std::fs::create_dir_all(&broker_dir)?;
+    let mut broker = Mosquitto::start(&broker_dir)?;
+    let prefix = format!("{}-{}", args.mode, std::process::id());
+    let mut responder = Responder::start(broker.port, &prefix, &broker_dir.join("responder.log"))?;
+    for &window in &budget.windows {
+        let plan = budget.plan(window);
+        let mut samples = Vec::new();
+        for rep in 0..budget.repetitions {
+            let client = format!("{prefix}-{window}-{rep}");
+            let sample = rt
+                .block_on(mqtt::round_trips(broker.port, &prefix, &client, plan))
+                .with_context(|| format!("mosquitto, {window} in flight"))?;
+            progress(&args.mode, &format!("mosquitto window={window} rep {rep}"), &sample);
+            samples.push(sample);
+        }
+        rows.push(row(PathKind::Mosquitto, None, window, samples));
+    }
+    responder.proc.stop(Duration::from_secs(5))?;
+    broker.proc.stop(Duration::from_secs(5))?;
+
+    let scale = scale(args, &rt, dir.path())?;
+    Ok(Phase { mode: args.mode.clone(), cpus: args.cpus.clone(), rows, scale })
+}
+
+/// `channeld-bench soak`: one path at one window for `measure`, reporting what it got.
+pub fn soak(
+    bin_dir: &Path,
+    path: &str,
+    window: usize,
+    measure: Duration,
+    ledger: bool,
+    durability_normal: bool,
+    wrap: Option<&str>,
+) -> Result<()> {
+    let rt = runtime()?;
+    let dir = tempfile::Builder::new().prefix("channeld-bench-soak-").tempdir()?;
+    let spec = HubSpec { ledger, extra_instances: Vec::new(), durability_normal };
+    let mut hub = HubProc::start_wrapped(bin_dir, dir.path(), &spec, wrap)?;
+    let mut driver = DriverProc::start(
+        MAIN_INSTANCE,
+        &hub.socket(MAIN_INSTANCE),
+        &dir.path().join("driver.log"),
+    )?;
+    hub.wait_connected(&[MAIN_INSTANCE], Duration::from_secs(120), any_health)?;
+    eprintln!("channeld-bench soak: hub pid {}, driver pid {}", hub.pid(), driver.proc.pid());
+    let plan = Plan { window, warmup: 0, measure };
+    let hub_before = cpu_time(hub.pid())?;
+    let driver_before = cpu_time(driver.proc.pid())?;
+    let sample = match path {
+        "send" => rt.block_on(control::send_round_trips(
+            &hub.control_socket(),
+            &[MAIN_INSTANCE.to_owned()],
+            plan,
+        ))?,
+        "inbound" => driver.inbound(plan, &format!("soak-{}", std::process::id()))?,
+        other => anyhow::bail!("unknown path {other:?}: send or inbound"),
+    };
+    let per_message = |spent: Duration| spent.as_secs_f64() * 1e6 / sample.total.max(1) as f64;
+    let hub_cpu = per_message(cpu_time(hub.pid())? - hub_before);
+    let driver_cpu = per_message(cpu_time(driver.proc.pid())? - driver_before);
+    progress("soak", &format!("{path} window={window}"), &sample);
+    eprintln!(
+        "channeld-bench [soak] CPU per message: hub {hub_cpu:.2} µs, driver {driver_cpu:.2} µs ({} messages)",
+        sample.total
+    );
+    driver.stop()?;
+    hub.proc.stop(Duration::from_secs(60))?;
+    Ok(())
+}
+
+fn row(path: PathKind, ledger: Option<bool>, window: usize, reps: Vec<Sample>) -> Row {
+    Row { path, ledger, window, median: median_sample(&reps), reps }
+}
+
+/// Hub memory with 0, 1, 100 and `max_drivers` connected drivers, and the hub's CPU time per
+/// send with one driver and with all of them connected.
+fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path) -> Result<Scale> {
+    let budget = &args.budget;
+    let max = budget.max_drivers;
+    let idle: Vec<String> = (1..max).map(|i| format!("bench.d{i:04}")).collect();
+    let hub_dir = dir.join("hub-scale");
+    std::fs::create_dir_all(&hub_dir)?;
+    let spec = HubSpec { ledger: false, extra_instances: idle.clone(), durability_normal: false };
+    let mut hub = HubProc::start(&args.bin_dir, &hub_dir, &spec)?;
+    let mut result = Scale { instances_configured: max, ..Scale::default() };
+    result.hub_rss_kib.push((0, crate::procs::rss_kib(hub.pid())?));
+
+    let mut driver =
+        DriverProc::start(MAIN_INSTANCE, &hub.socket(MAIN_INSTANCE), &hub_dir.join("driver.log"))?;
+    hub.wait_connected(&[MAIN_INSTANCE], Duration::from_secs(20), any_health)?;
+    let main = vec![MAIN_INSTANCE.to_owned()];
+    result.hub_rss_kib.push((1, crate::procs::rss_kib(hub.pid())?));
+
+    // Resident sizes first, before any traffic grows the heap.
+
+    let mut peers = Peers::spawn()?;
+    let sockets: Vec<(ChannelId, PathBuf)> = idle
+        .iter()
+        .map(|name| Ok((ChannelId::new(name.clone())?, hub.socket(name))))
+        .collect::<Result<_>>()?;
+    let (first, rest) = sockets.split_at(sockets.len().min(99));
+    peers.connect(first.to_vec())?;
+    if max > 100 {
+        result.hub_rss_kib.push((1 + peers.connected(), crate::procs::rss_kib(hub.pid())?));
+    }
+    peers.connect(rest.to_vec())?;
+    let connected = 1 + peers.connected();
+    result.hub_rss_kib.push((connected, crate::procs::rss_kib(hub.pid())?));
+    result.cpu.push(cpu_per_message(args, rt, &hub, &main, connected, "one")?);
+    let all: Vec<String> = std::iter::once(MAIN_INSTANCE.to_owned()).chain(idle).collect();
+    result.cpu.push(cpu_per_message(args, rt, &hub, &all, connected, "spread")?);
+    result.hub_rss_after_traffic_kib = Some((connected, crate::procs::rss_kib(hub.pid())?));
+
+    drop(peers);
+    hub.wait_connected_count(1, Duration::from_secs(30))?;
+    result.cpu.insert(0, cpu_per_message(args, rt, &hub, &main, 1, "one")?);
+    driver.stop()?;
+    hub.proc.stop(Duration::from_secs(15))?;
+    Ok(result)
+}
+
+/// Sends with 16 in flight for the CPU measuring time and divides the hub's CPU time by the
+/// sends completed meanwhile.
+fn cpu_per_message(
+    args: &PhaseArgs,
+    rt: &Runtime,
+    hub: &HubProc,
+    instances: &[String],
+    connected: usize,
+    traffic: &str,
+) -> Result<CpuRow> {
+    let budget = &args.budget;
+    let warm =
+        Plan { window: 16, warmup: 0, measure: budget.measure.min(Duration::from_millis(300)) };
+    rt.block_on(control::send_round_trips(&hub.control_socket(), instances, warm))?;
+    let plan = Plan { window: 16, warmup: 0, measure: budget.cpu_measure };
+    let before = cpu_time(hub.pid())?;
+    let sample = rt.block_on(control::send_round_trips(&hub.control_socket(), instances, plan))?;
+    let spent = cpu_time(hub.pid())? - before;
+    let messages = sample.total.max(1);
+    let row = CpuRow {
+        connected,
+        traffic: traffic.to_owned(),
+        messages: sample.total,
+        hub_cpu_us_per_message: spent.as_secs_f64() * 1e6 / messages as f64,
+        rate_per_s: sample.rate_per_s,
+    };
+    eprintln!(
+        "channeld-bench [{}] hub CPU with {connected} connected ({traffic}): {:.2} µs/message over {} sends",
+        args.mode, row.hub_cpu_us_per_message, row.messages
+    );
+    Ok(row)
+}

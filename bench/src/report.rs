@@ -1,0 +1,337 @@
+//! What a run produced (serialised as the JSON file) and its markdown rendering, including
+//! the issue's targets, checked against the numbers (printed, never asserted).
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::stats::Sample;
+
+/// Which round trip a row measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathKind {
+    /// Control client → hub → driver → receipt → hub → control client.
+    Send,
+    /// Driver → hub (`inbound`, echo runtime) → `deliver` back to the driver.
+    Inbound,
+    /// Client → mosquitto → responder → mosquitto → client, QoS 1 both ways.
+    Mosquitto,
+}
+
+impl PathKind {
+    fn label(self) -> &'static str {
+        match self {
+            PathKind::Send => "send → receipt (hub)",
+            PathKind::Inbound => "inbound → deliver (hub, echo)",
+            PathKind::Mosquitto => "mosquitto QoS 1 round trip",
+        }
+    }
+}
+
+/// One row: a path at one concurrency, the median over repetitions.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Row {
+    pub path: PathKind,
+    /// Whether the hub kept its durable ledger; `None` for mosquitto.
+    pub ledger: Option<bool>,
+    pub window: usize,
+    pub median: Sample,
+    pub reps: Vec<Sample>,
+}
+
+/// CPU time the hub spent per message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CpuRow {
+    pub connected: usize,
+    /// `one` (every send to one driver) or `spread` (round robin over every connected driver).
+    pub traffic: String,
+    pub messages: u64,
+    pub hub_cpu_us_per_message: f64,
+    pub rate_per_s: f64,
+}
+
+/// Hub memory and CPU with many connected drivers.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Scale {
+    /// `(connected drivers, hub VmRSS KiB)`.
+    pub hub_rss_kib: Vec<(usize, u64)>,
+    pub cpu: Vec<CpuRow>,
+    /// `(connected drivers, hub VmRSS KiB)` after the CPU runs (the heap grown by traffic).
+    #[serde(default)]
+    pub hub_rss_after_traffic_kib: Option<(usize, u64)>,
+    pub instances_configured: usize,
+}
+
+/// Everything measured under one CPU setting.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Phase {
+    /// `pinned` (every process on CPU 0) or `unpinned`.
+    pub mode: String,
+    pub cpus: String,
+    pub rows: Vec<Row>,
+    pub scale: Scale,
+}
+
+/// Resident size of one idle driver process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DriverMemory {
+    pub family: String,
+    pub binary: String,
+    pub rss_kib: Option<u64>,
+    /// Why it was not measured, or what it was connected to.
+    pub note: String,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    pub schema: String,
+    pub quick: bool,
+    pub machine: Machine,
+    pub settings: Settings,
+    pub phases: Vec<Phase>,
+    pub idle_drivers: Vec<DriverMemory>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub kernel: String,
+    pub mosquitto: String,
+    /// `/proc/loadavg` before and after the run: other work on the machine skews the numbers.
+    #[serde(default)]
+    pub load_before: String,
+    #[serde(default)]
+    pub load_after: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Settings {
+    pub payload_bytes: usize,
+    pub repetitions: usize,
+    pub measure_ms: u64,
+    pub windows: Vec<usize>,
+    /// `hub.max_inflight` in the bench's hub config (default 4).
+    pub hub_max_inflight: usize,
+    pub ledger_durability: String,
+}
+
+impl Report {
+    /// The mosquitto row matching `row`'s phase and window.
+    fn mosquitto(phase: &Phase, window: usize) -> Option<&Row> {
+        phase.rows.iter().find(|r| r.path == PathKind::Mosquitto && r.window == window)
+    }
+
+    /// hub rate / mosquitto rate for a row.
+    pub fn ratio(phase: &Phase, row: &Row) -> Option<f64> {
+        let peer = Self::mosquitto(phase, row.window)?;
+        (peer.median.rate_per_s > 0.0).then(|| row.median.rate_per_s / peer.median.rate_per_s)
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut out = String::new();
+        let s = &self.settings;
+        let _ = writeln!(
+            out,
+            "## channeld vs mosquitto{}\n\n{} CPUs, {}, {}; load average {} before, {} after. \
+             Payload {} bytes; median of {} repetitions of {} ms each. \
+             Hub config: `hub.max_inflight = {}` (default 4) so 256 inbound runs fit in flight; ledger durability `{}`.\n\n\
+             Paths: *send → receipt*: control client → hub → SDK driver (posts at once) → receipt → hub → client. \
+             *inbound → deliver*: SDK driver `inbound` → hub (echo runtime) → `deliver` → driver. \
+             *mosquitto*: rumqttc client → broker → responder process → broker → client, QoS 1 both ways. \
+             *pinned*: every process on CPU 0 (`taskset -c 0`). Ratio = hub round trips/s ÷ mosquitto's at the same pinning and concurrency.\n",
+            if self.quick { " (--quick: smoke run, numbers are not meaningful)" } else { "" },
+            self.machine.cpus,
+            self.machine.kernel,
+            self.machine.mosquitto,
+            self.machine.load_before,
+            self.machine.load_after,
+            s.payload_bytes,
+            s.repetitions,
+            s.measure_ms,
+            s.hub_max_inflight,
+            s.ledger_durability,
+        );
+        out.push_str(
+            "| CPUs | path | ledger | in flight | round trips/s | p50 µs | p99 µs | mosquitto rt/s | hub/mosquitto | errors |\n\
+             |---|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for phase in &self.phases {
+            for row in &phase.rows {
+                let peer = Self::mosquitto(phase, row.window);
+                let (peer_rate, ratio) = match (row.path, peer) {
+                    (PathKind::Mosquitto, _) | (_, None) => ("".to_owned(), "".to_owned()),
+                    (_, Some(peer)) => (
+                        fmt_rate(peer.median.rate_per_s),
+                        Self::ratio(phase, row).map_or("".into(), |r| format!("{r:.2}×")),
+                    ),
+                };
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} |",
+                    phase.mode,
+                    row.path.label(),
+                    match row.ledger {
+                        Some(true) => "on",
+                        Some(false) => "off",
+                        None => "–",
+                    },
+                    row.window,
+                    fmt_rate(row.median.rate_per_s),
+                    row.median.p50_us,
+                    row.median.p99_us,
+                    peer_rate,
+                    ratio,
+                    row.median.errors,
+                );
+            }
+        }
+        out.push_str("\n### Hub with many idle drivers\n\n");
+        out.push_str("| CPUs | connected drivers | hub RSS MiB |\n|---|---:|---:|\n");
+        for phase in &self.phases {
+            for (connected, kib) in &phase.scale.hub_rss_kib {
+                let _ = writeln!(out, "| {} | {} | {:.1} |", phase.mode, connected, mib(*kib));
+            }
+            if let Some((connected, kib)) = phase.scale.hub_rss_after_traffic_kib {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} (after the CPU runs) | {:.1} |",
+                    phase.mode,
+                    connected,
+                    mib(kib)
+                );
+            }
+        }
+        out.push_str(
+            "\n| CPUs | connected drivers | traffic | messages | hub CPU µs/message | sends/s |\n|---|---:|---|---:|---:|---:|\n",
+        );
+        for phase in &self.phases {
+            for cpu in &phase.scale.cpu {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {:.2} | {} |",
+                    phase.mode,
+                    cpu.connected,
+                    cpu.traffic,
+                    cpu.messages,
+                    cpu.hub_cpu_us_per_message,
+                    fmt_rate(cpu.rate_per_s)
+                );
+            }
+        }
+        out.push_str(
+            "\n### Idle driver processes\n\n| family | RSS MiB | note |\n|---|---:|---|\n",
+        );
+        for driver in &self.idle_drivers {
+            let rss =
+                driver.rss_kib.map_or("not measured".to_owned(), |k| format!("{:.1}", mib(k)));
+            let _ = writeln!(out, "| {} | {} | {} |", driver.family, rss, driver.note);
+        }
+        out.push_str("\n### Targets\n\n");
+        for line in self.targets() {
+            let _ = writeln!(out, "- {line}");
+        }
+        out
+    }
+
+    /// Each target of the issue with the measured numbers and whether it is met.
+    pub fn targets(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+        for phase in &self.phases {
+            for row in &phase.rows {
+                let Some(ratio) = Self::ratio(phase, row) else { continue };
+                let goal = match (row.path, row.ledger, row.window) {
+                    (PathKind::Send, Some(false), 1) => 1.25,
+                    (PathKind::Send, Some(false), _) => 5.0,
+                    (PathKind::Send, Some(true), w) if w > 1 => 1.0,
+                    _ => continue,
+                };
+                let what = if row.window == 1 { "sequential" } else { "pipelined" };
+                lines.push(format!(
+                    "{} send → receipt, {what} ({} in flight, ledger {}): {} vs mosquitto {} = {ratio:.2}× (target ≥ {goal}×): {}",
+                    phase.mode,
+                    row.window,
+                    if row.ledger == Some(true) { "on" } else { "off" },
+                    fmt_rate(row.median.rate_per_s),
+                    Self::mosquitto(phase, row.window).map_or("?".into(), |p| fmt_rate(p.median.rate_per_s)),
+                    verdict(ratio >= goal),
+                ));
+            }
+        }
+        for driver in &self.idle_drivers {
+            if let Some(kib) = driver.rss_kib {
+                lines.push(format!(
+                    "idle {} driver: {:.1} MiB (target ≤ 10 MiB): {}",
+                    driver.family,
+                    mib(kib),
+                    verdict(mib(kib) <= 10.0)
+                ));
+            }
+        }
+        for phase in &self.phases {
+            if let Some((connected, kib)) = phase.scale.hub_rss_kib.iter().max_by_key(|(c, _)| *c) {
+                lines.push(format!(
+                    "{}: hub with {connected} idle drivers: {:.1} MiB (target ≤ 100 MiB at 1,000): {}",
+                    phase.mode,
+                    mib(*kib),
+                    verdict(mib(*kib) <= 100.0)
+                ));
+            }
+            let one = phase.scale.cpu.iter().find(|c| c.connected == 1);
+            for many in phase.scale.cpu.iter().filter(|c| c.connected > 1) {
+                if let Some(one) = one {
+                    let ratio = many.hub_cpu_us_per_message / one.hub_cpu_us_per_message.max(1e-9);
+                    let judged = if many.traffic == "one" {
+                        verdict(ratio <= 1.2).to_owned()
+                    } else {
+                        // Not the same traffic: spread over every connection, each write
+                        // carries one frame instead of a batch.
+                        "informational (different traffic pattern)".to_owned()
+                    };
+                    lines.push(format!(
+                        "{}: hub CPU per message {:.2} µs at 1 driver, {:.2} µs at {} ({} traffic) = {ratio:.2}× (flat means ≤ 1.2×): {judged}",
+                        phase.mode,
+                        one.hub_cpu_us_per_message,
+                        many.hub_cpu_us_per_message,
+                        many.connected,
+                        many.traffic,
+                    ));
+                }
+            }
+        }
+        lines
+    }
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// A rate with thousands separators, no decimals.
+pub fn fmt_rate(rate: f64) -> String {
+    let whole = rate.round() as u64;
+    let digits = whole.to_string();
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_get_thousands_separators() {
+        assert_eq!(fmt_rate(0.4), "0");
+        assert_eq!(fmt_rate(999.0), "999");
+        assert_eq!(fmt_rate(28_123.6), "28,124");
+        assert_eq!(fmt_rate(1_234_567.0), "1,234,567");
+    }
+}
