@@ -1,6 +1,7 @@
 //! Writes frames through a bounded queue drained by one task that batches and flushes.
 
 use std::io;
+use std::time::{Duration, Instant};
 
 use channeld_protocol::{EncodeError, Frame, encode};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -92,6 +93,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut closing: oneshot::Receiver<()>,
 ) -> io::Result<()> {
     let mut batch = Vec::with_capacity(4096);
+    let mut pace = Pace::default();
     loop {
         let first = tokio::select! {
             biased;
@@ -107,18 +109,23 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 }
             }
         };
+        let busy = pace.busy(Instant::now());
         batch.clear();
         batch.extend_from_slice(&first);
-        while batch.len() < BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(line) => batch.extend_from_slice(&line),
-                Err(_) => break,
-            }
+        let mut frames = 1 + drain(&mut rx, &mut batch);
+        if busy && batch.len() < BATCH_BYTES && !rx.is_closed() {
+            // Coalesce: let the tasks that are ready now (answers completing in the same
+            // scheduler pass) queue their frames first, so one write carries them all. The
+            // scheduler polls a yielded task again once it has no other ready task, so this
+            // costs one extra poll, not a timer; without it every frame is its own syscall.
+            tokio::task::yield_now().await;
+            frames += drain(&mut rx, &mut batch);
         }
         if let Err(err) = writer.write_all(&batch).await {
             rx.close();
             return Err(err);
         }
+        pace.wrote(Instant::now(), frames);
         if batch.capacity() > 4 * BATCH_BYTES {
             batch = Vec::with_capacity(4096);
         }
@@ -127,11 +134,129 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     writer.shutdown().await
 }
 
+/// Moves queued lines into `batch` until it holds [`BATCH_BYTES`] or the queue is empty;
+/// returns how many it moved.
+fn drain(rx: &mut mpsc::Receiver<Vec<u8>>, batch: &mut Vec<u8>) -> usize {
+    let mut moved = 0;
+    while batch.len() < BATCH_BYTES {
+        match rx.try_recv() {
+            Ok(line) => batch.extend_from_slice(&line),
+            Err(_) => break,
+        }
+        moved += 1;
+    }
+    moved
+}
+
+/// A frame that arrives this soon after the previous write means frames are produced back
+/// to back (pipelined traffic): worth one yield to gather them. A lone request/answer
+/// exchange is slower than this, and writes at once.
+const BACK_TO_BACK: Duration = Duration::from_micros(20);
+
+/// Decides whether the writer should yield before writing: only under back-to-back traffic,
+/// so a sequential exchange pays no extra scheduler pass.
+#[derive(Debug, Default)]
+struct Pace {
+    last_write: Option<Instant>,
+    last_frames: usize,
+}
+
+impl Pace {
+    fn busy(&self, now: Instant) -> bool {
+        self.last_frames > 1
+            || self.last_write.is_some_and(|at| now.saturating_duration_since(at) < BACK_TO_BACK)
+    }
+
+    fn wrote(&mut self, now: Instant, frames: usize) {
+        self.last_write = Some(now);
+        self.last_frames = frames;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use channeld_protocol::frame::Lifecycle;
     use tokio::io::AsyncReadExt;
+
+    /// Counts the write calls that reach the byte stream.
+    struct CountingWriter {
+        inner: tokio::io::DuplexStream,
+        writes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AsyncWrite for CountingWriter {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<io::Result<usize>> {
+            self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+        }
+
+        fn poll_flush(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<io::Result<()>> {
+            std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    #[test]
+    fn pace_yields_only_under_back_to_back_traffic() {
+        let start = Instant::now();
+        let mut pace = Pace::default();
+        assert!(!pace.busy(start), "the first frame is written at once");
+        pace.wrote(start, 1);
+        assert!(pace.busy(start + Duration::from_micros(5)), "a frame right after a write");
+        assert!(!pace.busy(start + Duration::from_millis(1)), "a lone exchange");
+        pace.wrote(start + Duration::from_millis(1), 3);
+        assert!(pace.busy(start + Duration::from_secs(1)), "the last write carried several");
+    }
+
+    // The multi-thread scheduler runs a task woken by the running one next (its LIFO slot):
+    // without coalescing, the writer would wake after each sender and write one frame at a
+    // time. Three frames queued together first put the writer in its back-to-back mode, so
+    // the test does not depend on timing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn frames_queued_in_one_scheduler_pass_share_one_write() {
+        let (client, mut server) = tokio::io::duplex(1024 * 1024);
+        let writes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counting = CountingWriter { inner: client, writes: writes.clone() };
+        let (sink, writer) = spawn_writer(counting, 256);
+        let frame =
+            |i: usize| Frame::Start(Lifecycle { request_id: format!("r{i}").try_into().unwrap() });
+        for i in 0..3 {
+            sink.send(&frame(i)).await.unwrap();
+        }
+        let go = std::sync::Arc::new(tokio::sync::Notify::new());
+        let mut senders = Vec::new();
+        for i in 3..53 {
+            let (sink, waiting) = (sink.clone(), go.clone().notified_owned());
+            senders.push(tokio::spawn(async move {
+                waiting.await;
+                sink.send(&frame(i)).await.unwrap();
+            }));
+        }
+        go.notify_waiters();
+        for sender in senders {
+            sender.await.unwrap();
+        }
+        writer.close().await.unwrap();
+        let mut received = Vec::new();
+        server.read_to_end(&mut received).await.unwrap();
+        assert_eq!(received.iter().filter(|b| **b == b'\n').count(), 53);
+        let writes = writes.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(writes <= 5, "53 frames took {writes} writes");
+    }
 
     #[tokio::test]
     async fn close_writes_what_was_queued_then_refuses_more() {

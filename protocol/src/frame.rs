@@ -361,6 +361,33 @@ pub fn decode(line: &[u8]) -> Result<Frame, DecodeError> {
     if line.len() >= MAX_LINE_BYTES {
         return Err(DecodeError::LineTooLong);
     }
+    if let Some(frame) = decode_canonical(line) {
+        return Ok(frame);
+    }
+    decode_general(line)
+}
+
+/// The fast path for lines laid out as [`encode`] writes them: the envelope head verbatim,
+/// then a frame object that starts with its `type`, then the closing brace. The body is then
+/// parsed once instead of three times (envelope, tag, body). `None` sends the line down the
+/// general path, which accepts the same lines and names the error of a bad one. A frame with
+/// a second `"type"` key anywhere goes there too: the general path rejects a duplicate tag.
+fn decode_canonical(line: &[u8]) -> Option<Frame> {
+    const TAG: &[u8] = b"{\"type\":\"";
+    let raw = line.strip_prefix(ENVELOPE_HEAD)?.strip_suffix(b"}")?;
+    let after_tag = raw.strip_prefix(TAG)?;
+    let end = memchr::memchr(b'"', after_tag)?;
+    let ty = &after_tag[..end];
+    if ty.contains(&b'\\') || memchr::memmem::find(&after_tag[end..], b"\"type\"").is_some() {
+        return None;
+    }
+    let raw = std::str::from_utf8(raw).ok()?;
+    let ty = std::str::from_utf8(ty).ok()?;
+    decode_body(ty, raw).ok()
+}
+
+/// Any valid line, in any key order or spacing.
+fn decode_general(line: &[u8]) -> Result<Frame, DecodeError> {
     let first = line.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
         return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(line) {
@@ -457,7 +484,7 @@ pub fn encode_into(frame: &Frame, out: &mut Vec<u8>) -> Result<(), EncodeError> 
 
 /// Encodes one line, envelope and trailing newline included.
 pub fn encode(frame: &Frame) -> Result<Vec<u8>, EncodeError> {
-    let mut out = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(512);
     encode_into(frame, &mut out)?;
     Ok(out)
 }
@@ -488,6 +515,34 @@ mod tests {
         let err = decode(line).unwrap_err();
         assert_eq!(err.code(), "invalid_frame");
         assert_eq!(err.correlation().map(Id::as_str), Some("m-1"));
+    }
+
+    #[test]
+    fn canonical_and_general_paths_agree() {
+        let frames = [
+            Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() }),
+            Frame::error(Some("r-1".try_into().unwrap()), "busy", "try \"later\"\n", true),
+            Frame::Accepted(Accepted { event_id: "é-1".try_into().unwrap(), duplicate: true }),
+        ];
+        for frame in frames {
+            let line = encode(&frame).unwrap();
+            let line = &line[..line.len() - 1];
+            assert_eq!(decode_canonical(line).as_ref(), Some(&frame));
+            assert_eq!(decode_general(line).unwrap(), frame);
+        }
+    }
+
+    #[test]
+    fn lines_the_fast_path_cannot_vouch_for_take_the_general_path() {
+        let duplicate_tag = br#"{"abi":"cortexfs.channel.socket/v1","frame":{"type":"start","request_id":"a","type":"stop"}}"#;
+        assert_eq!(decode_canonical(duplicate_tag), None);
+        assert_eq!(decode(duplicate_tag).unwrap_err().code(), "invalid_frame");
+        let extra_key = br#"{"abi":"cortexfs.channel.socket/v1","frame":{"type":"start","request_id":"a"},"x":{"y":1}}"#;
+        assert_eq!(decode_canonical(extra_key), None);
+        assert!(matches!(decode(extra_key), Ok(Frame::Start(_))));
+        let two_values = br#"{"abi":"cortexfs.channel.socket/v1","frame":{"type":"start","request_id":"a"},{"b":1}}"#;
+        assert_eq!(decode_canonical(two_values), None);
+        assert_eq!(decode(two_values).unwrap_err().code(), "invalid_json");
     }
 
     #[test]
