@@ -92,6 +92,8 @@ pub fn run_memory(bin_dir: &Path, quick: bool, with_rabbitmq: bool) -> Result<Ve
             family: "amqp".into(),
             binary: path.display().to_string(),
             rss_kib: None,
+            threads: None,
+            rss_anon_kib: None,
             note: "not measured by default: RabbitMQ needs ~11 s to boot here; `scripts/bench --amqp` includes it".into(),
         }),
         path => {
@@ -111,6 +113,8 @@ pub fn run_memory(bin_dir: &Path, quick: bool, with_rabbitmq: bool) -> Result<Ve
                     family: "amqp".into(),
                     binary: path.display().to_string(),
                     rss_kib: None,
+                    threads: None,
+                    rss_anon_kib: None,
                     note: format!("not measured: {err:#}"),
                 }),
             }
@@ -172,6 +176,8 @@ fn measure(
         family: family.into(),
         binary: binary.display().to_string(),
         rss_kib: Some(rss),
+        threads: crate::procs::threads(driver.proc.pid()).ok(),
+        rss_anon_kib: crate::procs::rss_anon_kib(driver.proc.pid()).ok(),
         note: note.into(),
     })
 }
@@ -181,6 +187,8 @@ fn missing(family: &str, path: &Path) -> DriverMemory {
         family: family.into(),
         binary: path.display().to_string(),
         rss_kib: None,
+        threads: None,
+        rss_anon_kib: None,
         note: format!("not measured: {} is not built", path.display()),
     }
 }

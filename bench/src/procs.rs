@@ -115,14 +115,29 @@ pub fn wait_until(
 
 /// Resident set size in KiB (`VmRSS` of `/proc/<pid>/status`).
 pub fn rss_kib(pid: i32) -> Result<u64> {
+    status_field(pid, "VmRSS:")
+}
+
+/// The first number after `field` in `/proc/<pid>/status`.
+fn status_field(pid: i32, field: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("read /proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))
+        .and_then(|value| value.parse().ok())
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
+/// The anonymous part of the resident size in KiB (`RssAnon`).
+pub fn rss_anon_kib(pid: i32) -> Result<u64> {
+    status_field(pid, "RssAnon:")
+}
+
+/// Number of threads (`Threads` of `/proc/<pid>/status`).
+pub fn threads(pid: i32) -> Result<u64> {
+    status_field(pid, "Threads:")
 }
 
 /// User plus system CPU time of a process (all its threads), from `/proc/<pid>/stat`.

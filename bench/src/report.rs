@@ -79,6 +79,13 @@ pub struct DriverMemory {
     pub family: String,
     pub binary: String,
     pub rss_kib: Option<u64>,
+    /// Threads of the process (each may hold its own allocator arena and stack).
+    #[serde(default)]
+    pub threads: Option<u64>,
+    /// The anonymous part of the resident size (heap, stacks); the rest is mapped files,
+    /// mostly the binary's own code.
+    #[serde(default)]
+    pub rss_anon_kib: Option<u64>,
     /// Why it was not measured, or what it was connected to.
     pub note: String,
 }
@@ -221,12 +228,18 @@ impl Report {
             }
         }
         out.push_str(
-            "\n### Idle driver processes\n\n| family | RSS MiB | note |\n|---|---:|---|\n",
+            "\n### Idle driver processes\n\n| family | RSS MiB | of which anonymous MiB | threads | note |\n|---|---:|---:|---:|---|\n",
         );
         for driver in &self.idle_drivers {
             let rss =
                 driver.rss_kib.map_or("not measured".to_owned(), |k| format!("{:.1}", mib(k)));
-            let _ = writeln!(out, "| {} | {} | {} |", driver.family, rss, driver.note);
+            let threads = driver.threads.map_or(String::new(), |t| t.to_string());
+            let anon = driver.rss_anon_kib.map_or(String::new(), |k| format!("{:.1}", mib(k)));
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} |",
+                driver.family, rss, anon, threads, driver.note
+            );
         }
         out.push_str("\n### Targets\n\n");
         for line in self.targets() {
