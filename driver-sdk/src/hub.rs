@@ -142,9 +142,10 @@ impl Hub {
             if fresh && state.negotiated.is_some() { state.sink.clone() } else { None }
         };
         if let Some(sink) = send_on
-            && sink.send(&frame).await.is_ok() {
-                self.shared.after_write(&frame);
-            }
+            && sink.send(&frame).await.is_ok()
+        {
+            self.shared.after_write(&frame);
+        }
         Ok(InboundTicket { rx })
     }
 }

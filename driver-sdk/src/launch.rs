@@ -132,9 +132,10 @@ impl DriverLaunchConfig {
     /// then the environment variable `CHANNELD_<env_name>`.
     pub fn secret(&self, credential: &str, env_name: &str) -> Result<Option<Secret>, SecretError> {
         if let Some(dir) = &self.credentials_dir
-            && let Some(secret) = Secret::from_credential_file(dir, credential)? {
-                return Ok(Some(secret));
-            }
+            && let Some(secret) = Secret::from_credential_file(dir, credential)?
+        {
+            return Ok(Some(secret));
+        }
         Ok(self.var(env_name).map(|v| Secret::new(v.to_owned())))
     }
 

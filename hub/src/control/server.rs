@@ -135,14 +135,15 @@ async fn handle(hub: &Arc<Hub>, request: Request) -> Response {
                 Err(message) => return failure(id, "invalid_request", message, None),
             };
             if let Some(key) = &idempotency_key
-                && (key.is_empty() || key.len() > 256) {
-                    return failure(
-                        id,
-                        "invalid_request",
-                        "idempotency_key must be 1-256 bytes".into(),
-                        None,
-                    );
-                }
+                && (key.is_empty() || key.len() > 256)
+            {
+                return failure(
+                    id,
+                    "invalid_request",
+                    "idempotency_key must be 1-256 bytes".into(),
+                    None,
+                );
+            }
             let timeout = timeout_ms.map_or(hub.config.receipt_timeout, Duration::from_millis);
             let request = SendRequest {
                 instance: instance.clone(),
