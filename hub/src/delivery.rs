@@ -171,6 +171,27 @@ async fn admit_and_run(
     }
     let run_id = format!("run-{}", hub.request_id("r"));
     if hub.ledger.is_on() {
+        // Recording waits for a commit: do it off the reader, so the frames behind this one
+        // are read (and group-committed together) meanwhile.
+        let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+        hub.clone().runs.spawn(async move {
+            record_and_run(&hub, &inst, &conn, admitted, event_id, run_id).await;
+        });
+        return;
+    }
+    record_and_run(hub, inst, conn, admitted, event_id, run_id).await;
+}
+
+/// Records the inbound in the ledger (when it is on), tells the driver, starts the run.
+async fn record_and_run(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    conn: &Arc<Connection>,
+    admitted: Admitted,
+    event_id: Id,
+    run_id: String,
+) {
+    if hub.ledger.is_on() {
         let encoded = match encode(&admitted.frame) {
             Ok(line) => line,
             Err(err) => {

@@ -58,10 +58,11 @@ pub struct Listeners {
 
 /// Binds the control socket and one socket per instance (mode 0660), removing stale socket
 /// files left by a hub that died. Fails if another hub is listening on any of them.
+///
+/// The control socket is bound last, so a client that can connect to it knows every instance
+/// socket is there too.
 pub fn bind(config: &HubConfig) -> Result<Listeners, HubError> {
     let mut paths = Vec::new();
-    let control = bind_one(&config.control_socket)?;
-    paths.push(config.control_socket.clone());
     let mut instances = Vec::new();
     for instance in &config.instances {
         let listener = match bind_one(&instance.socket) {
@@ -74,6 +75,14 @@ pub fn bind(config: &HubConfig) -> Result<Listeners, HubError> {
         paths.push(instance.socket.clone());
         instances.push((instance.id.clone(), listener));
     }
+    let control = match bind_one(&config.control_socket) {
+        Ok(control) => control,
+        Err(err) => {
+            remove_sockets(&paths);
+            return Err(err);
+        }
+    };
+    paths.push(config.control_socket.clone());
     Ok(Listeners { control, instances, paths })
 }
 

@@ -130,6 +130,7 @@ fn counting_agent(dir: &std::path::Path, log: &std::path::Path) -> PathBuf {
             "IFS= read -r line\n\
              id=$(printf '%s' \"$line\" | sed -n 's/.*\"event_id\":\"\\([^\"]*\\)\".*/\\1/p')\n\
              case \"$line\" in *'\"redelivered\":true'*) r=1;; *) r=0;; esac\n\
+             [ -n \"$id\" ] || exit 1\n\
              echo \"$id $r\" >> '{}'\n\
              echo \"done $id\"\n",
             log.display()

@@ -55,7 +55,7 @@ async fn serve(hub: Arc<Hub>, stream: UnixStream) {
         while let Some(event) = framer.next_line() {
             let parsed = match event {
                 LineEvent::Line(line) if line.iter().all(u8::is_ascii_whitespace) => continue,
-                LineEvent::Line(line) => serde_json::from_slice::<Request>(line).map_err(|err| {
+                LineEvent::Line(line) => parse_request(line).map_err(|err| {
                     let id = serde_json::from_slice::<serde_json::Value>(line)
                         .ok()
                         .and_then(|v| v.get("id").and_then(serde_json::Value::as_u64))
@@ -71,13 +71,15 @@ async fn serve(hub: Arc<Hub>, stream: UnixStream) {
                     let sink = sink.clone();
                     requests.spawn(async move {
                         let _permit = permit;
-                        let response = handle(&hub, request).await;
-                        let _ = sink.send_encoded(encode(&response)).await;
+                        // Boxed: the spawned task then holds a pointer, not the whole state
+                        // machine, which spawning would otherwise copy several times.
+                        let response = Box::pin(handle(&hub, request)).await;
+                        let _ = sink.send_encoded(response).await;
                     });
                 }
                 Err((id, message)) => {
                     let response = failure(id, "invalid_request", message, None);
-                    let _ = sink.send_encoded(encode(&response)).await;
+                    let _ = sink.send_encoded(response).await;
                 }
             }
         }
@@ -104,20 +106,81 @@ fn encode(response: &Response) -> Vec<u8> {
     line
 }
 
-fn success(id: u64, result: impl Serialize) -> Response {
-    Response { id, ok: true, result: serde_json::to_value(result).ok(), error: None }
+/// `{"id":N,"ok":true,"result":...}` written straight from the result, no `Value` tree.
+fn success(id: u64, result: impl Serialize) -> Vec<u8> {
+    let mut line = Vec::with_capacity(512);
+    line.extend_from_slice(b"{\"id\":");
+    line.extend_from_slice(id.to_string().as_bytes());
+    line.extend_from_slice(b",\"ok\":true,\"result\":");
+    match serde_json::to_writer(&mut line, &result) {
+        Ok(()) => {
+            line.extend_from_slice(b"}\n");
+            line
+        }
+        Err(err) => failure(id, "internal", err.to_string(), None),
+    }
 }
 
-fn failure(id: u64, code: &str, message: String, request_id: Option<String>) -> Response {
-    Response {
+fn failure(id: u64, code: &str, message: String, request_id: Option<String>) -> Vec<u8> {
+    encode(&Response {
         id,
         ok: false,
         result: None,
         error: Some(ErrorBody { code: code.to_owned(), message, request_id }),
-    }
+    })
 }
 
-async fn handle(hub: &Arc<Hub>, request: Request) -> Response {
+/// The common request, `send`, parsed straight into its fields; everything else (and any
+/// `send` this refuses) through [`Request`], whose flattened, tagged layout buffers every
+/// field first.
+fn parse_request(line: &[u8]) -> Result<Request, serde_json::Error> {
+    #[derive(serde::Deserialize)]
+    enum SendTag {
+        #[serde(rename = "send")]
+        Send,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct SendLine {
+        id: u64,
+        #[allow(dead_code)]
+        op: SendTag,
+        instance: String,
+        conversation: String,
+        #[serde(default)]
+        thread: Option<String>,
+        text: String,
+        #[serde(default)]
+        metadata: std::collections::BTreeMap<String, String>,
+        #[serde(default = "yes")]
+        wait: bool,
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+        #[serde(default)]
+        idempotency_key: Option<String>,
+    }
+    fn yes() -> bool {
+        true
+    }
+    if let Ok(send) = serde_json::from_slice::<SendLine>(line) {
+        return Ok(Request {
+            id: send.id,
+            op: Op::Send {
+                instance: send.instance,
+                conversation: send.conversation,
+                thread: send.thread,
+                text: send.text,
+                metadata: send.metadata,
+                wait: send.wait,
+                timeout_ms: send.timeout_ms,
+                idempotency_key: send.idempotency_key,
+            },
+        });
+    }
+    serde_json::from_slice::<Request>(line)
+}
+
+async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
     let id = request.id;
     match request.op {
         Op::Send {

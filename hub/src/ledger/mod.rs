@@ -205,7 +205,7 @@ impl Ledger {
     pub async fn record_inbound(&self, new: NewInbound) -> Result<Recorded, LedgerError> {
         self.call(move |txn| {
             let existing = txn
-                .query_row(
+                .query_row_cached(
                     "SELECT content_hash, run_id, state, reply, error_code, error_message
                      FROM inbound WHERE instance = ?1 AND event_id = ?2",
                     params![new.instance, new.event_id],
@@ -224,7 +224,7 @@ impl Ledger {
             let decision = state::decide(existing.as_ref().map(|e| e.0.as_slice()), &new.content_hash);
             match (decision, existing) {
                 (RecordDecision::Insert, _) => {
-                    txn.execute(
+                    txn.exec_cached(
                         "INSERT INTO inbound (instance, event_id, content_hash, run_id, state, frame,
                              attempts, received_ms, updated_ms)
                          VALUES (?1, ?2, ?3, ?4, 'running', ?5, 1, ?6, ?6)",
@@ -268,7 +268,7 @@ impl Ledger {
                 RunEnd::NoReply => (InboundState::Delivered, None, None, None),
                 RunEnd::Failed { code, message } => (InboundState::Failed, None, Some(code), Some(message)),
             };
-            txn.execute(
+            txn.exec_cached(
                 "UPDATE inbound SET state = ?3, reply = ?4, error_code = ?5, error_message = ?6, updated_ms = ?7
                  WHERE instance = ?1 AND event_id = ?2 AND state = 'running'",
                 params![instance, event_id, state.as_str(), reply, code, message, now_ms as i64],
@@ -286,7 +286,7 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<bool, LedgerError> {
         self.call(move |txn| {
-            let changed = txn.execute(
+            let changed = txn.exec_cached(
                 "UPDATE inbound SET state = 'delivered', updated_ms = ?3
                  WHERE instance = ?1 AND event_id = ?2 AND state = 'replied'",
                 params![instance, event_id, now_ms as i64],
@@ -332,14 +332,14 @@ impl Ledger {
             for (instance, event_id, run_id, frame, attempts) in running {
                 match state::recover(attempts) {
                     Recovery::Rerun { attempt } => {
-                        txn.execute(
+                        txn.exec_cached(
                             "UPDATE inbound SET attempts = ?3, updated_ms = ?4 WHERE instance = ?1 AND event_id = ?2",
                             params![instance, event_id, attempt, now_ms as i64],
                         )?;
                         rerun.push(RecoveredRun { instance, event_id, run_id, frame, attempt });
                     }
                     Recovery::GiveUp => {
-                        txn.execute(
+                        txn.exec_cached(
                             "UPDATE inbound SET state = 'failed', error_code = 'interrupted',
                                  error_message = 'run was interrupted twice by a hub restart', updated_ms = ?3
                              WHERE instance = ?1 AND event_id = ?2",
@@ -357,11 +357,11 @@ impl Ledger {
     /// `before_ms`; returns how many rows went.
     pub async fn prune(&self, before_ms: u64) -> Result<usize, LedgerError> {
         self.call(move |txn| {
-            let inbound = txn.execute(
+            let inbound = txn.exec_cached(
                 "DELETE FROM inbound WHERE state IN ('delivered', 'failed') AND updated_ms < ?1",
                 params![before_ms as i64],
             )?;
-            let outbox = txn.execute(
+            let outbox = txn.exec_cached(
                 "DELETE FROM outbox WHERE state IN ('receipted', 'failed', 'unknown') AND updated_ms < ?1",
                 params![before_ms as i64],
             )?;
@@ -377,12 +377,12 @@ impl Ledger {
         route: String,
     ) -> Result<u64, LedgerError> {
         self.call(move |txn| {
-            txn.execute(
+            txn.exec_cached(
                 "INSERT INTO sessions (instance, route, generation) VALUES (?1, ?2, 1)
                  ON CONFLICT (instance, route) DO UPDATE SET generation = generation + 1",
                 params![instance, route],
             )?;
-            let generation: i64 = txn.query_row(
+            let generation: i64 = txn.query_row_cached(
                 "SELECT generation FROM sessions WHERE instance = ?1 AND route = ?2",
                 params![instance, route],
                 |row| row.get(0),
@@ -410,7 +410,7 @@ impl Ledger {
         self.call(move |txn| {
             if let Some(key) = &send.idempotency_key {
                 let existing = txn
-                    .query_row(
+                    .query_row_cached(
                         &format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE instance = ?1 AND idempotency_key = ?2"),
                         params![send.instance, key],
                         outbox_row,
@@ -421,7 +421,7 @@ impl Ledger {
                 }
             }
             let attempts = u32::from(send.state == OutboxState::Sent);
-            txn.execute(
+            txn.exec_cached(
                 "INSERT INTO outbox (instance, idempotency_key, message, state, attempts, created_ms, updated_ms, expires_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7)",
                 params![
@@ -449,7 +449,7 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<(), LedgerError> {
         self.call(move |txn| {
-            txn.execute(
+            txn.exec_cached(
                 "UPDATE outbox SET state = ?2, receipt = COALESCE(?3, receipt), error = ?4, updated_ms = ?5
                  WHERE id = ?1 AND state = 'sent'",
                 params![id, state.as_str(), receipt, error, now_ms as i64],
@@ -468,7 +468,7 @@ impl Ledger {
         limit: usize,
     ) -> Result<Vec<OutboxRecord>, LedgerError> {
         self.call(move |txn| {
-            txn.execute(
+            txn.exec_cached(
                 "UPDATE outbox SET state = 'failed', error = 'expired while queued', updated_ms = ?2
                  WHERE instance = ?1 AND state = 'queued' AND expires_ms <= ?2",
                 params![instance, now_ms as i64],
@@ -481,7 +481,7 @@ impl Ledger {
                 rows.collect::<Result<Vec<_>, _>>()?
             };
             for record in &records {
-                txn.execute(
+                txn.exec_cached(
                     "UPDATE outbox SET state = 'sent', attempts = attempts + 1, updated_ms = ?2 WHERE id = ?1",
                     params![record.id, now_ms as i64],
                 )?;
@@ -497,7 +497,7 @@ impl Ledger {
     /// Fails queued sends past their expiry, for every instance; returns how many.
     pub async fn outbox_expire(&self, now_ms: u64) -> Result<usize, LedgerError> {
         self.call(move |txn| {
-            Ok(txn.execute(
+            Ok(txn.exec_cached(
                 "UPDATE outbox SET state = 'failed', error = 'expired while queued', updated_ms = ?1
                  WHERE state = 'queued' AND expires_ms <= ?1",
                 params![now_ms as i64],
@@ -509,7 +509,7 @@ impl Ledger {
     /// After a restart nothing is in flight: every `sent` record becomes `unknown`.
     pub async fn outbox_restart(&self, now_ms: u64) -> Result<usize, LedgerError> {
         self.call(move |txn| {
-            Ok(txn.execute(
+            Ok(txn.exec_cached(
                 "UPDATE outbox SET state = 'unknown', error = 'hub restarted before the receipt', updated_ms = ?1
                  WHERE state = 'sent'",
                 params![now_ms as i64],
@@ -568,7 +568,7 @@ impl Ledger {
             if !record.state.may_become(OutboxState::Queued) {
                 return Err(LedgerError::NotRetryable { id, state: record.state });
             }
-            txn.execute(
+            txn.exec_cached(
                 "UPDATE outbox SET state = 'queued', error = NULL, updated_ms = ?2, expires_ms = ?3 WHERE id = ?1",
                 params![id, now_ms as i64, expires_ms as i64],
             )?;
@@ -644,10 +644,10 @@ fn savepoint<T>(
     txn: &Transaction<'_>,
     f: impl FnOnce(&Transaction<'_>) -> Result<T, LedgerError>,
 ) -> Result<T, LedgerError> {
-    txn.execute_batch("SAVEPOINT job")?;
+    txn.exec_cached("SAVEPOINT job", [])?;
     match f(txn) {
         Ok(value) => {
-            txn.execute_batch("RELEASE job")?;
+            txn.exec_cached("RELEASE job", [])?;
             Ok(value)
         }
         Err(err) => {
@@ -812,5 +812,29 @@ mod tests {
     async fn the_off_ledger_refuses_every_call() {
         let ledger = Ledger::off();
         assert_eq!(ledger.record_inbound(inbound("e", 1)).await, Err(LedgerError::Off));
+    }
+}
+
+/// Statements through the connection's prepared-statement cache: the ledger runs the same
+/// few statements for every message, and preparing one costs more than running it.
+trait Cached {
+    fn exec_cached<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn query_row_cached<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
+}
+
+impl Cached for rusqlite::Connection {
+    fn exec_cached<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    fn query_row_cached<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
     }
 }
