@@ -382,8 +382,7 @@ async fn effects_and_commands_are_gated_by_the_declaration() {
     // invoke (no tool_control) do not.
     let mut rich = loop {
         let mut peer = RawPeer::connect(&hub.socket(ONE)).await;
-        let mut actions = Actions::default();
-        actions.typing = true;
+        let actions = Actions { typing: true, ..Actions::default() };
         peer.hello_with(ONE, caps(&["receive", "commands"]), actions, &["accepted", "responder"])
             .await;
         // The previous driver's connection may not be released yet: retry, as the SDK does.

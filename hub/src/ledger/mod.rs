@@ -671,6 +671,30 @@ fn ledger_id(conn: &rusqlite::Connection) -> rusqlite::Result<String> {
     Ok(id)
 }
 
+/// Statements through the connection's prepared-statement cache: the ledger runs the same
+/// few statements for every message, and preparing one costs more than running it.
+trait Cached {
+    fn exec_cached<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn query_row_cached<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
+}
+
+impl Cached for rusqlite::Connection {
+    fn exec_cached<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    fn query_row_cached<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -812,29 +836,5 @@ mod tests {
     async fn the_off_ledger_refuses_every_call() {
         let ledger = Ledger::off();
         assert_eq!(ledger.record_inbound(inbound("e", 1)).await, Err(LedgerError::Off));
-    }
-}
-
-/// Statements through the connection's prepared-statement cache: the ledger runs the same
-/// few statements for every message, and preparing one costs more than running it.
-trait Cached {
-    fn exec_cached<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
-    fn query_row_cached<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
-    where
-        P: rusqlite::Params,
-        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
-}
-
-impl Cached for rusqlite::Connection {
-    fn exec_cached<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
-        self.prepare_cached(sql)?.execute(params)
-    }
-
-    fn query_row_cached<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
-    where
-        P: rusqlite::Params,
-        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
-    {
-        self.prepare_cached(sql)?.query_row(params, f)
     }
 }
