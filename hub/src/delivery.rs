@@ -364,10 +364,12 @@ pub(crate) fn on_error(
     conn: &Arc<Connection>,
     err: ErrorFrame,
 ) {
+    // Every error the driver reports is the instance's latest error in `channelctl status`,
+    // whether it ends a send's wait or not.
+    inst.record_error(format!("{}: {}", err.code, err.message));
     if conn.fail_receipt(&err) {
         return;
     }
-    inst.record_error(format!("{}: {}", err.code, err.message));
     warn!(
         instance = %inst.config.id,
         request_id = ?err.request_id.as_ref().map(Id::as_str),
@@ -392,6 +394,9 @@ pub(crate) fn driver_connected(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<
                     info!(instance = %inst.config.id, replies = pending.len(), "delivering replies the driver missed");
                 }
                 for reply in pending {
+                    if inst.is_replying(&reply.event_id) {
+                        continue;
+                    }
                     let target = match channeld_protocol::decode(&reply.frame) {
                         Ok(Frame::Inbound(inbound)) => {
                             reply_target(&inbound.message.target, Some(inbound.message.id.clone()))
@@ -540,6 +545,9 @@ fn spawn_run(
             Ok(RunOutput { reply: None }) => RunEnd::NoReply,
             Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
         };
+        // From the moment the outcome is recorded until the reply is handed over, the
+        // reconnect sweep must not deliver it as well.
+        inst.begin_reply(&event_id);
         if hub.ledger.is_on() {
             let recorded = hub.ledger.finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), now_ms()).await;
             if let Err(err) = recorded {
@@ -556,7 +564,9 @@ fn spawn_run(
         // gone, on the instance's current driver; with neither it waits in the ledger.
         let conn = origin.clone().filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
         match (end, conn) {
-            (RunEnd::Reply(text), Some(conn)) => deliver(&hub, &inst, &conn, &event_id, target, text).await,
+            (RunEnd::Reply(text), Some(conn)) => {
+                deliver(&hub, &inst, &conn, &event_id, target, text).await;
+            }
             (RunEnd::Reply(_), None) => {
                 debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
             }
@@ -571,6 +581,7 @@ fn spawn_run(
                 }
             }
         }
+        inst.end_reply(&event_id);
     });
 }
 

@@ -245,6 +245,9 @@ pub struct Instance {
     health: Mutex<HealthView>,
     last_error: Mutex<Option<(SystemTime, String)>>,
     generations: Mutex<HashMap<String, u64>>,
+    /// Events whose reply a finishing run is handing over right now; the reconnect sweep of
+    /// undelivered replies leaves them alone, so a reply is not sent twice.
+    replying: Mutex<std::collections::HashSet<Id>>,
 }
 
 impl Instance {
@@ -260,6 +263,7 @@ impl Instance {
             }),
             last_error: Mutex::new(None),
             generations: Mutex::new(HashMap::new()),
+            replying: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -326,6 +330,19 @@ impl Instance {
     /// Sets a route's generation (as recorded by the ledger).
     pub fn set_generation(&self, route: &str, generation: u64) {
         lock(&self.generations).insert(route.to_owned(), generation);
+    }
+
+    /// Marks a reply as being handed over by its run; false if it already was.
+    pub fn begin_reply(&self, event_id: &Id) -> bool {
+        lock(&self.replying).insert(event_id.clone())
+    }
+
+    pub fn end_reply(&self, event_id: &Id) {
+        lock(&self.replying).remove(event_id);
+    }
+
+    pub fn is_replying(&self, event_id: &str) -> bool {
+        lock(&self.replying).contains(event_id)
     }
 
     /// Loads persisted generations (from the ledger).

@@ -208,6 +208,7 @@ impl Hub {
                 Err(err) => (OutboxState::Unknown, None, Some(err.to_string())),
             };
             if state == OutboxState::Unknown {
+                inst.record_error(format!("send {id}: outcome unknown"));
                 warn!(instance = %inst.config.id, id, error = ?error, "send outcome unknown; it will not be resent automatically");
             }
             if let Some(hub) = hub.upgrade() {

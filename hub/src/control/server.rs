@@ -231,13 +231,6 @@ async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                         _ => None,
                     };
                     debug!(%instance, code = err.code(), error = %err, "control send failed");
-                    // A send the driver could not post is the instance's latest error in
-                    // `channelctl status`, like any other error the driver reports.
-                    if request_id.is_some()
-                        && let Some(inst) = hub.instance(&instance)
-                    {
-                        inst.record_error(err.to_string());
-                    }
                     failure(id, err.code(), err.to_string(), request_id)
                 }
             }
