@@ -414,25 +414,23 @@ impl<D: Driver> Session<D> {
                 .await;
             }
             Frame::Outbound(delivery) => {
-                if self.shared.closing.is_cancelled() {
-                    let refusal = Frame::error(
-                        Some(delivery.request_id),
-                        "draining",
-                        "driver is shutting down",
-                        true,
-                    );
-                    let _ = sink.try_send(&refusal);
+                let refusal = if self.shared.closing.is_cancelled() {
+                    Some(("draining", "driver is shutting down", true))
                 } else if !self.shared.declaration.capabilities.send {
-                    let refusal = Frame::error(
-                        Some(delivery.request_id),
-                        "unsupported",
-                        "driver did not declare send",
-                        false,
-                    );
-                    let _ = sink.try_send(&refusal);
+                    Some(("unsupported", "driver did not declare send", false))
                 } else {
-                    let kind = PostKind::Proactive { request_id: delivery.request_id.clone() };
-                    self.spawn_post(kind, delivery, sink, ext).await;
+                    None
+                };
+                match refusal {
+                    Some((code, message, retryable)) => {
+                        let frame =
+                            Frame::error(Some(delivery.request_id), code, message, retryable);
+                        let _ = sink.send(&frame).await;
+                    }
+                    None => {
+                        let kind = PostKind::Proactive { request_id: delivery.request_id.clone() };
+                        self.spawn_post(kind, delivery, sink, ext).await;
+                    }
                 }
             }
             Frame::Effect(effect) => self.spawn_effect(effect, sink).await,

@@ -132,6 +132,17 @@ impl HubProcess {
         }
     }
 
+    /// The hub's view of one instance (`channelctl status --json`).
+    pub fn instance_status(&self, instance: &str) -> serde_json::Value {
+        let out = self.ctl(&["status", "--json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
+        status["instances"]
+            .as_array()
+            .and_then(|all| all.iter().find(|i| i["instance"] == instance).cloned())
+            .unwrap_or_else(|| panic!("{instance} missing from status: {status}"))
+    }
+
     /// Runs `channelctl` against this hub.
     pub fn ctl(&self, args: &[&str]) -> Output {
         channelctl(&self.control_socket(), args)

@@ -97,22 +97,11 @@ impl Drop for DriverProcess {
     }
 }
 
-/// The hub's view of an instance (`channelctl status --json`).
-fn instance_status(hub: &HubProcess, instance: &str) -> Value {
-    let out = hub.ctl(&["status", "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let status: Value = serde_json::from_slice(&out.stdout).expect("status json");
-    status["instances"]
-        .as_array()
-        .and_then(|all| all.iter().find(|i| i["instance"] == instance).cloned())
-        .unwrap_or_else(|| panic!("{instance} missing from status: {status}"))
-}
-
 /// Waits until the driver is connected to the hub and reports Ready (broker connected).
 async fn wait_ready(hub: &HubProcess, instance: &str, driver: &DriverProcess) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let status = instance_status(hub, instance);
+        let status = hub.instance_status(instance);
         if status["connected"] == true && status["health"]["state"] == "Ready" {
             return;
         }
@@ -184,7 +173,7 @@ async fn a_message_round_trips_through_the_echo_runtime() {
     let out = hub.ctl(&["health", ONE]);
     let health = String::from_utf8_lossy(&out.stdout);
     assert!(health.starts_with("mqtt.one Ready"), "{health}");
-    assert_eq!(instance_status(&hub, ONE)["counters"]["inbound"], 2, "junk never reached the hub");
+    assert_eq!(hub.instance_status(ONE)["counters"]["inbound"], 2, "junk never reached the hub");
     assert!(observer.next_within(Duration::from_millis(200)).await.is_none());
 }
 
@@ -210,8 +199,8 @@ async fn two_instances_share_a_broker_with_their_own_client_ids_and_topics() {
         assert_eq!(payload(&reply)["text"], text);
     }
     assert!(observer.next_within(Duration::from_millis(200)).await.is_none(), "cross-talk");
-    assert_eq!(instance_status(&hub, ONE)["counters"]["inbound"], 2);
-    assert_eq!(instance_status(&hub, TWO)["counters"]["inbound"], 1);
+    assert_eq!(hub.instance_status(ONE)["counters"]["inbound"], 2);
+    assert_eq!(hub.instance_status(TWO)["counters"]["inbound"], 1);
 
     let log = broker.log();
     assert!(log.contains("as channeld-mqtt.one") && log.contains("as channeld-mqtt.two"), "{log}");
@@ -235,7 +224,7 @@ async fn a_payload_claiming_an_allowed_sender_is_denied_by_the_topic_identity() 
     clients.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), genuine).await;
     let reply = observer.next_message(MESSAGE_WITHIN).await;
     assert_eq!(payload(&reply)["reply_to"], "alice/a-1", "only alice's own message is answered");
-    let status = instance_status(&hub, ONE);
+    let status = hub.instance_status(ONE);
     assert_eq!(status["counters"]["denied"], 1, "{status}");
 
     // A retained message is a message when it is published...
@@ -252,7 +241,7 @@ async fn a_payload_claiming_an_allowed_sender_is_denied_by_the_topic_identity() 
     clients.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), later).await;
     let reply = observer.next_message(MESSAGE_WITHIN).await;
     assert_eq!(payload(&reply)["reply_to"], "alice/a-2");
-    let status = instance_status(&hub, ONE);
+    let status = hub.instance_status(ONE);
     assert_eq!(status["counters"]["denied"], 1, "the spoof came back");
     // The spoof, a-1, the retained message when published, a-2: not its replay.
     assert_eq!(status["counters"]["inbound"], 4, "{status}");
@@ -313,7 +302,7 @@ async fn the_broker_acl_decides_who_may_publish_as_whom() {
     replied.sort_by_key(|v| v.to_string());
     assert_eq!(replied, vec![json!("alice/a"), json!("mallory/m")]);
     // Had the broker let the spoof through, the driver would have handed it over first.
-    assert_eq!(instance_status(&hub, ONE)["counters"]["inbound"], 2);
+    assert_eq!(hub.instance_status(ONE)["counters"]["inbound"], 2);
     assert!(!driver.log().contains("bridge-pw"), "the password reached the driver's log");
     let status = hub.ctl(&["status", "--json"]);
     assert!(!String::from_utf8_lossy(&status.stdout).contains("bridge-pw"));
@@ -334,7 +323,7 @@ async fn a_wrong_password_degrades_health_without_revealing_it() {
     );
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
-        let status = instance_status(&hub, ONE);
+        let status = hub.instance_status(ONE);
         if status["connected"] == true && status["health"]["state"] == "Degraded" {
             let detail = status["health"]["detail"].as_str().unwrap_or_default().to_owned();
             if detail.contains("BadUserNamePassword") || detail.contains("NotAuthorized") {
@@ -497,7 +486,7 @@ async fn thousand_messages_across(disruption: Disruption) {
     loop {
         let done = runs(&log);
         if done.len() > TOTAL && done.iter().any(|id| id == "alice/sentinel") {
-            let status = instance_status(&hub, ONE);
+            let status = hub.instance_status(ONE);
             if status["in_flight"] == 0 {
                 break;
             }

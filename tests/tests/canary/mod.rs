@@ -14,7 +14,6 @@ use channeld_protocol::types::{HealthState, MessageBody, OutboundMessage};
 use channeld_protocol::{Frame, frame};
 use channeld_tests::peer::{id, target};
 use channeld_tests::{HubProcess, workspace_bin, write_file};
-use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 
@@ -126,17 +125,6 @@ impl Exposed {
     }
 }
 
-/// The hub's view of `instance` (`channelctl status --json`).
-fn instance_status(hub: &HubProcess, instance: &str) -> Value {
-    let out = hub.ctl(&["status", "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let status: Value = serde_json::from_slice(&out.stdout).expect("status json");
-    status["instances"]
-        .as_array()
-        .and_then(|all| all.iter().find(|i| i["instance"] == instance).cloned())
-        .unwrap_or_else(|| panic!("{instance} missing from status: {status}"))
-}
-
 /// What the driver should end up reporting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Broker {
@@ -167,7 +155,7 @@ pub async fn through_the_hub(
         if broker == Broker::Accepting { &["Ready"] } else { &["Degraded", "Unavailable"] };
     let deadline = Instant::now() + SETTLE_WITHIN;
     let settled = loop {
-        let status = instance_status(&hub, channel);
+        let status = hub.instance_status(channel);
         let detail = status["health"]["detail"].as_str().unwrap_or_default();
         let explained = broker == Broker::Accepting || !detail.is_empty();
         let state = status["health"]["state"].as_str().unwrap_or_default();
@@ -210,14 +198,14 @@ pub async fn through_the_hub(
         }
         exposed.add_output(&format!("channelctl {}", args.join(" ")), &out);
     }
-    exposed.add("status after the sends", instance_status(&hub, channel).to_string());
+    exposed.add("status after the sends", hub.instance_status(channel).to_string());
     driver.terminate();
     exposed.add(format!("{binary} log"), driver.log());
     exposed.add("hub log", hub.log());
     exposed.assert_free_of(canaries);
     if broker != Broker::Accepting {
         // The failure was exercised, so the error paths' output is part of what was checked.
-        let status = instance_status(&hub, channel);
+        let status = hub.instance_status(channel);
         assert!(status["last_error"].is_string() || status["counters"]["errors"] != 0, "{status}");
     }
 }
