@@ -3,8 +3,7 @@
 use std::future::Future;
 
 use channeld_protocol::types::{
-    Actions, Capabilities, Command, CommandResult, DeliveryReceipt, Effect, Health, MessageTarget,
-    OutboundMessage, Participant,
+    Actions, Capabilities, Command, DeliveryReceipt, Effect, Health, MessageTarget, OutboundMessage,
 };
 use channeld_protocol::{Id, ext::Extensions};
 use tokio_util::sync::CancellationToken;
@@ -93,6 +92,8 @@ pub struct EffectRequest {
     pub effect: Effect,
 }
 
+pub use channeld_protocol::types::CommandAnswer;
+
 /// A runtime command to present to a person.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommandRequest {
@@ -101,19 +102,6 @@ pub struct CommandRequest {
     pub command_id: Id,
     pub command: Command,
     pub target: Option<MessageTarget>,
-}
-
-/// A driver's answer to a command, with who answered when the platform says.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CommandAnswer {
-    pub result: CommandResult,
-    pub responder: Option<Participant>,
-}
-
-impl CommandAnswer {
-    pub fn rejected(reason: impl Into<String>) -> Self {
-        Self { result: CommandResult::rejected(reason), responder: None }
-    }
 }
 
 /// A platform driver. The SDK owns the hub connection; the driver owns its platform.

@@ -400,6 +400,20 @@ impl CommandResult {
     }
 }
 
+/// A command's outcome with who answered it (when the driver negotiated `responder`): what
+/// a driver returns and what the hub hands back to the runtime.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandAnswer {
+    pub result: CommandResult,
+    pub responder: Option<Participant>,
+}
+
+impl CommandAnswer {
+    pub fn rejected(reason: impl Into<String>) -> Self {
+        Self { result: CommandResult::rejected(reason), responder: None }
+    }
+}
+
 /// Who, where and when for an [`IncomingEvent`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EventContext {

@@ -10,14 +10,14 @@ use std::future::Future;
 use std::path::PathBuf;
 
 use channeld_protocol::types::{
-    Actions, Capabilities, Command, CommandResult, Effect, InboundMessage, IncomingEvent,
-    Participant,
+    Actions, Capabilities, Command, Effect, InboundMessage, IncomingEvent, Participant,
 };
 use channeld_protocol::{ChannelId, Id};
 use serde::Serialize;
 
 use crate::config::{RuntimeConfig, RuntimeKind};
 
+pub use channeld_protocol::types::CommandAnswer;
 pub use exec::AGENT_ENVELOPE_VERSION;
 
 /// What a run answers.
@@ -49,19 +49,6 @@ pub struct RunRequest {
 pub struct RunOutput {
     /// The reply text, if the run has one.
     pub reply: Option<String>,
-}
-
-/// A command's outcome as the runtime sees it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CommandAnswer {
-    pub result: CommandResult,
-    pub responder: Option<Participant>,
-}
-
-impl CommandAnswer {
-    pub fn rejected(reason: impl Into<String>) -> Self {
-        Self { result: CommandResult::rejected(reason), responder: None }
-    }
 }
 
 /// The live side of a run: effects go out at once, commands wait for their result.
