@@ -35,6 +35,8 @@ mod session;
 mod settle;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(any(feature = "http", feature = "websocket"))]
+pub mod transport;
 
 use std::future::Future;
 use std::process::ExitCode;
