@@ -309,7 +309,7 @@ async fn the_broker_acl_decides_who_may_publish_as_whom() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wrong_password_degrades_health_without_revealing_it() {
+async fn a_wrong_password_makes_the_instance_unavailable_without_revealing_it() {
     let broker = Mosquitto::start_with(MosquittoOptions {
         users: vec![("bridge".into(), "right-pw".into())],
         ..MosquittoOptions::default()
@@ -324,7 +324,8 @@ async fn a_wrong_password_degrades_health_without_revealing_it() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         let status = hub.instance_status(ONE);
-        if status["connected"] == true && status["health"]["state"] == "Degraded" {
+        // Refused credentials need an operator: Unavailable, with a machine-readable reason.
+        if status["connected"] == true && status["health"]["state"] == "Unavailable" {
             let detail = status["health"]["detail"].as_str().unwrap_or_default().to_owned();
             if detail.contains("BadUserNamePassword") || detail.contains("NotAuthorized") {
                 break status;
@@ -333,10 +334,12 @@ async fn a_wrong_password_degrades_health_without_revealing_it() {
         assert!(Instant::now() < deadline, "no auth failure in health: {status}\n{}", driver.log());
         tokio::time::sleep(Duration::from_millis(25)).await;
     };
+    assert_eq!(status["health"]["status"]["reason"], "auth_rejected", "{status}");
+    assert_eq!(status["health"]["status"]["auth"], "rejected", "{status}");
     assert!(!status.to_string().contains("wrong-pw"), "{status}");
     let health = hub.ctl(&["health", ONE]);
     let text = String::from_utf8_lossy(&health.stdout);
-    assert!(text.starts_with("mqtt.one Degraded: broker mqtt://127.0.0.1:"), "{text}");
+    assert!(text.starts_with("mqtt.one Unavailable: broker mqtt://127.0.0.1:"), "{text}");
     assert!(!text.contains("wrong-pw") && !driver.log().contains("wrong-pw"));
 }
 
