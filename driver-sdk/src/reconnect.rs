@@ -14,7 +14,7 @@
 //!     let failure = match connect().await {
 //!         Ok(()) => {
 //!             reconnect.connected();
-//!             hub.link_state(LinkState::Up);
+//!             hub.link_state(LinkState::up());
 //!             let error = serve().await.err().unwrap_or_default();
 //!             hub.link_state(LinkState::Retrying { attempt: reconnect.attempt() + 1, error });
 //!             Failure::Transient

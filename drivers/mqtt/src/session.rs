@@ -254,7 +254,10 @@ impl Session {
                     was_up = true;
                     self.reconnect.connected();
                     self.live.send_replace(Some(Live { jobs: jobs.clone() }));
-                    self.hub.link_state(LinkState::Up);
+                    self.hub.link_state(LinkState::up_as(format!(
+                        "connected to {}",
+                        self.config.broker
+                    )));
                     info!(
                         broker = %self.config.broker,
                         client_id = %self.config.client_id,
