@@ -57,7 +57,11 @@ pub use secret::Secret;
 pub use settle::{PendingAcks, SETTLE_WITHIN, Settle};
 
 pub use channeld_protocol as protocol;
+/// The tokio and tracing the SDK is built with, so a driver needs no dependency of its own
+/// for its timers, tasks and logs (`channeld_driver_sdk::tokio::select!`, `tracing::info!`).
+pub use tokio;
 pub use tokio_util::sync::CancellationToken;
+pub use tracing;
 pub use url::Url;
 
 /// Installs the process-wide rustls crypto provider (ring, the one provider every channeld

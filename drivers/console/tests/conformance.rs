@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use channeld_console::{ConsoleConfig, ConsoleDriver};
+use channeld_driver_sdk::DriverLaunchConfig;
 use channeld_driver_sdk::protocol::types::MessageTarget;
 use channeld_driver_sdk::protocol::{ChannelId, Id};
-use channeld_driver_sdk::DriverLaunchConfig;
 use channeld_driver_sdk::testing::{ConformanceHarness, DriverTask};
 use tokio::io::{AsyncWrite, AsyncWriteExt, DuplexStream};
 
