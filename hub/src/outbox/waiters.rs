@@ -25,10 +25,13 @@ pub struct OutboxOutcome {
     pub error: Option<String>,
 }
 
+/// One waiting caller: its token (to withdraw it) and where its answer goes.
+type Waiting = (u64, oneshot::Sender<OutboxOutcome>);
+
 /// The registry of waiting callers, by record id.
 #[derive(Debug, Default)]
 pub struct Waiters {
-    map: Mutex<HashMap<i64, Vec<(u64, oneshot::Sender<OutboxOutcome>)>>>,
+    map: Mutex<HashMap<i64, Vec<Waiting>>>,
     next: AtomicU64,
 }
 
