@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
-use channeld_hub::ledger::Ledger;
+use channeld_hub::ledger::{DB_FILE, Durability, Ledger};
 use channeld_hub::outbox::SendRequest;
 use channeld_hub::send::SendState;
 use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
@@ -213,4 +213,41 @@ async fn the_control_protocol_is_served_in_memory() {
     assert_eq!(answers[0]["result"]["instances"][0]["instance"], ONE);
     assert_eq!(answers[1]["ok"], false);
     assert_eq!(answers[1]["error"]["code"], "invalid_request");
+}
+
+#[tokio::test]
+async fn an_entry_fingerprinted_by_an_older_hub_still_replays_after_the_upgrade() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let hub = hub("", Ledger::open(dir.path(), Durability::Normal).unwrap());
+        let mut driver = Peer::connect(&hub);
+        driver.hello(&["accepted"]).await;
+        driver.inbound("m-1", "alice", "before the upgrade").await;
+        assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+        assert_eq!(reply_text(driver.frame().await), "before the upgrade");
+        hub.ledger.close().await;
+    }
+    // What a hub of fingerprint version 1 left behind: a hash this build cannot reproduce.
+    let db = rusqlite::Connection::open(dir.path().join(DB_FILE)).unwrap();
+    let changed = db
+        .execute("UPDATE inbound SET hash_version = 1, content_hash = randomblob(32)", [])
+        .unwrap();
+    assert_eq!(changed, 1);
+    drop(db);
+
+    let hub = hub("", Ledger::open(dir.path(), Durability::Normal).unwrap());
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    driver.inbound("m-1", "alice", "before the upgrade").await;
+    match driver.frame().await {
+        Frame::Accepted(accepted) => assert!(accepted.duplicate, "ran again instead of replaying"),
+        other => panic!("expected a duplicate acceptance, got {other:?}"),
+    }
+    assert_eq!(reply_text(driver.frame().await), "before the upgrade");
+    driver.inbound("m-1", "alice", "other content").await;
+    match driver.frame().await {
+        Frame::Error(err) => assert_eq!(err.code, "conflict"),
+        other => panic!("expected conflict, got {other:?}"),
+    }
+    hub.ledger.close().await;
 }
