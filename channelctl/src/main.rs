@@ -38,7 +38,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum OutboxCmd {
-    /// Send an `unknown` or `failed` record again (it may post a second copy).
+    /// Send an `unknown` or `failed` record again (it may post a second copy) and print
+    /// where it ended; exits as `send` would.
     Retry { id: i64 },
 }
 
@@ -122,7 +123,7 @@ fn main() -> ExitCode {
         Cmd::Status => (Op::Status, Duration::from_secs(10)),
         Cmd::Catalog => (Op::Catalog, Duration::from_secs(10)),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
-            (Op::OutboxRetry { id: *id }, Duration::from_secs(60))
+            (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
         Cmd::Outbox { instance, state, limit, action: None } => (
             Op::Outbox { instance: instance.clone(), state: state.clone(), limit: Some(*limit) },
@@ -150,9 +151,14 @@ fn main() -> ExitCode {
         return ExitCode::from(exit_code(&error.code));
     }
     let result = response.result.unwrap_or(serde_json::Value::Null);
-    let queued = matches!(cli.command, Cmd::Send { .. })
-        && result.get("state").and_then(|s| s.as_str()) == Some("queued");
-    let success = if queued { ExitCode::from(EXIT_QUEUED) } else { ExitCode::SUCCESS };
+    let state = result.get("state").and_then(|s| s.as_str()).unwrap_or_default();
+    let success = match &cli.command {
+        Cmd::Send { .. } if state == "queued" => ExitCode::from(EXIT_QUEUED),
+        Cmd::Outbox { action: Some(OutboxCmd::Retry { .. }), .. } => {
+            ExitCode::from(retried_exit_code(state))
+        }
+        _ => ExitCode::SUCCESS,
+    };
     if cli.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
         return success;
@@ -181,6 +187,17 @@ fn exit_code(error_code: &str) -> u8 {
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
         _ => EXIT_UNEXPECTED,
+    }
+}
+
+/// The exit status of `outbox retry`, from the state the record reached: as `send` would
+/// have exited for it.
+fn retried_exit_code(state: &str) -> u8 {
+    match state {
+        "receipted" => 0,
+        "queued" => EXIT_QUEUED,
+        "failed" => EXIT_FAILED,
+        _ => EXIT_UNKNOWN,
     }
 }
 

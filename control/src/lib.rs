@@ -84,7 +84,8 @@ pub enum Op {
         limit: Option<usize>,
     },
     /// Sends an `unknown` or `failed` record again, on an operator's explicit request.
-    OutboxRetry { id: i64 },
+    /// (Not `id`: that key is the request's own.)
+    OutboxRetry { outbox_id: i64 },
 }
 
 fn yes() -> bool {
@@ -233,4 +234,39 @@ pub struct Family {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CatalogResult {
     pub families: Vec<Family>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every op a client can build reads back as itself: no op field may collide with the
+    /// request's own keys (`id`, `op`), which the flattened layout shares.
+    #[test]
+    fn every_request_round_trips_through_its_json_line() {
+        let ops = [
+            Op::Send {
+                instance: "a.b".into(),
+                conversation: "c".into(),
+                thread: None,
+                text: "t".into(),
+                metadata: BTreeMap::new(),
+                wait: true,
+                timeout_ms: Some(5),
+                idempotency_key: Some("k".into()),
+            },
+            Op::Health { instance: "a.b".into() },
+            Op::Status,
+            Op::Catalog,
+            Op::Outbox { instance: Some("a.b".into()), state: None, limit: Some(3) },
+            Op::OutboxRetry { outbox_id: 17 },
+        ];
+        for op in ops {
+            let request = Request { id: 9, op };
+            let line = serde_json::to_string(&request).unwrap();
+            let back: Request =
+                serde_json::from_str(&line).unwrap_or_else(|err| panic!("{line}: {err}"));
+            assert_eq!(back, request);
+        }
+    }
 }

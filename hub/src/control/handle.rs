@@ -102,7 +102,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
             }
         }
-        Op::OutboxRetry { id: record } => match hub.outbox.retry(record).await {
+        Op::OutboxRetry { outbox_id: record } => match hub.outbox.retry(record).await {
             Ok(record) => success(id, entry(hub, &record)),
             Err(SendError::Ledger(LedgerError::NoSuchRecord(_))) => {
                 failure(id, code::NOT_FOUND, format!("no outbox record {record}"), None)

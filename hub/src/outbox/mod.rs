@@ -327,14 +327,21 @@ impl Outbox {
         }
     }
 
-    /// An operator's explicit retry of an `unknown` or `failed` send.
+    /// An operator's explicit retry of an `unknown` or `failed` send: queued again, handed
+    /// to the driver when one is connected, and answered once it settled (or the receipt
+    /// timeout passed) — at once when it stays queued.
     pub async fn retry(&self, id: i64) -> Result<OutboxRecord, SendError> {
         let now = now_ms();
+        let mut settled = self.waiters.watch(id);
         let record = self.ledger.outbox_requeue(id, now, now + self.ttl.as_millis() as u64).await?;
         if let Some(inst) = self.instances.get(record.instance.as_str())
             && let Some(conn) = inst.live()
         {
             self.dispatch_queued(inst, &conn).await;
+            let handed = self.ledger.outbox_get(id).await?;
+            if handed.as_ref().is_some_and(|r| r.state == OutboxState::Sent) {
+                settled.outcome(self.receipt_timeout + SETTLE_MARGIN).await;
+            }
         }
         Ok(self.ledger.outbox_get(id).await?.unwrap_or(record))
     }
