@@ -182,7 +182,7 @@ async fn carry_out(
             tracing::debug!(instance = %inst.config.id, %event_id, ?replay, "redelivered event; replaying");
             match replay {
                 // Its reply goes to the instance's live driver when the run ends.
-                Replay::Wait | Replay::Nothing => {}
+                Replay::Wait => {}
                 Replay::Reply(text) => {
                     let target = admitted.reply_target();
                     reply::deliver(hub, inst, conn, event_id, target, text).await;

@@ -86,6 +86,39 @@ enum AgentLine {
     },
 }
 
+/// What one line of agent output is (see PROTOCOL.md, "Agent contract").
+#[derive(Debug)]
+enum Output {
+    /// Reply text: anything that is not a JSON object with a string `type`.
+    Text,
+    /// An action the hub carries out.
+    Action(AgentLine),
+    /// A JSON object with a string `type` the hub does not know, or a known one with missing
+    /// or invalid fields: logged and ignored, never shown to the user.
+    Unusable { kind: String, error: String },
+}
+
+/// Just the `type` of a JSON object line.
+#[derive(Deserialize)]
+struct Tagged {
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+fn classify(line: &str) -> Output {
+    let trimmed = line.trim();
+    if !trimmed.starts_with('{') {
+        return Output::Text;
+    }
+    match serde_json::from_str::<AgentLine>(trimmed) {
+        Ok(action) => Output::Action(action),
+        Err(err) => match serde_json::from_str::<Tagged>(trimmed) {
+            Ok(Tagged { kind }) => Output::Unusable { kind, error: err.to_string() },
+            Err(_) => Output::Text,
+        },
+    }
+}
+
 #[derive(Serialize)]
 struct CommandResultLine<'a> {
     #[serde(rename = "type")]
@@ -274,19 +307,14 @@ async fn handle_line(
     stdin: &mut Option<ChildStdin>,
     commands: &mut u32,
 ) {
-    let trimmed = line.trim_start();
-    if !trimmed.starts_with('{') {
-        transcript.plain.push(line.trim_end_matches('\r').to_owned());
-        return;
-    }
-    let parsed: AgentLine = match serde_json::from_str(trimmed) {
-        Ok(parsed) => parsed,
-        Err(err) => {
-            if serde_json::from_str::<serde::de::IgnoredAny>(trimmed).is_ok() {
-                warn!(run_id = %request.run_id, error = %err, "agent wrote a JSON line the hub does not understand; ignored");
-            } else {
-                transcript.plain.push(line.to_owned());
-            }
+    let parsed = match classify(line) {
+        Output::Text => {
+            transcript.plain.push(line.trim_end_matches('\r').to_owned());
+            return;
+        }
+        Output::Action(parsed) => parsed,
+        Output::Unusable { kind, error } => {
+            warn!(run_id = %request.run_id, action = %kind, %error, "agent wrote an action the hub does not understand; ignored");
             return;
         }
     };
@@ -358,4 +386,46 @@ async fn read_tail(mut pipe: impl AsyncRead + Unpin, keep: usize) -> String {
         }
     }
     String::from_utf8_lossy(&tail).trim().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_json_objects_with_a_string_type_are_actions() {
+        assert!(matches!(classify("hello"), Output::Text));
+        assert!(matches!(classify("{\"answer\":42}"), Output::Text));
+        assert!(matches!(classify("{\"type\":7}"), Output::Text));
+        assert!(matches!(classify("{not json"), Output::Text));
+        assert!(matches!(classify("[1,2]"), Output::Text));
+        assert!(matches!(
+            classify(" {\"type\":\"reply\",\"text\":\"hi\"}\r"),
+            Output::Action(AgentLine::Reply { .. })
+        ));
+        match classify("{\"type\":\"thought\",\"text\":\"x\"}") {
+            Output::Unusable { kind, .. } => assert_eq!(kind, "thought"),
+            other => panic!("{other:?}"),
+        }
+        // A known type without its fields is no reply: it is reported, not shown.
+        match classify("{\"type\":\"reply\"}") {
+            Output::Unusable { kind, error } => {
+                assert_eq!(kind, "reply");
+                assert!(error.contains("text"), "{error}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn explicit_replies_win_and_blank_output_is_no_reply() {
+        let mut transcript = Transcript::default();
+        transcript.plain.push("thinking".into());
+        transcript.replies.push("answer".into());
+        assert_eq!(transcript.reply().as_deref(), Some("answer"));
+        let blank = Transcript { replies: vec![], plain: vec!["   ".into(), String::new()] };
+        assert_eq!(blank.reply(), None);
+        let empty_reply = Transcript { replies: vec![" ".into()], plain: vec!["x".into()] };
+        assert_eq!(empty_reply.reply(), None);
+    }
 }
