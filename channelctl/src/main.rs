@@ -4,7 +4,8 @@
 //! hub refused this process or has no room for another control connection); 4 refused
 //! (unknown instance, driver offline, capability not declared, invalid input); 5 outcome
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
-//! 7 queued (the driver is offline; the hub sends it when the driver connects).
+//! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
+//! (the idempotency key was already used for a different message).
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -60,6 +61,7 @@ enum Cmd {
         #[arg(long, default_value_t = 30)]
         timeout: u64,
         /// Sending again with the same key never posts twice: the first send's record answers.
+        /// The key may only repeat the same message; another one is a conflict (exit 8).
         #[arg(long)]
         key: Option<String>,
         /// The message text.
@@ -92,6 +94,7 @@ const EXIT_REFUSED: u8 = 4;
 const EXIT_UNKNOWN: u8 = 5;
 const EXIT_FAILED: u8 = 6;
 const EXIT_QUEUED: u8 = 7;
+const EXIT_CONFLICT: u8 = 8;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -176,6 +179,7 @@ fn main() -> ExitCode {
 fn exit_code(error_code: &str) -> u8 {
     match error_code {
         code::OUTCOME_UNKNOWN => EXIT_UNKNOWN,
+        code::CONFLICT => EXIT_CONFLICT,
         code::SEND_FAILED => EXIT_FAILED,
         code::UNKNOWN_INSTANCE
         | code::DRIVER_OFFLINE
@@ -456,6 +460,7 @@ mod tests {
         assert_eq!(exit_code("too_many_connections"), EXIT_UNREACHABLE);
         assert_eq!(exit_code("outcome_unknown"), EXIT_UNKNOWN);
         assert_eq!(exit_code("send_failed"), EXIT_FAILED);
+        assert_eq!(exit_code("conflict"), EXIT_CONFLICT);
         for refused in ["unknown_instance", "driver_offline", "not_declared", "invalid_target"] {
             assert_eq!(exit_code(refused), EXIT_REFUSED, "{refused}");
         }

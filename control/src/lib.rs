@@ -30,6 +30,8 @@ pub mod code {
     pub const LEDGER_UNAVAILABLE: &str = "ledger_unavailable";
     pub const NOT_FOUND: &str = "not_found";
     pub const NOT_RETRYABLE: &str = "not_retryable";
+    /// An idempotency key reused for a different message on the same instance.
+    pub const CONFLICT: &str = "conflict";
     pub const INTERNAL: &str = "internal";
     /// The connecting process's credentials are not admitted (`control_allow_uids` /
     /// `control_allow_gids`); sent with `id` 0 before the hub closes the connection.

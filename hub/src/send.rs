@@ -76,6 +76,10 @@ pub enum SendError {
     Unknown { request_id: Id, reason: String },
     #[error("idempotency keys need the ledger: configure hub.state_dir")]
     NeedsLedger,
+    #[error(
+        "the idempotency key was already used for a different message (outbox record {outbox_id})"
+    )]
+    Conflict { outbox_id: i64 },
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
 }
@@ -93,6 +97,7 @@ impl SendError {
             SendError::Failed { .. } => code::SEND_FAILED,
             SendError::Unknown { .. } => code::OUTCOME_UNKNOWN,
             SendError::NeedsLedger => code::INVALID_REQUEST,
+            SendError::Conflict { .. } => code::CONFLICT,
             SendError::Ledger(_) => code::LEDGER_UNAVAILABLE,
         }
     }

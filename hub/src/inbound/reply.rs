@@ -61,7 +61,9 @@ pub fn fit_reply(event_id: &Id, target: &MessageTarget, mut text: String) -> Str
     if text.contains('\0') {
         text = text.replace('\0', "");
     }
-    let len = match MessageBody::text(text.clone()).map(|body| encode(&deliver_frame(event_id, target, body))) {
+    let len = match MessageBody::text(text.clone())
+        .map(|body| encode(&deliver_frame(event_id, target, body)))
+    {
         Ok(Err(EncodeError::TooLong { len, .. })) => len,
         _ => return text,
     };

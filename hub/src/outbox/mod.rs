@@ -127,7 +127,12 @@ impl Outbox {
             .await?;
         let id = match added {
             Added::New(id) => id,
-            Added::Existing(record) => return self.existing(record, wait).await,
+            Added::Existing(record) if same_send(&record.message, &message) => {
+                return self.existing(record, wait).await;
+            }
+            Added::Existing(record) => {
+                return Err(SendError::Conflict { outbox_id: record.id });
+            }
         };
         let request_id = self.request_id(id);
         let mut settled = self.waiters.watch(id);
@@ -347,6 +352,12 @@ impl Outbox {
     }
 }
 
+/// Whether a new send repeats the stored one: an idempotency key may only repeat the same
+/// message (conversation, thread, text, metadata) on its instance.
+fn same_send(stored: &[u8], new: &OutboundMessage) -> bool {
+    serde_json::from_slice::<OutboundMessage>(stored).is_ok_and(|stored| stored == *new)
+}
+
 fn record_outcome(record: &OutboxRecord) -> OutboxOutcome {
     OutboxOutcome {
         state: record.state,
@@ -376,5 +387,36 @@ fn outcome_result(
         (OutboxState::Queued, _) => Ok(SendOutcome::queued(request_id, Some(id))),
         (OutboxState::Sent, _) => Ok(SendOutcome::handed(request_id, Some(id))),
         _ => Err(SendError::Unknown { request_id, reason }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::ChannelId;
+    use channeld_protocol::types::{MessageBody, MessageTarget};
+
+    use super::*;
+
+    fn message(conversation: &str, text: &str) -> OutboundMessage {
+        let channel = ChannelId::new("a.b").unwrap();
+        let mut message = OutboundMessage {
+            target: MessageTarget::new(channel, Id::new(conversation).unwrap()),
+            body: MessageBody::text(text).unwrap(),
+            metadata: Default::default(),
+        };
+        message.metadata.insert(IDEMPOTENCY_METADATA.into(), "k1".into());
+        message
+    }
+
+    #[test]
+    fn a_key_may_repeat_only_the_same_message() {
+        let stored = serde_json::to_vec(&message("c1", "deploy 881 finished")).unwrap();
+        assert!(same_send(&stored, &message("c1", "deploy 881 finished")));
+        assert!(!same_send(&stored, &message("c1", "deploy 882 finished")));
+        assert!(!same_send(&stored, &message("c2", "deploy 881 finished")));
+        let mut threaded = message("c1", "deploy 881 finished");
+        threaded.target.thread = Some(Id::new("t").unwrap());
+        assert!(!same_send(&stored, &threaded));
+        assert!(!same_send(b"not json", &message("c1", "deploy 881 finished")));
     }
 }
