@@ -103,6 +103,14 @@ impl SendError {
     }
 }
 
+/// Refuses a message whose `outbound` frame with `request_id` would exceed the line limit,
+/// before anything is recorded or handed over.
+pub fn fits(request_id: &Id, message: &OutboundMessage) -> Result<(), SendError> {
+    let frame =
+        Frame::Outbound(Delivery { request_id: request_id.clone(), message: message.clone() });
+    channeld_protocol::encode(&frame).map(drop).map_err(|err| SendError::TooLarge(err.to_string()))
+}
+
 /// Hands an `outbound` to `conn` and registers for its receipt. Fails without sending when
 /// the driver did not declare `send` or the connection is gone.
 pub async fn handover(

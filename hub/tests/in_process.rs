@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
-use channeld_hub::ledger::{DB_FILE, Durability, Ledger};
+use channeld_hub::ledger::{Added, DB_FILE, Durability, Ledger, NewSend, OutboxState};
 use channeld_hub::outbox::SendRequest;
 use channeld_hub::send::SendState;
 use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
@@ -250,4 +250,78 @@ async fn an_entry_fingerprinted_by_an_older_hub_still_replays_after_the_upgrade(
         other => panic!("expected conflict, got {other:?}"),
     }
     hub.ledger.close().await;
+}
+
+fn outbound(text: String) -> OutboundMessage {
+    OutboundMessage {
+        target: MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1")),
+        body: MessageBody::text(text).unwrap(),
+        metadata: Default::default(),
+    }
+}
+
+fn outbound_text(frame: Frame) -> String {
+    match frame {
+        Frame::Outbound(outbound) => outbound.message.body.text_str().to_owned(),
+        other => panic!("expected outbound, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_behind_it() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    // Queued by a hub that did not check sizes first: small, too large, small.
+    let mut ids = Vec::new();
+    for text in ["first".to_owned(), "x".repeat(300_000), "second".to_owned()] {
+        let added = hub
+            .ledger
+            .outbox_add(NewSend {
+                instance: ONE.into(),
+                idempotency_key: None,
+                message: serde_json::to_vec(&outbound(text)).unwrap(),
+                state: OutboxState::Queued,
+                now_ms: 1,
+                expires_ms: u64::MAX / 2,
+            })
+            .await
+            .unwrap();
+        match added {
+            Added::New(id) => ids.push(id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    // A send made as the driver connects queues behind them instead of overtaking.
+    let third = {
+        let hub = hub.clone();
+        let request = SendRequest {
+            instance: ONE.into(),
+            message: outbound("third".into()),
+            wait: None,
+            idempotency_key: None,
+        };
+        tokio::spawn(async move { hub.outbox.submit(request).await })
+    };
+    for expected in ["first", "second", "third"] {
+        assert_eq!(outbound_text(driver.frame().await), expected);
+    }
+    third.await.unwrap().unwrap();
+    let big = hub.ledger.outbox_get(ids[1]).await.unwrap().unwrap();
+    assert_eq!(big.state, OutboxState::Failed);
+    assert!(big.error.as_deref().unwrap_or_default().starts_with("too_large"), "{big:?}");
+
+    // Every handed-over send waits for its receipt: the driver leaving makes them unknown.
+    drop(driver);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    for id in [ids[0], ids[2]] {
+        loop {
+            let record = hub.ledger.outbox_get(id).await.unwrap().unwrap();
+            if record.state == OutboxState::Unknown {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "record {id} stayed {}", record.state);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
