@@ -2,7 +2,8 @@
 //!
 //! Exit status: 0 success; 1 unexpected error; 2 usage; 3 hub unreachable (no socket, or the
 //! hub refused this process or has no room for another control connection); 4 refused
-//! (unknown instance, driver offline, capability not declared, invalid input); 5 outcome
+//! (unknown instance, driver offline, capability not declared, invalid input, no such outbox
+//! record, a record that cannot be retried); 5 outcome
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
 //! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
 //! (the idempotency key was already used for a different message).
@@ -67,7 +68,8 @@ enum Cmd {
         /// The message text.
         text: String,
     },
-    /// List outbox records (newest first), or retry one.
+    /// List outbox records (newest first, text cut to a preview), show one in full, or
+    /// retry one.
     Outbox {
         /// Only this instance.
         #[arg(long)]
@@ -75,8 +77,15 @@ enum Cmd {
         /// Only this state: queued, sent, receipted, failed, unknown.
         #[arg(long)]
         state: Option<String>,
+        /// Records per page (at most 1000).
         #[arg(long, default_value_t = 50)]
         limit: usize,
+        /// Only records older than this id (the next page: the id a listing points to).
+        #[arg(long, value_name = "ID")]
+        before: Option<i64>,
+        /// Show this one record with its whole text and error.
+        #[arg(long, value_name = "ID", conflicts_with_all = ["instance", "state", "before"])]
+        full: Option<i64>,
         #[command(subcommand)]
         action: Option<OutboxCmd>,
     },
@@ -128,8 +137,16 @@ fn main() -> ExitCode {
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
             (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
-        Cmd::Outbox { instance, state, limit, action: None } => (
-            Op::Outbox { instance: instance.clone(), state: state.clone(), limit: Some(*limit) },
+        Cmd::Outbox { full: Some(id), action: None, .. } => {
+            (Op::OutboxGet { outbox_id: *id }, Duration::from_secs(10))
+        }
+        Cmd::Outbox { instance, state, limit, before, full: None, action: None } => (
+            Op::Outbox {
+                instance: instance.clone(),
+                state: state.clone(),
+                limit: Some(*limit),
+                before: *before,
+            },
             Duration::from_secs(10),
         ),
     };
@@ -190,6 +207,7 @@ fn exit_code(error_code: &str) -> u8 {
         // The hub is there but will not serve this process (now): as unreachable as a socket
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
+        code::NOT_FOUND | code::NOT_RETRYABLE => EXIT_REFUSED,
         _ => EXIT_UNEXPECTED,
     }
 }
@@ -299,6 +317,7 @@ fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json
             let entry: OutboxEntry = serde_json::from_value(result)?;
             println!("{} {} ({})", entry.id, entry.state, entry.request_id);
         }
+        Cmd::Outbox { full: Some(_), .. } => print_record(&serde_json::from_value(result)?),
         Cmd::Outbox { action: None, .. } => {
             let list: OutboxResult = serde_json::from_value(result)?;
             println!(
@@ -308,14 +327,21 @@ fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json
             for r in list.records {
                 let detail = match (&r.receipt, &r.error) {
                     (Some(receipt), _) => receipt.message_id.to_string(),
-                    (None, Some(error)) => error.clone(),
+                    (None, Some(error)) => one_line(error, 24),
                     _ => String::new(),
                 };
-                let text: String = r.text.chars().take(40).collect();
                 println!(
                     "{:>6} {:<20} {:<10} {:<20} {:<24} {}",
-                    r.id, r.instance, r.state, r.conversation, detail, text
+                    r.id,
+                    r.instance,
+                    r.state,
+                    r.conversation,
+                    detail,
+                    one_line(&r.text, 40)
                 );
+            }
+            if let Some(before) = list.next_before {
+                eprintln!("more records: channelctl outbox --before {before}");
             }
         }
         Cmd::Catalog => {
@@ -331,6 +357,32 @@ fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json
         }
     }
     Ok(())
+}
+
+/// One record, every field on its own line and the whole text last.
+fn print_record(r: &OutboxEntry) {
+    println!("id:           {}", r.id);
+    println!("request:      {}", r.request_id);
+    println!("instance:     {}", r.instance);
+    println!("state:        {}", r.state);
+    println!("conversation: {}", r.conversation);
+    if let Some(key) = &r.idempotency_key {
+        println!("key:          {key}");
+    }
+    if let Some(receipt) = &r.receipt {
+        println!("receipt:      {}", receipt.message_id);
+    }
+    if let Some(error) = &r.error {
+        println!("error:        {error}");
+    }
+    println!("attempts:     {}", r.attempts);
+    println!("text ({} bytes):", r.text_bytes);
+    println!("{}", r.text);
+}
+
+/// The first `max` characters of `text` on one line (line breaks shown as spaces).
+fn one_line(text: &str, max: usize) -> String {
+    text.chars().take(max).map(|c| if c.is_control() { ' ' } else { c }).collect()
 }
 
 fn print_status(status: &StatusResult) {

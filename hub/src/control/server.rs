@@ -166,6 +166,14 @@ pub(super) fn success(id: u64, result: impl Serialize) -> Vec<u8> {
     line.extend_from_slice(id.to_string().as_bytes());
     line.extend_from_slice(b",\"ok\":true,\"result\":");
     match serde_json::to_writer(&mut line, &result) {
+        // A client cannot read a longer line: answer what happened instead.
+        Ok(()) if line.len() + 2 > MAX_CONTROL_LINE => {
+            let message = format!(
+                "the answer would be {} bytes, over the {MAX_CONTROL_LINE}-byte line limit",
+                line.len() + 2
+            );
+            failure(id, code::ANSWER_TOO_LARGE, message, None)
+        }
         Ok(()) => {
             line.extend_from_slice(b"}\n");
             line

@@ -26,7 +26,7 @@ use rusqlite::Transaction;
 use tokio::sync::{mpsc, oneshot};
 
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
-pub use outbox::{Added, Claimed, NewSend, OutboxRecord};
+pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
 pub use store::QUEUE_CAPACITY;
@@ -259,14 +259,15 @@ impl Ledger {
         self.call(move |txn| outbox::get(txn, id)).await
     }
 
-    /// Lists records, newest first.
+    /// Lists records as summaries, newest first; see [`outbox::list`].
     pub async fn outbox_list(
         &self,
         instance: Option<String>,
         state: Option<OutboxState>,
+        before: Option<i64>,
         limit: usize,
-    ) -> Result<Vec<OutboxRecord>, LedgerError> {
-        self.call(move |txn| outbox::list(txn, instance.as_deref(), state, limit)).await
+    ) -> Result<Vec<OutboxSummary>, LedgerError> {
+        self.call(move |txn| outbox::list(txn, instance.as_deref(), state, before, limit)).await
     }
 
     /// An operator's explicit retry: an `unknown` or `failed` record goes back to `queued`.
