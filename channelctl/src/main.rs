@@ -6,7 +6,8 @@
 //! record, a record that cannot be retried); 5 outcome
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
 //! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
-//! (the idempotency key was already used for a different message).
+//! (the idempotency key was already used for a different message); 9 `health`: the
+//! instance is Unavailable (no driver, or it does not answer).
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -89,7 +90,7 @@ enum Cmd {
         #[command(subcommand)]
         action: Option<OutboxCmd>,
     },
-    /// Ask an instance's driver for its health.
+    /// Ask an instance's driver for its health (exit 9 when it is Unavailable).
     Health { instance: String },
     /// Every instance: connection, health, in-flight runs, counters, last error.
     Status,
@@ -104,6 +105,7 @@ const EXIT_UNKNOWN: u8 = 5;
 const EXIT_FAILED: u8 = 6;
 const EXIT_QUEUED: u8 = 7;
 const EXIT_CONFLICT: u8 = 8;
+const EXIT_UNAVAILABLE: u8 = 9;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -176,6 +178,9 @@ fn main() -> ExitCode {
         Cmd::Send { .. } if state == "queued" => ExitCode::from(EXIT_QUEUED),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { .. }), .. } => {
             ExitCode::from(retried_exit_code(state))
+        }
+        Cmd::Health { .. } if result["health"]["state"] == "Unavailable" => {
+            ExitCode::from(EXIT_UNAVAILABLE)
         }
         _ => ExitCode::SUCCESS,
     };

@@ -4,13 +4,14 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use channeld_protocol::Id;
 use channeld_protocol::types::{Health, HealthState};
 
 use crate::config::{InstanceConfig, RuntimeConfig};
 use crate::connection::{Connection, lock};
+use crate::notice::NoticeLimiter;
 
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms(time: SystemTime) -> u64 {
@@ -86,6 +87,8 @@ pub struct Instance {
     /// undelivered replies leaves them alone, so a reply is not sent twice.
     replying: Mutex<HashSet<Id>>,
     process: Mutex<Option<ProcessView>>,
+    /// Which denied senders were sent the deny notice, and when.
+    notices: Mutex<NoticeLimiter>,
 }
 
 impl Instance {
@@ -103,7 +106,14 @@ impl Instance {
             generations: Mutex::new(HashMap::new()),
             replying: Mutex::new(HashSet::new()),
             process: Mutex::new(None),
+            notices: Mutex::new(NoticeLimiter::default()),
         }
+    }
+
+    /// Whether denied `sender` is sent the deny notice now (once per interval).
+    pub fn may_notify(&self, sender: &str) -> bool {
+        let interval = self.config.deny_notice_interval;
+        lock(&self.notices).allow(sender, Instant::now(), interval)
     }
 
     /// The live driver connection, if any.

@@ -21,6 +21,7 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod listen;
 pub mod liveness;
+pub mod notice;
 pub mod outbox;
 pub mod peer;
 mod recovery;

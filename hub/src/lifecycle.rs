@@ -48,13 +48,8 @@ pub fn open_ledger(config: &HubConfig) -> Result<Ledger, LedgerError> {
 
 /// [`run`] for a hub built by the caller (which keeps a handle to it).
 pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
-    for inst in hub.instances.values() {
-        if inst.config.allow.denies_everyone() {
-            warn!(
-                instance = %inst.config.id,
-                "sender allowlist is empty: every inbound message will be denied (set allow = [...] or allow_all = true)"
-            );
-        }
+    for warning in hub.config.warnings() {
+        warn!("{warning}");
     }
     match (hub.ledger.is_on(), hub.ledger.path()) {
         (true, Some(path)) => info!(ledger = %path.display(), "ledger on"),

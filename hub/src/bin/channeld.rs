@@ -64,6 +64,9 @@ fn main() -> ExitCode {
             Cmd::Demo => demo_main().await,
             Cmd::Check => match HubConfig::load(&cli.config, &overrides) {
                 Ok(config) => {
+                    for warning in config.warnings() {
+                        eprintln!("channeld: warning: {warning}");
+                    }
                     println!(
                         "{}: {} instance(s), configuration is valid",
                         cli.config.display(),

@@ -18,6 +18,11 @@ pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
 pub const DEFAULT_RUNTIME: &str = "default";
 /// Inbound runs per driver connection unless `max_inflight` says otherwise.
 pub const DEFAULT_MAX_INFLIGHT: usize = 4;
+/// A denied sender is told at most once an hour unless `deny_notice_interval_secs` says
+/// otherwise.
+pub const DEFAULT_DENY_NOTICE_INTERVAL_SECS: u64 = 3600;
+/// Longest deny notice: far below the line limit, so its `deliver` frame always fits.
+pub const MAX_DENY_NOTICE_BYTES: usize = 16 * 1024;
 
 /// Why a configuration is unusable.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +112,7 @@ struct RawInstance {
     identity_isolation: bool,
     max_inflight: Option<usize>,
     deny_notice: Option<String>,
+    deny_notice_interval_secs: Option<u64>,
     allow_uids: Option<Vec<Principal>>,
     allow_gids: Option<Vec<Principal>>,
 }
@@ -194,6 +200,8 @@ pub struct InstanceConfig {
     pub max_inflight: usize,
     /// Reply sent to a denied sender; `None` (the default) answers nothing on the platform.
     pub deny_notice: Option<String>,
+    /// A denied sender is sent the notice at most once per this interval.
+    pub deny_notice_interval: Duration,
     /// Which local processes may connect to the socket (`allow_uids` / `allow_gids`).
     pub peers: PeerRule,
 }
@@ -212,6 +220,7 @@ impl InstanceConfig {
             identity_isolation: false,
             max_inflight: DEFAULT_MAX_INFLIGHT,
             deny_notice: None,
+            deny_notice_interval: Duration::from_secs(DEFAULT_DENY_NOTICE_INTERVAL_SECS),
             peers: PeerRule::SocketMode,
         }
     }
@@ -360,7 +369,12 @@ impl HubConfig {
                     &format!("{key}.max_inflight"),
                     inst.max_inflight.unwrap_or(max_inflight),
                 )?,
-                deny_notice: inst.deny_notice,
+                deny_notice: deny_notice(&key, inst.deny_notice)?,
+                deny_notice_interval: secs(
+                    &format!("{key}.deny_notice_interval_secs"),
+                    inst.deny_notice_interval_secs,
+                    DEFAULT_DENY_NOTICE_INTERVAL_SECS,
+                )?,
                 peers: peer_rule(
                     &key,
                     "allow_uids",
@@ -408,10 +422,68 @@ impl HubConfig {
         })
     }
 
+    /// What is valid but probably not what was meant, one sentence each naming its key:
+    /// an allowlist that denies everyone, sender ids with stray or invisible characters
+    /// (they never match what a platform sends). `channeld check` prints them; the hub logs
+    /// them when it starts and on reload.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for inst in &self.instances {
+            let key = format!("instance.\"{}\".allow", inst.id);
+            let Allowlist::Senders(ids) = &inst.allow else { continue };
+            if ids.is_empty() {
+                warnings.push(format!(
+                    "{key}: sender allowlist is empty: every inbound message will be denied (set allow = [...] or allow_all = true)"
+                ));
+            }
+            for id in ids {
+                if let Some(problem) = sender_id_problem(id) {
+                    warnings.push(format!("{key}: {id:?} {problem}"));
+                }
+            }
+        }
+        warnings
+    }
+
     /// The runtime bound to `instance`.
     pub fn runtime_for(&self, instance: &InstanceConfig) -> &RuntimeConfig {
         self.runtimes.get(&instance.runtime).unwrap_or_else(|| &self.runtimes[DEFAULT_RUNTIME])
     }
+}
+
+/// Why a sender id cannot be what was meant, if it cannot: surrounding whitespace, or a
+/// character nobody sees (controls, zero-width and direction marks, non-ASCII spaces).
+fn sender_id_problem(id: &str) -> Option<String> {
+    if id.trim() != id {
+        return Some("has leading or trailing whitespace".to_owned());
+    }
+    let hidden = id.chars().find(|c| invisible(*c))?;
+    Some(format!("contains an invisible character (U+{:04X})", hidden as u32))
+}
+
+fn invisible(c: char) -> bool {
+    c.is_control()
+        || (c.is_whitespace() && c != ' ')
+        || matches!(
+            c,
+            '\u{00AD}'
+                | '\u{034F}'
+                | '\u{061C}'
+                | '\u{115F}'
+                | '\u{1160}'
+                | '\u{17B4}'
+                | '\u{17B5}'
+                | '\u{180B}'..='\u{180F}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{202A}'..='\u{202E}'
+                | '\u{2060}'..='\u{206F}'
+                | '\u{3164}'
+                | '\u{FE00}'..='\u{FE0F}'
+                | '\u{FEFF}'
+                | '\u{FFA0}'
+                | '\u{FFF9}'..='\u{FFFB}'
+                | '\u{E0000}'..='\u{E007F}'
+        )
 }
 
 /// `allow_uids` / `allow_gids` (or the control socket's): absent, the socket's mode decides;
@@ -428,6 +500,19 @@ fn peer_rule(
         let field = if err.in_gids { gids_key } else { uids_key };
         invalid(format!("{key}.{field}"), err.message)
     })
+}
+
+/// A deny notice must be a message body that fits in a frame.
+fn deny_notice(key: &str, notice: Option<String>) -> Result<Option<String>, ConfigError> {
+    let key = format!("{key}.deny_notice");
+    match notice {
+        Some(text) if text.trim().is_empty() => Err(invalid(key, "must not be empty")),
+        Some(text) if text.contains('\0') => Err(invalid(key, "must not contain NUL")),
+        Some(text) if text.len() > MAX_DENY_NOTICE_BYTES => {
+            Err(invalid(key, format!("must be at most {MAX_DENY_NOTICE_BYTES} bytes")))
+        }
+        other => Ok(other),
+    }
 }
 
 fn positive(key: &str, value: usize) -> Result<usize, ConfigError> {

@@ -215,7 +215,8 @@ async fn carry_out(
 }
 
 /// A sender off the allowlist: counted, logged, told so on the platform when a deny notice
-/// is configured, and refused `sender_denied`.
+/// is configured (once per sender per `deny_notice_interval_secs`), and refused
+/// `sender_denied`.
 async fn deny(inst: &Instance, conn: &Connection, admitted: &Admitted, notice: bool) {
     let event_id = &admitted.event_id;
     Counters::bump(&inst.counters.denied);
@@ -227,6 +228,8 @@ async fn deny(inst: &Instance, conn: &Connection, admitted: &Admitted, notice: b
     );
     if notice
         && let Some(text) = &inst.config.deny_notice
+        && let Some(sender) = &admitted.sender
+        && inst.may_notify(sender.id.as_str())
         && let Ok(body) = MessageBody::text(text.clone())
     {
         let frame = Frame::Deliver(Delivery {
