@@ -1,15 +1,27 @@
 //! `channeld`: the hub daemon, and `channeld demo`, the one-command local chat.
+//!
+//! Exit status: 0 stopped (SIGTERM, SIGINT); 1 failed (a socket or the ledger could not be
+//! opened, the hub failed); 75 another hub uses the state directory (the message names its
+//! pid) or listens on a socket; 78 invalid configuration.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use channeld_hub::config::{HubConfig, Overrides};
+use channeld_hub::ledger::LedgerError;
+use channeld_hub::listen::HubError;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
 /// Default configuration file.
 const DEFAULT_CONFIG: &str = "/etc/channeld/channeld.toml";
+
+/// Exit status: another hub uses this state directory or listens on one of the sockets
+/// (`EX_TEMPFAIL`: it may be gone soon, e.g. an old hub still draining; try again later).
+const EXIT_IN_USE: u8 = 75;
+/// Exit status: the configuration is invalid (`EX_CONFIG`; restarting cannot help).
+const EXIT_CONFIG: u8 = 78;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -76,7 +88,7 @@ fn main() -> ExitCode {
                 }
                 Err(err) => {
                     eprintln!("channeld: {err}");
-                    ExitCode::from(78)
+                    ExitCode::from(EXIT_CONFIG)
                 }
             },
             Cmd::Run => run_main(&cli.config, &overrides).await,
@@ -89,11 +101,17 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
         Ok(config) => config,
         Err(err) => {
             error!(error = %err, "invalid configuration");
-            return ExitCode::from(78);
+            return ExitCode::from(EXIT_CONFIG);
         }
     };
+    // First the state directory's lock: a second hub must not touch the ledger (it would
+    // start the first one's runs again) nor the sockets.
     let ledger = match channeld_hub::open_ledger(&config) {
         Ok(ledger) => ledger,
+        Err(err @ LedgerError::InUse { .. }) => {
+            error!(error = %err, "not starting: another hub uses this state directory");
+            return ExitCode::from(EXIT_IN_USE);
+        }
         Err(err) => {
             error!(error = %err, "cannot open the ledger");
             return ExitCode::FAILURE;
@@ -101,6 +119,10 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
     };
     let listeners = match channeld_hub::bind(&config) {
         Ok(listeners) => listeners,
+        Err(err @ HubError::InUse(_)) => {
+            error!(error = %err, "not starting: another hub is serving");
+            return ExitCode::from(EXIT_IN_USE);
+        }
         Err(err) => {
             error!(error = %err, "cannot bind sockets");
             return ExitCode::FAILURE;
