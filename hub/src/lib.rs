@@ -25,6 +25,7 @@ pub mod notice;
 pub mod outbox;
 pub mod peer;
 mod recovery;
+pub mod reload;
 pub mod route;
 pub mod runtime;
 pub mod send;

@@ -241,3 +241,10 @@ async fn sighup_with_an_invalid_file_keeps_the_hub_running_and_says_why() {
     one.inbound(ONE, "m-2", "bob", "c1", "bob now").await;
     assert_eq!(expect_deliver(one.frame().await).message.body.text_str(), "bob now");
 }
+
+#[test]
+fn systemctl_reload_sends_the_hub_sighup() {
+    let unit = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd/channeld.service");
+    let unit = std::fs::read_to_string(unit).unwrap();
+    assert!(unit.lines().any(|l| l == "ExecReload=/bin/kill -HUP $MAINPID"), "{unit}");
+}

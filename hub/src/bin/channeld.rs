@@ -7,12 +7,16 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::sync::Arc;
+
+use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
 use channeld_hub::ledger::LedgerError;
 use channeld_hub::listen::HubError;
 use clap::{Parser, Subcommand};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
-use tracing::error;
+use tracing::{error, info};
 
 /// Default configuration file.
 const DEFAULT_CONFIG: &str = "/etc/channeld/channeld.toml";
@@ -97,6 +101,14 @@ fn main() -> ExitCode {
 }
 
 async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
+    // First of all: from here on SIGHUP reloads (once the hub serves) instead of killing it.
+    let hangups = match signal(SignalKind::hangup()) {
+        Ok(hangups) => hangups,
+        Err(err) => {
+            error!(error = %err, "cannot install the SIGHUP handler");
+            return ExitCode::FAILURE;
+        }
+    };
     let config = match HubConfig::load(path, overrides) {
         Ok(config) => config,
         Err(err) => {
@@ -129,13 +141,35 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
         }
     };
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
-    match channeld_hub::run(config, ledger, listeners, shutdown).await {
+    spawn_signal_handler(shutdown.clone(), false);
+    let hub = Hub::new(config, ledger, shutdown);
+    let reloads =
+        tokio::spawn(reload_on_hangup(hub.clone(), hangups, path.to_owned(), overrides.clone()));
+    let result = channeld_hub::run_hub(hub, listeners).await;
+    let _ = reloads.await;
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             error!(error = %err, "hub failed");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Each SIGHUP re-reads the configuration file, once the hub serves; a SIGHUP during startup
+/// is applied when it is ready, one during shutdown is ignored. Ends with the hub.
+async fn reload_on_hangup(hub: Arc<Hub>, mut hangups: Signal, path: PathBuf, overrides: Overrides) {
+    tokio::select! {
+        () = hub.ready.cancelled() => {}
+        () = hub.shutdown.cancelled() => return,
+    }
+    loop {
+        tokio::select! {
+            received = hangups.recv() => if received.is_none() { return },
+            () = hub.shutdown.cancelled() => return,
+        }
+        info!(config = %path.display(), "SIGHUP: reloading the configuration");
+        channeld_hub::reload::reload_from(&hub, &path, &overrides).await;
     }
 }
 
@@ -147,7 +181,7 @@ async fn demo_main() -> ExitCode {
         return ExitCode::FAILURE;
     };
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    spawn_signal_handler(shutdown.clone(), true);
     match channeld_hub::demo::run(console, shutdown).await {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(err) => {
@@ -169,18 +203,22 @@ fn init_logging(default: &str) {
         .try_init();
 }
 
-fn spawn_signal_handler(token: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
+/// SIGTERM and SIGINT (and, with `hangup_stops`, SIGHUP: the demo's terminal closed) start
+/// the shutdown.
+fn spawn_signal_handler(token: CancellationToken, hangup_stops: bool) {
     tokio::spawn(async move {
-        let (Ok(mut term), Ok(mut int)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-        else {
+        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
+        ) else {
             error!("cannot install signal handlers");
             return;
         };
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
+            _ = hup.recv(), if hangup_stops => {}
         }
         token.cancel();
     });

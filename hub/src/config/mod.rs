@@ -11,6 +11,9 @@ use serde::Deserialize;
 
 pub use crate::peer::PeerRule;
 use crate::peer::Principal;
+pub use reload::{InstancePolicy, Reload};
+
+pub mod reload;
 
 /// Runtime directory when neither the config nor `--runtime-dir` names one.
 pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";

@@ -76,7 +76,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         }
         Op::Health { instance } => match hub.instance(&instance) {
             Some(inst) => {
-                let health = crate::health::probe(hub, inst).await;
+                let health = crate::health::probe(hub, &inst).await;
                 success(id, HealthResult { instance, health })
             }
             None => {
@@ -219,6 +219,7 @@ fn status(hub: &Hub) -> StatusResult {
     use std::sync::atomic::Ordering::Relaxed;
     let instances = hub
         .instances
+        .snapshot()
         .values()
         .map(|inst| {
             let live = inst.live();
@@ -229,7 +230,7 @@ fn status(hub: &Hub) -> StatusResult {
                 instance: inst.config.id.to_string(),
                 family: inst.config.id.family().to_owned(),
                 socket: inst.config.socket.display().to_string(),
-                runtime: inst.runtime.name.clone(),
+                runtime: inst.policy().runtime.name.clone(),
                 connected: live.is_some(),
                 connected_since_ms: live.as_ref().map(|conn| unix_ms(conn.connected_at)),
                 driver_pid: live.as_ref().and_then(|conn| conn.peer_pid),

@@ -150,7 +150,9 @@ pub fn spawn(
                     session: request.session.clone(),
                     target: target.clone(),
                 };
-                runtime::run(&inst.runtime, &request, &io).await
+                // The runtime as configured when the run starts: a reload does not change it.
+                let policy = inst.policy();
+                runtime::run(&policy.runtime, &request, &io).await
             }
         };
         // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
@@ -282,8 +284,10 @@ impl RunIo for ConnectionIo {
             target: Some(MessageTarget { reply_to: None, ..self.target.clone() }),
         };
         match command::present(conn, presented, self.hub.config.command_timeout).await {
+            // Vetted against the allowlist as it is when the answer comes.
             Ok(answer) => command::vet_answer(
-                &self.inst.config,
+                &self.inst.config.id,
+                &self.inst.policy().allow,
                 conn.declaration.extensions.responder,
                 answer,
             ),

@@ -22,7 +22,7 @@ pub use waiters::{OutboxOutcome, Waiters, Watch};
 
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
-use crate::instance::{Instance, Instances, unix_ms};
+use crate::instance::{Instance, Registry, unix_ms};
 use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
 use crate::send::{self, SendError, SendOutcome};
 
@@ -54,7 +54,7 @@ pub struct SendRequest {
 #[derive(Debug, Clone)]
 pub struct Outbox {
     ledger: Ledger,
-    instances: Arc<Instances>,
+    instances: Arc<Registry>,
     ids: Arc<Ids>,
     /// Where receipt waits run; the hub drains it at shutdown.
     tasks: TaskTracker,
@@ -71,7 +71,7 @@ fn now_ms() -> u64 {
 impl Outbox {
     pub fn new(
         ledger: Ledger,
-        instances: Arc<Instances>,
+        instances: Arc<Registry>,
         ids: Arc<Ids>,
         tasks: TaskTracker,
         ttl: Duration,
@@ -100,8 +100,7 @@ impl Outbox {
         let inst = self
             .instances
             .get(instance.as_str())
-            .ok_or_else(|| SendError::UnknownInstance(instance.clone()))?
-            .clone();
+            .ok_or_else(|| SendError::UnknownInstance(instance.clone()))?;
         if message.target.channel != inst.config.id {
             return Err(SendError::WrongChannel {
                 expected: inst.config.id.to_string(),
@@ -410,7 +409,7 @@ impl Outbox {
         if let Some(inst) = self.instances.get(record.instance.as_str())
             && let Some(conn) = inst.live()
         {
-            self.dispatch_queued(inst, &conn).await;
+            self.dispatch_queued(&inst, &conn).await;
             let handed = self.ledger.outbox_get(id).await?;
             if handed.as_ref().is_some_and(|r| r.state == OutboxState::Sent) {
                 settled.outcome(self.receipt_timeout + SETTLE_MARGIN).await;
