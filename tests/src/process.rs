@@ -201,6 +201,12 @@ pub fn channelctl(socket: &Path, args: &[&str]) -> Output {
         .expect("run channelctl")
 }
 
+/// Whether process `pid` exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+}
+
 /// Resident set size of a process, in KiB.
 pub fn rss_kib(pid: i32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");

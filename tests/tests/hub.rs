@@ -612,6 +612,7 @@ async fn channelctl_reports_status_health_catalog_and_exit_codes() {
         String::from_utf8_lossy(&out.stdout).trim(),
         "test.one Degraded: broker reconnecting"
     );
+    assert_eq!(out.status.code(), Some(0), "Degraded is not Unavailable");
 
     let out = hub.ctl(&["status"]);
     assert_eq!(out.status.code(), Some(0));

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use channeld_protocol::Frame;
 use channeld_tests::peer::{caps, expect_deliver};
-use channeld_tests::{HubProcess, RawPeer, workspace_bin, write_script};
+use channeld_tests::{HubProcess, RawPeer, alive, workspace_bin, write_script};
 
 const ONE: &str = "test.one";
 const TWO: &str = "test.two";
@@ -37,11 +37,6 @@ async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "{what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-fn pid_alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,8 +172,7 @@ async fn sighup_removes_an_instance_stopping_its_driver_and_removing_its_socket(
     assert!(two.closed_within(WAIT).await);
     assert!(!hub.socket(TWO).exists());
     assert!(!hub.socket("test.three").exists());
-    eventually("the spawned driver of the removed instance stopped", || !pid_alive(spawned_pid))
-        .await;
+    eventually("the spawned driver of the removed instance stopped", || !alive(spawned_pid)).await;
     let out = hub.ctl(&["send", TWO, "--conversation", "c1", "hello?"]);
     assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
     let status: serde_json::Value =

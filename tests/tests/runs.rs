@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use channeld_protocol::Frame;
 use channeld_protocol::frame::ErrorFrame;
 use channeld_tests::peer::{caps, expect_deliver};
-use channeld_tests::{HubProcess, RawPeer, write_script};
+use channeld_tests::{HubProcess, RawPeer, alive, write_script};
 
 const ONE: &str = "test.one";
 
@@ -132,13 +132,5 @@ async fn an_agent_whose_background_child_holds_stdout_still_replies_and_the_chil
     while alive(pid) {
         assert!(Instant::now() < deadline, "the background child {pid} outlived its run");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A process that exists and is not a zombie.
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')),
-        Err(_) => false,
     }
 }
