@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
-use channeld_hub::ledger::{Added, DB_FILE, Durability, Ledger, NewSend, OutboxState};
+use channeld_hub::ledger::{
+    Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxState, Recorded, RunEnd,
+};
 use channeld_hub::outbox::SendRequest;
 use channeld_hub::send::SendState;
 use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
@@ -323,5 +325,49 @@ async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_be
             assert!(tokio::time::Instant::now() < deadline, "record {id} stayed {}", record.state);
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+}
+
+#[tokio::test]
+async fn a_reply_an_older_hub_stranded_as_too_big_is_fitted_and_delivered_on_reconnect() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    // What a hub that cut replies by raw length left behind: a reply whose deliver frame
+    // is twice the line limit once escaped, still owed to the driver.
+    let inbound = Frame::Inbound(Inbound {
+        event_id: id("big-1"),
+        message: InboundMessage {
+            id: id("big-1"),
+            target: MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1")),
+            sender: Participant::new(id("alice")),
+            body: MessageBody::text("quote me").unwrap(),
+            timestamp_ms: None,
+            metadata: Default::default(),
+        },
+    });
+    let line = channeld_protocol::encode(&inbound).unwrap();
+    let new = NewInbound {
+        instance: ONE.into(),
+        event_id: "big-1".into(),
+        content_hash: channeld_hub::inbound::fingerprint::fingerprint(&inbound).unwrap(),
+        hash_version: channeld_hub::inbound::fingerprint::FINGERPRINT_VERSION,
+        frame: line[..line.len() - 1].to_vec(),
+        run_id: "run-big-1".into(),
+        now_ms: 1,
+    };
+    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash);
+    assert_eq!(recorded.await.unwrap(), Recorded::New);
+    let stranded = RunEnd::Reply("\"".repeat(200_000));
+    assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, 2).await.unwrap());
+
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    let text = reply_text(driver.frame().await);
+    assert!(text.ends_with("[reply truncated]"));
+    assert!(text.len() > 100_000, "cut to fit, not dropped");
+    // Recorded as delivered: the next driver is not handed it again.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !hub.ledger.pending_replies(ONE.into()).await.unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the reply is still owed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
