@@ -24,7 +24,7 @@ use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
 use crate::instance::{Instance, Registry, unix_ms};
 use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
-use crate::send::{self, SendError, SendOutcome};
+use crate::send::{self, SendError, SendOutcome, SendState};
 
 /// Metadata key carrying the caller's idempotency key to the driver (as the reference does).
 pub const IDEMPOTENCY_METADATA: &str = "idempotency_key";
@@ -159,7 +159,8 @@ impl Outbox {
         };
         let request_id = self.request_id(id);
         let mut settled = self.waiters.watch(id);
-        match direct {
+        // Where the send stands now, when known without asking the ledger.
+        let known = match direct {
             Some(conn) => {
                 let timeout = wait.unwrap_or(self.receipt_timeout);
                 match send::handover(&inst, conn, &request_id, message).await {
@@ -172,12 +173,14 @@ impl Outbox {
                             waiter,
                             timeout,
                         );
+                        Some(SendState::Handed)
                     }
                     Err(SendError::Offline(_)) => {
                         // The frame never left the hub: back to the queue, nothing is lost.
                         debug!(instance = %inst.config.id, id, "driver left before the send; queued");
                         let _queuing = backlog.queuing();
                         self.record_outcome(id, OutboxState::Queued, None, None).await;
+                        Some(SendState::Queued)
                     }
                     Err(err) => {
                         let error = format!("{}: {err}", err.code());
@@ -188,16 +191,23 @@ impl Outbox {
             }
             None => match inst.live() {
                 // Queued behind earlier sends: dispatching hands them over in order, this one
-                // last.
-                Some(conn) => self.dispatch_queued(&inst, &conn).await,
+                // last (unless the driver leaves meanwhile).
+                Some(conn) => {
+                    self.dispatch_queued(&inst, &conn).await;
+                    None
+                }
                 None => {
                     debug!(instance = %instance, id, "driver offline; send queued");
                     return Ok(SendOutcome::queued(request_id, Some(id)));
                 }
             },
-        }
+        };
         let Some(wait) = wait else {
-            return self.current(request_id, id).await;
+            return match known {
+                Some(SendState::Handed) => Ok(SendOutcome::handed(request_id, Some(id))),
+                Some(_) => Ok(SendOutcome::queued(request_id, Some(id))),
+                None => self.current(request_id, id).await,
+            };
         };
         // The settle task decides at `wait`; give it a moment to record the outcome.
         if let Some(outcome) = settled.outcome(wait + SETTLE_MARGIN).await {
