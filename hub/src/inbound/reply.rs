@@ -18,6 +18,10 @@ use crate::instance::{Counters, Instance, unix_ms};
 /// Ends a reply that was cut so that its `deliver` frame fits in one line.
 pub const CUT_MARKER: &str = "\n[reply truncated]";
 
+/// More than the envelope, the event id and the target's ids (each at most 256 bytes,
+/// escaped at most six times over) add to a reply's escaped text in its `deliver` frame.
+const FRAME_SLACK: usize = 16 * 1024;
+
 fn now_ms() -> u64 {
     unix_ms(SystemTime::now())
 }
@@ -60,6 +64,11 @@ pub fn reply_target(origin: &MessageTarget, reply_to: Option<Id>) -> MessageTarg
 pub fn fit_reply(event_id: &Id, target: &MessageTarget, mut text: String) -> String {
     if text.contains('\0') {
         text = text.replace('\0', "");
+    }
+    // Escaping at most sextuples a byte, and ids and envelope add less than the slack: a
+    // reply this short fits without measuring.
+    if text.len() * 6 + FRAME_SLACK <= MAX_LINE_BYTES {
+        return text;
     }
     let len = match MessageBody::text(text.clone())
         .map(|body| encode(&deliver_frame(event_id, target, body)))
