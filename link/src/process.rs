@@ -1,5 +1,6 @@
 //! What every channeld process does at start, the hub and the drivers alike: logging to
-//! stderr with one filter variable, and SIGTERM/SIGINT turned into a cancellation.
+//! stderr with one filter variable, and SIGTERM/SIGINT (SIGHUP for interactive processes)
+//! turned into a cancellation.
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
@@ -28,6 +29,13 @@ pub fn init_logging(default_filter: &str) {
 /// handlers cannot be installed the error is logged and the token is never cancelled by a
 /// signal.
 pub fn spawn_signal_handler(token: CancellationToken) -> JoinHandle<()> {
+    spawn_stop_handler(token, false)
+}
+
+/// Like [`spawn_signal_handler`]; with `hangup_stops`, SIGHUP stops the process too (an
+/// interactive process whose terminal closed). Without it SIGHUP is left to the caller (the
+/// hub reloads its configuration on it).
+pub fn spawn_stop_handler(token: CancellationToken, hangup_stops: bool) -> JoinHandle<()> {
     tokio::spawn(async move {
         let (Ok(mut term), Ok(mut int)) =
             (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
@@ -35,9 +43,27 @@ pub fn spawn_signal_handler(token: CancellationToken) -> JoinHandle<()> {
             tracing::error!("cannot install signal handlers");
             return;
         };
+        let mut hup = if hangup_stops {
+            match signal(SignalKind::hangup()) {
+                Ok(hup) => Some(hup),
+                Err(err) => {
+                    tracing::error!(error = %err, "cannot install the SIGHUP handler");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let hangup = async {
+            match hup.as_mut() {
+                Some(hup) => hup.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = term.recv() => tracing::debug!("SIGTERM received"),
             _ = int.recv() => tracing::debug!("SIGINT received"),
+            _ = hangup => tracing::debug!("SIGHUP received"),
         }
         token.cancel();
     })

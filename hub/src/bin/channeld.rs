@@ -61,7 +61,7 @@ enum Cmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let demo = matches!(cli.command, Some(Cmd::Demo));
-    init_logging(if demo { "warn" } else { "info" });
+    channeld_link::process::init_logging(if demo { "warn" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(worker_threads())
         .enable_all()
@@ -141,7 +141,7 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
         }
     };
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone(), false);
+    drop(channeld_link::process::spawn_stop_handler(shutdown.clone(), false));
     let hub = Hub::new(config, ledger, shutdown);
     let reloads =
         tokio::spawn(reload_on_hangup(hub.clone(), hangups, path.to_owned(), overrides.clone()));
@@ -181,7 +181,7 @@ async fn demo_main() -> ExitCode {
         return ExitCode::FAILURE;
     };
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone(), true);
+    drop(channeld_link::process::spawn_stop_handler(shutdown.clone(), true));
     match channeld_hub::demo::run(console, shutdown).await {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(err) => {
@@ -189,39 +189,6 @@ async fn demo_main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn init_logging(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("CHANNELD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal: under systemd stderr is the journal.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
-}
-
-/// SIGTERM and SIGINT (and, with `hangup_stops`, SIGHUP: the demo's terminal closed) start
-/// the shutdown.
-fn spawn_signal_handler(token: CancellationToken, hangup_stops: bool) {
-    tokio::spawn(async move {
-        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::hangup()),
-        ) else {
-            error!("cannot install signal handlers");
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-            _ = hup.recv(), if hangup_stops => {}
-        }
-        token.cancel();
-    });
 }
 
 /// Async worker threads: `CHANNELD_WORKER_THREADS`, else one per CPU, but a single worker on
