@@ -42,6 +42,8 @@ pub enum Outcome {
     },
     /// Written, but no acknowledgement came (timeout or connection lost).
     Lost,
+    /// Never written (no connection): the platform did not see it.
+    NotSent,
 }
 
 /// How a final reply goes out.
@@ -57,6 +59,9 @@ pub struct FinalPlan<'a> {
 #[derive(Debug, Clone)]
 pub struct Reply {
     stream: Stream,
+    /// A frame of the current stream reached the platform (acknowledged or lost after
+    /// writing): until then a failed opening frame leaves nothing open.
+    reached: bool,
     window: Duration,
     ack_timeout: Duration,
 }
@@ -65,7 +70,7 @@ impl Reply {
     /// A reply whose stream takes frames for `window` after its first one; a frame is
     /// planned only if its acknowledgement (at most `ack_timeout`) can come within it.
     pub fn new(window: Duration, ack_timeout: Duration) -> Self {
-        Self { stream: Stream::Idle, window, ack_timeout }
+        Self { stream: Stream::Idle, reached: false, window, ack_timeout }
     }
 
     pub fn stream(&self) -> &Stream {
@@ -144,12 +149,17 @@ impl Reply {
             Stream::Open { started, .. } | Stream::Uncertain { started, .. } => Some(*started),
             _ => None,
         };
+        if matches!(outcome, Outcome::Acked | Outcome::Lost) {
+            self.reached = true;
+        }
         self.stream = match (outcome, started) {
             (Outcome::Acked, _) if frame.finish => Stream::Finished { id: frame.id.clone() },
             (Outcome::Acked, Some(started)) => Stream::Open { id: frame.id.clone(), started },
             (Outcome::Refused { errcode }, _) if closes(errcode) => Stream::Closed,
             (Outcome::Lost, Some(started)) => Stream::Uncertain { id: frame.id.clone(), started },
-            // Any other refusal leaves the stream as it was.
+            // The opening frame never took: nothing is open, the next frame opens anew.
+            (Outcome::Refused { .. } | Outcome::NotSent, Some(_)) if !self.reached => Stream::Idle,
+            // Any other failure leaves the stream as it was.
             _ => return,
         };
     }
@@ -258,5 +268,20 @@ mod tests {
         let preview = reply.progress("draft", t0, ids()).unwrap();
         reply.record(&preview, Outcome::Refused { errcode: 45009 });
         assert_eq!(reply.stream(), &Stream::Open { id: "s1".into(), started: t0 });
+    }
+
+    #[test]
+    fn an_opening_frame_that_never_took_leaves_nothing_open() {
+        let mut reply = Reply::new(WINDOW, ACK);
+        let t0 = Instant::now();
+        let mut id = ids();
+        let placeholder = reply.progress("…", t0, &mut id).unwrap();
+        reply.record(&placeholder, Outcome::NotSent);
+        assert!(reply.is_idle());
+        // The next frame opens a new stream with a new window.
+        let later = t0 + WINDOW;
+        let plan = reply.plan_final("done", later, &mut id);
+        assert_eq!(plan.stream.unwrap().id, "s2");
+        assert_eq!(reply.stream(), &Stream::Open { id: "s2".into(), started: later });
     }
 }
