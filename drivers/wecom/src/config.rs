@@ -5,8 +5,9 @@ use std::collections::BTreeSet;
 use std::ops::RangeInclusive;
 use std::time::Duration;
 
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::ChannelId;
-use channeld_driver_sdk::{DriverLaunchConfig, Secret};
+use channeld_driver_sdk::{ConfigError, DriverLaunchConfig, Secret, Url};
 
 use crate::wire;
 
@@ -69,21 +70,6 @@ pub const VAR_CARD_TIMEOUT: &str = "WECOM_CARD_TIMEOUT_SECONDS";
 /// The default placeholder: WeCom renders it as a thinking animation.
 pub const DEFAULT_PLACEHOLDER: &str = "<think></think>";
 
-/// Why the WeCom settings are unusable.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("CHANNELD_{var} is not set")]
-    Missing { var: &'static str },
-    #[error("CHANNELD_{var} is invalid: {reason}")]
-    Invalid { var: &'static str, reason: String },
-    #[error("the bot secret (credential {CREDENTIAL_SECRET} or CHANNELD_{VAR_SECRET}) {reason}")]
-    Secret { reason: String },
-}
-
-fn invalid(var: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { var, reason: reason.into() }
-}
-
 /// Messages per conversation the driver allows itself, within two sliding windows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pace {
@@ -99,7 +85,7 @@ pub struct Pace {
 #[derive(Debug, Clone)]
 pub struct WeComConfig {
     pub channel: ChannelId,
-    pub ws_url: String,
+    pub ws_url: Url,
     pub bot_id: String,
     pub secret: Secret,
     pub bot_name: Option<String>,
@@ -121,22 +107,21 @@ pub struct WeComConfig {
 impl WeComConfig {
     /// Reads and validates the settings.
     pub fn from_launch(launch: &DriverLaunchConfig) -> Result<Self, ConfigError> {
-        let ws_url = match launch.var(VAR_WS_URL) {
-            Some(url) => parse_ws_url(url)?,
-            None => wire::DEFAULT_WS_URL.to_owned(),
+        let ws_url = match launch.parse::<Url>(VAR_WS_URL)? {
+            Some(url) => check_ws_url(url)?,
+            None => Url::parse(wire::DEFAULT_WS_URL).expect("the default URL parses"),
         };
-        let bot_id = launch
-            .var(VAR_BOT_ID)
-            .map(str::trim)
-            .ok_or(ConfigError::Missing { var: VAR_BOT_ID })?
-            .to_owned();
-        if bot_id.is_empty() || bot_id.contains(char::is_whitespace) {
+        let bot_id: String = launch.require(VAR_BOT_ID)?;
+        let bot_id = bot_id.trim().to_owned();
+        if bot_id.contains(char::is_whitespace) {
             return Err(invalid(VAR_BOT_ID, "must be the BotID without whitespace"));
         }
-        let secret = launch
-            .secret(CREDENTIAL_SECRET, VAR_SECRET)
-            .map_err(|err| ConfigError::Secret { reason: err.to_string() })?
-            .ok_or_else(|| ConfigError::Secret { reason: "is not set".into() })?;
+        let secret = launch.secret(CREDENTIAL_SECRET, VAR_SECRET)?.ok_or_else(|| {
+            ConfigError::missing(format!(
+                "credential {CREDENTIAL_SECRET} or {}",
+                setting_var(VAR_SECRET)
+            ))
+        })?;
         let placeholder = match launch.var(VAR_PLACEHOLDER) {
             Some(text) if text.trim().eq_ignore_ascii_case("none") => None,
             Some(text) => Some(content(VAR_PLACEHOLDER, text)?),
@@ -148,29 +133,31 @@ impl WeComConfig {
             .var(VAR_BOT_NAME)
             .map(|name| name.trim().trim_start_matches('@').to_owned())
             .filter(|name| !name.is_empty());
-        let responders = launch
-            .var(VAR_RESPONDERS)
-            .map(|list| {
-                list.split(',')
+        let responders = match launch.var(VAR_RESPONDERS) {
+            None => BTreeSet::new(),
+            Some(list) => {
+                let users: BTreeSet<String> = list
+                    .split(',')
                     .map(str::trim)
                     .filter(|user| !user.is_empty())
                     .map(str::to_owned)
-                    .collect::<BTreeSet<_>>()
-            })
-            .unwrap_or_default();
-        if launch.var(VAR_RESPONDERS).is_some() && responders.is_empty() {
-            return Err(invalid(VAR_RESPONDERS, "names no user id"));
-        }
-        let ack_timeout = seconds(launch, VAR_ACK_TIMEOUT, 1..=60, 5)?;
-        let stream_window = seconds(launch, VAR_STREAM_WINDOW, 2..=3600, 360)?;
+                    .collect();
+                if users.is_empty() {
+                    return Err(invalid(VAR_RESPONDERS, "names no user id"));
+                }
+                users
+            }
+        };
+        let ack_timeout = seconds(launch, VAR_ACK_TIMEOUT, 0.1..=60.0, 5.0)?;
+        let stream_window = seconds(launch, VAR_STREAM_WINDOW, 1.0..=3600.0, 360.0)?;
         if stream_window <= ack_timeout {
             return Err(invalid(
                 VAR_STREAM_WINDOW,
-                format!("must be longer than CHANNELD_{VAR_ACK_TIMEOUT} ({ack_timeout:?})"),
+                format!("must be longer than {} ({ack_timeout:?})", setting_var(VAR_ACK_TIMEOUT)),
             ));
         }
-        let per_minute = count(launch, VAR_PACE_PER_MINUTE, 1..=30, 30)?;
-        let per_hour = count(launch, VAR_PACE_PER_HOUR, 1..=1000, 1000)?;
+        let per_minute = launch.parse_within(VAR_PACE_PER_MINUTE, 1..=30)?.unwrap_or(30);
+        let per_hour = launch.parse_within(VAR_PACE_PER_HOUR, 1..=1000)?.unwrap_or(1000);
         Ok(Self {
             channel: launch.channel.clone(),
             ws_url,
@@ -180,82 +167,62 @@ impl WeComConfig {
             placeholder,
             welcome_text,
             responders,
-            ping_interval: seconds(launch, VAR_PING_INTERVAL, 1..=300, 30)?,
+            ping_interval: seconds(launch, VAR_PING_INTERVAL, 0.1..=300.0, 30.0)?,
             ack_timeout,
-            connect_timeout: seconds(launch, VAR_CONNECT_TIMEOUT, 1..=120, 10)?,
+            connect_timeout: seconds(launch, VAR_CONNECT_TIMEOUT, 0.1..=120.0, 10.0)?,
             stream_window,
-            reconnect_max: seconds(launch, VAR_RECONNECT_MAX, 1..=300, 30)?,
-            auth_retry: seconds(launch, VAR_AUTH_RETRY, 30..=3600, 300)?,
+            reconnect_max: seconds(launch, VAR_RECONNECT_MAX, 1.0..=300.0, 30.0)?,
+            auth_retry: seconds(launch, VAR_AUTH_RETRY, 30.0..=3600.0, 300.0)?,
             pace: Pace {
                 per_minute,
                 per_hour,
                 minute: Duration::from_secs(60),
                 hour: Duration::from_secs(3600),
             },
-            send_queue: seconds(launch, VAR_SEND_QUEUE, 1..=3600, 25)?,
-            card_timeout: seconds(launch, VAR_CARD_TIMEOUT, 10..=86_400, 300)?,
+            send_queue: seconds(launch, VAR_SEND_QUEUE, 0.1..=3600.0, 25.0)?,
+            card_timeout: seconds(launch, VAR_CARD_TIMEOUT, 10.0..=86_400.0, 300.0)?,
         })
     }
 }
 
-/// Checks `ws://` or `wss://` with a host and no credentials; the path and query are kept.
-fn parse_ws_url(raw: &str) -> Result<String, ConfigError> {
-    let url = raw.trim();
-    let rest = url
-        .strip_prefix("wss://")
-        .or_else(|| url.strip_prefix("ws://"))
-        .ok_or_else(|| invalid(VAR_WS_URL, "expected wss://host[:port][/path] or ws://…"))?;
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if authority.contains('@') {
+fn invalid(name: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::invalid(setting_var(name), reason)
+}
+
+/// `ws://` or `wss://` with a host and no credentials; the path and query are kept.
+fn check_ws_url(url: Url) -> Result<Url, ConfigError> {
+    if !matches!(url.scheme(), "ws" | "wss") {
+        return Err(invalid(VAR_WS_URL, "expected wss://host[:port][/path] or ws://…"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
         return Err(invalid(VAR_WS_URL, "credentials do not belong in the URL"));
     }
-    if authority.is_empty() || url.contains(char::is_whitespace) {
-        return Err(invalid(VAR_WS_URL, "the host is missing or the URL contains whitespace"));
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid(VAR_WS_URL, "the host is missing"));
     }
-    Ok(url.to_owned())
+    Ok(url)
 }
 
 /// Text the platform will show: at most [`wire::MAX_CONTENT_BYTES`], no NUL.
-fn content(var: &'static str, text: &str) -> Result<String, ConfigError> {
+fn content(name: &str, text: &str) -> Result<String, ConfigError> {
     if text.len() > wire::MAX_CONTENT_BYTES || text.contains('\0') {
         return Err(invalid(
-            var,
+            name,
             format!("must be at most {} bytes without NUL", wire::MAX_CONTENT_BYTES),
         ));
     }
     Ok(text.to_owned())
 }
 
+/// A duration setting (seconds, fractions or units allowed) within `range` seconds.
 fn seconds(
     launch: &DriverLaunchConfig,
-    var: &'static str,
-    range: RangeInclusive<u64>,
-    default: u64,
+    name: &str,
+    range: RangeInclusive<f64>,
+    default: f64,
 ) -> Result<Duration, ConfigError> {
-    let Some(raw) = launch.var(var) else { return Ok(Duration::from_secs(default)) };
-    match raw.trim().parse::<u64>() {
-        Ok(value) if range.contains(&value) => Ok(Duration::from_secs(value)),
-        _ => Err(invalid(
-            var,
-            format!("expected whole seconds from {} to {}", range.start(), range.end()),
-        )),
-    }
-}
-
-fn count(
-    launch: &DriverLaunchConfig,
-    var: &'static str,
-    range: RangeInclusive<usize>,
-    default: usize,
-) -> Result<usize, ConfigError> {
-    let Some(raw) = launch.var(var) else { return Ok(default) };
-    match raw.trim().parse::<usize>() {
-        Ok(value) if range.contains(&value) => Ok(value),
-        _ => Err(invalid(
-            var,
-            format!("expected a number from {} to {}", range.start(), range.end()),
-        )),
-    }
+    let range = Duration::from_secs_f64(*range.start())..=Duration::from_secs_f64(*range.end());
+    Ok(launch.parse_within(name, range)?.unwrap_or(Duration::from_secs_f64(default)))
 }
 
 #[cfg(test)]
@@ -271,7 +238,7 @@ mod tests {
     #[test]
     fn defaults_follow_the_platform() {
         let config = WeComConfig::from_launch(&launch()).unwrap();
-        assert_eq!(config.ws_url, "wss://openws.work.weixin.qq.com");
+        assert_eq!(config.ws_url.as_str(), "wss://openws.work.weixin.qq.com/");
         assert_eq!(config.bot_id, "aib-123");
         assert_eq!(config.secret.expose(), "s3cret-value");
         assert_eq!(config.placeholder.as_deref(), Some(DEFAULT_PLACEHOLDER));
@@ -289,6 +256,7 @@ mod tests {
         std::fs::write(dir.path().join(CREDENTIAL_SECRET), "from-file\n").unwrap();
         let mut vars = vec![
             ("CHANNELD_CHANNEL_ID", "wecom.ops".to_owned()),
+            ("CHANNELD_SOCKET", "/tmp/wecom.ops.sock".to_owned()),
             ("CHANNELD_WECOM_BOT_ID", "aib-1".to_owned()),
             ("CHANNELD_WECOM_SECRET", "from-env".to_owned()),
         ];
@@ -312,17 +280,14 @@ mod tests {
         );
         let no_secret = bare.with_var(VAR_BOT_ID, "aib-1");
         let err = WeComConfig::from_launch(&no_secret).unwrap_err().to_string();
-        assert_eq!(
-            err,
-            "the bot secret (credential wecom-secret or CHANNELD_WECOM_SECRET) is not set"
-        );
+        assert_eq!(err, "credential wecom-secret or CHANNELD_WECOM_SECRET is not set");
     }
 
     #[test]
     fn urls_need_a_websocket_scheme_and_no_credentials() {
         let ok = WeComConfig::from_launch(&launch().with_var(VAR_WS_URL, "ws://127.0.0.1:9000"))
             .unwrap();
-        assert_eq!(ok.ws_url, "ws://127.0.0.1:9000");
+        assert_eq!(ok.ws_url.as_str(), "ws://127.0.0.1:9000/");
         for bad in
             ["https://x", "ws://", "wss://user:pw@host", "ws://a b", "openws.work.weixin.qq.com"]
         {
@@ -339,6 +304,7 @@ mod tests {
     fn errors_name_the_variable() {
         let cases = [
             (VAR_PING_INTERVAL, "0"),
+            (VAR_PING_INTERVAL, "500ms-ish"),
             (VAR_ACK_TIMEOUT, "soon"),
             (VAR_STREAM_WINDOW, "1"),
             (VAR_RECONNECT_MAX, "301"),

@@ -2,11 +2,8 @@
 //! (conversation, sender, mention stripping, attachments), reply text to content that fits
 //! the platform, and commands to template cards and back.
 
-use channeld_driver_sdk::protocol::types::{
-    Attachment, BodyError, Choice, Command, CommandResult, InboundMessage, MessageBody,
-    MessageTarget, Metadata, Participant,
-};
-use channeld_driver_sdk::protocol::{ChannelId, Id};
+use channeld_driver_sdk::Inbound;
+use channeld_driver_sdk::protocol::types::{Choice, Command, CommandResult, MessageBody};
 use serde_json::json;
 
 use crate::wire::{self, Button, MainTitle, Media, MessageCallback, TemplateCard};
@@ -69,47 +66,25 @@ impl Chat {
 /// Why a callback does not become an inbound message (it is logged and dropped).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Skip {
-    #[error("{what} {value:?} is not a usable id")]
-    BadId { what: &'static str, value: String },
     #[error("a {0} message with nothing to pass on")]
     Empty(String),
     #[error("msgtype {0:?} is not supported")]
     Unsupported(String),
-    #[error(transparent)]
-    Body(#[from] BodyError),
 }
 
-fn id(what: &'static str, value: &str) -> Result<Id, Skip> {
-    Id::new(value).map_err(|_| Skip::BadId { what, value: value.to_owned() })
-}
-
-/// An `aibot_msg_callback` as an inbound message: event id = `msgid`, sender = `from.userid`,
-/// conversation = `chatid` for groups else the sender; in groups the leading `@mention` of
-/// the bot is stripped. Voice arrives as its transcript; images, files and videos as
-/// attachment references whose AES keys travel in the metadata.
+/// An `aibot_msg_callback` as the message to report: event id = `msgid`, sender =
+/// `from.userid`, conversation = `chatid` for groups else the sender; in groups the leading
+/// `@mention` of the bot is stripped. Voice arrives as its transcript; images, files and
+/// videos as attachment references whose AES keys travel in the metadata. Ids are checked
+/// when the message is built.
 pub fn inbound_message(
-    channel: &ChannelId,
     callback: &MessageCallback,
     bot_name: Option<&str>,
-) -> Result<InboundMessage, Skip> {
+) -> Result<Inbound, Skip> {
     let chat =
         Chat::of(callback.chatid.as_deref(), callback.chattype.as_deref(), &callback.from.userid);
     let group = chat.kind == ChatKind::Group;
-    let mut metadata = Metadata::new();
-    metadata.insert(META_CHATTYPE.into(), chat.kind.as_str().into());
-    metadata.insert(META_MSGTYPE.into(), callback.msgtype.clone());
-    let mut attachments = Vec::new();
-    let mut attach = |kind: &str, media: &Media, metadata: &mut Metadata| {
-        if media.url.is_empty() {
-            return;
-        }
-        let index = attachments.len();
-        metadata.insert(attachment_meta(index, "type"), kind.to_owned());
-        if let Some(key) = &media.aeskey {
-            metadata.insert(attachment_meta(index, "aeskey"), key.clone());
-        }
-        attachments.push(Attachment { url: media.url.clone(), name: None, mime: None });
-    };
+    let mut media: Vec<(&str, &Media)> = Vec::new();
     let text = match callback.msgtype.as_str() {
         "text" => {
             let content = callback.text.as_ref().map_or("", |text| text.content.as_str());
@@ -130,40 +105,46 @@ pub fn inbound_message(
                             parts.push(content.to_owned());
                         }
                     }
-                    ("image", _, Some(image)) => attach("image", image, &mut metadata),
+                    ("image", _, Some(image)) => media.push(("image", image)),
                     _ => {}
                 }
             }
             parts.join("\n")
         }
         kind @ ("image" | "file" | "video") => {
-            let media = match kind {
+            let found = match kind {
                 "image" => &callback.image,
                 "file" => &callback.file,
                 _ => &callback.video,
             };
-            if let Some(media) = media {
-                attach(kind, media, &mut metadata);
-            }
+            media.extend(found.iter().map(|item| (kind, item)));
             String::new()
         }
         other => return Err(Skip::Unsupported(other.to_owned())),
     };
-    if text.trim().is_empty() && attachments.is_empty() {
+    media.retain(|(_, item)| !item.url.is_empty());
+    if text.trim().is_empty() && media.is_empty() {
         return Err(Skip::Empty(callback.msgtype.clone()));
     }
-    if let Some(quote) = callback.quote.as_ref().and_then(quote_text) {
-        metadata.insert(META_QUOTE.into(), quote);
+    let mut inbound = Inbound::text(chat.conversation, callback.from.userid.clone(), text)
+        .id(callback.msgid.clone())
+        .metadata(META_CHATTYPE, chat.kind.as_str())
+        .metadata(META_MSGTYPE, callback.msgtype.clone());
+    if let Some(seconds) = callback.create_time {
+        inbound = inbound.timestamp_ms(seconds.saturating_mul(1000));
     }
-    let target = MessageTarget::new(channel.clone(), id("conversation", &chat.conversation)?);
-    Ok(InboundMessage {
-        id: id("msgid", &callback.msgid)?,
-        target,
-        sender: Participant::new(id("sender", &callback.from.userid)?),
-        body: MessageBody::with_attachments(text, attachments)?,
-        timestamp_ms: callback.create_time.map(|seconds| seconds.saturating_mul(1000)),
-        metadata,
-    })
+    for (index, (kind, item)) in media.into_iter().enumerate() {
+        inbound = inbound
+            .attachment(item.url.clone(), None, None)
+            .metadata(attachment_meta(index, "type"), kind);
+        if let Some(key) = &item.aeskey {
+            inbound = inbound.metadata(attachment_meta(index, "aeskey"), key.clone());
+        }
+    }
+    if let Some(quote) = callback.quote.as_ref().and_then(quote_text) {
+        inbound = inbound.metadata(META_QUOTE, quote);
+    }
+    Ok(inbound)
 }
 
 fn quote_text(quote: &wire::Quote) -> Option<String> {

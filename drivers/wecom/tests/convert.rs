@@ -23,7 +23,9 @@ fn inbound(name: &str, bot_name: Option<&str>) -> Value {
     let Incoming::Message { callback, .. } = fixture(name) else {
         panic!("{name} is not a message")
     };
-    let message = convert::inbound_message(&channel(), &callback, bot_name)
+    let message = convert::inbound_message(&callback, bot_name)
+        .unwrap_or_else(|err| panic!("{name}: {err}"))
+        .build(&channel())
         .unwrap_or_else(|err| panic!("{name}: {err}"));
     serde_json::to_value(message).unwrap()
 }
@@ -107,15 +109,17 @@ fn a_quoted_message_travels_in_the_metadata() {
 fn a_message_with_nothing_to_pass_on_is_skipped() {
     let Incoming::Message { mut callback, .. } = fixture("text_group") else { unreachable!() };
     callback.text = Some(Text { content: "@运维助手\u{2005}".into() });
-    assert_eq!(
-        convert::inbound_message(&channel(), &callback, None),
-        Err(Skip::Empty("text".into()))
-    );
+    assert_eq!(convert::inbound_message(&callback, None), Err(Skip::Empty("text".into())));
     callback.msgtype = "location".into();
     assert_eq!(
-        convert::inbound_message(&channel(), &callback, None),
+        convert::inbound_message(&callback, None),
         Err(Skip::Unsupported("location".into()))
     );
+    // Ids the protocol cannot carry are refused when the message is built.
+    callback.msgtype = "text".into();
+    callback.text = Some(Text { content: "hi".into() });
+    callback.msgid = "x".repeat(300);
+    assert!(convert::inbound_message(&callback, None).unwrap().build(&channel()).is_err());
 }
 
 #[test]

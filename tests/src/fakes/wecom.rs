@@ -236,6 +236,12 @@ impl FakeWeCom {
         ));
     }
 
+    /// Marks `chat` (a user id or group chatid) as having messaged the bot before the test,
+    /// so proactive sends to it are accepted.
+    pub fn know_chat(&self, chat: &str) {
+        self.shared.platform().know_chat(chat);
+    }
+
     /// Whether a subscribed connection holds the bot.
     pub fn is_live(&self) -> bool {
         self.shared.platform().live().is_some()

@@ -148,6 +148,16 @@ impl Record {
         self.sent.iter().filter(|sent| sent.chatid == chat && sent.errcode == 0).collect()
     }
 
+    /// Messages users were shown: streams with an accepted frame, accepted proactive
+    /// messages (markdown and cards), reply cards and welcome texts.
+    pub fn messages(&self) -> usize {
+        let ok = |errcode: &i64| *errcode == 0;
+        self.streams.iter().filter(|stream| stream.accepted().next().is_some()).count()
+            + self.sent.iter().filter(|sent| ok(&sent.errcode)).count()
+            + self.reply_cards.iter().filter(|reply| ok(&reply.errcode)).count()
+            + self.welcomes.iter().filter(|reply| ok(&reply.errcode)).count()
+    }
+
     /// Subscribes the fake accepted.
     pub fn accepted_subscribes(&self) -> usize {
         self.subscribes.iter().filter(|subscribe| subscribe.accepted).count()

@@ -186,6 +186,12 @@ impl Platform {
         &mut self.config
     }
 
+    /// Marks `chat` as a conversation that messaged the bot before (proactive sends may go
+    /// there), as if it had happened before the test.
+    pub fn know_chat(&mut self, chat: &str) {
+        self.known_chats.insert(chat.to_owned());
+    }
+
     /// The connection holding the bot, if any.
     pub fn live(&self) -> Option<ConnId> {
         self.live
