@@ -122,7 +122,7 @@ impl WeComDriver {
                         "another client took this bot's connection (disconnected_event); not reconnecting until `channelctl resume`"
                     );
                     hub.link_state(LinkState::Fenced {
-                        detail: "another client subscribed this bot and WeCom dropped this connection; `channelctl resume` takes it back".into(),
+                        detail: "fenced: another client subscribed this bot and WeCom dropped this connection; `channelctl resume` takes it back".into(),
                     });
                     tokio::select! {
                         () = shutdown.cancelled() => return,
@@ -139,7 +139,7 @@ impl WeComDriver {
                     }
                     hub.link_state(LinkState::AuthRejected {
                         detail: format!(
-                            "{detail}; retrying slowly (`channelctl resume` retries at once after a fix)"
+                            "auth_rejected: {detail}; retrying slowly (`channelctl resume` retries at once after a fix)"
                         ),
                     });
                     tokio::select! {
