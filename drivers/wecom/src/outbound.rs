@@ -32,6 +32,8 @@ pub const MAX_REPLY_SLOTS: usize = 1024;
 /// Conversations whose chat type (single or group) is remembered for proactive sends;
 /// beyond it the type is left out of `aibot_send_msg` (it is optional).
 pub const MAX_KNOWN_CHATS: usize = 16_384;
+/// Conversations with a send gate; beyond it the gates nobody holds are dropped.
+const MAX_GATES: usize = 16_384;
 /// How long a reply slot is kept without a final reply (the platform takes replies to a
 /// callback for 24 hours).
 const SLOT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
@@ -100,6 +102,8 @@ pub struct Outbound {
     config: Arc<WeComConfig>,
     link: Link,
     pacer: Mutex<Pacer>,
+    /// One message in flight per conversation, first come first served.
+    gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     slots: Mutex<Slots>,
     chats: Mutex<HashMap<String, ChatKind>>,
     tasks: TaskTracker,
@@ -118,6 +122,7 @@ impl Outbound {
             config,
             link,
             pacer: Mutex::new(pacer),
+            gates: Mutex::default(),
             slots: Mutex::default(),
             chats: Mutex::default(),
             tasks: TaskTracker::new(),
@@ -245,15 +250,22 @@ impl Outbound {
         if slot.finishing.load(Ordering::Acquire) {
             return;
         }
-        let now = Instant::now();
-        // Opening a stream is a message; progress never waits for the pace.
-        if reply.is_idle() && !self.reserve(&slot.chat.conversation, now, now) {
-            debug!(event_id = %slot.event_id, "conversation at its message limit: no progress shown");
-            return;
+        // Opening a stream is a message; progress never waits for its turn or the pace.
+        let mut turn = None;
+        if reply.is_idle() {
+            turn = self.turn_now(&slot.chat.conversation);
+            if turn.is_none() {
+                debug!(event_id = %slot.event_id, "conversation busy or at its message limit: no progress shown");
+                return;
+            }
         }
+        let now = Instant::now();
         let Some(frame) = reply.progress(&content, now, || wire::req_id("stream")) else {
             return;
         };
+        if let Some(turn) = &mut turn {
+            turn.attempted();
+        }
         let outcome = self.stream_frame(&slot.req_id, &frame, now + self.config.ack_timeout).await;
         debug!(event_id = %slot.event_id, ?outcome, "progress frame");
         reply.record(&frame, outcome);
@@ -271,33 +283,56 @@ impl Outbound {
         }
     }
 
-    /// Reserves a slot for one message to `conversation` at or after `now`, then waits for
-    /// it; false when it would come after `deadline`.
-    fn reserve(&self, conversation: &str, now: Instant, deadline: Instant) -> bool {
-        self.reserve_at(conversation, now, deadline).is_some()
+    fn pacer(&self) -> MutexGuard<'_, Pacer> {
+        self.pacer.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn reserve_at(&self, conversation: &str, now: Instant, deadline: Instant) -> Option<Instant> {
-        self.pacer.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).reserve(
-            conversation,
-            now,
-            deadline,
-        )
+    fn gate(&self, conversation: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut gates = self.gates.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if gates.len() >= MAX_GATES && !gates.contains_key(conversation) {
+            gates.retain(|_, gate| Arc::strong_count(gate) > 1);
+        }
+        gates.entry(conversation.to_owned()).or_default().clone()
     }
 
-    /// Waits for a paced slot for one message to `conversation`.
-    async fn paced(&self, conversation: &str, deadline: Instant) -> Result<(), PostError> {
-        let Some(slot) = self.reserve_at(conversation, Instant::now(), deadline) else {
-            return Err(PostError::failed(
+    /// Waits until `deadline` for `conversation`'s turn to send one message and for the pace
+    /// to allow it.
+    async fn turn(&self, conversation: &str, deadline: Instant) -> Result<Turn<'_>, PostError> {
+        let busy = || {
+            PostError::failed(
                 format!(
-                    "conversation {conversation} is at its message limit ({} a minute, {} an hour) past the send queue time",
+                    "conversation {conversation} is at its message limit ({} a minute, {} an hour) for longer than the send queue time",
                     self.config.pace.per_minute, self.config.pace.per_hour
                 ),
                 true,
-            ));
+            )
         };
+        let gate = self.gate(conversation);
+        let held =
+            tokio::time::timeout_at(deadline, gate.lock_owned()).await.map_err(|_| busy())?;
+        let slot = self.pacer().next_slot(conversation, Instant::now());
+        if slot > deadline {
+            return Err(busy());
+        }
         tokio::time::sleep_until(slot).await;
-        Ok(())
+        Ok(Turn {
+            outbound: self,
+            conversation: conversation.to_owned(),
+            _held: held,
+            attempted: false,
+        })
+    }
+
+    /// `conversation`'s turn, only if it is free and the pace allows a message now.
+    fn turn_now(&self, conversation: &str) -> Option<Turn<'_>> {
+        let held = self.gate(conversation).try_lock_owned().ok()?;
+        let now = Instant::now();
+        (self.pacer().next_slot(conversation, now) <= now).then(|| Turn {
+            outbound: self,
+            conversation: conversation.to_owned(),
+            _held: held,
+            attempted: false,
+        })
     }
 
     /// The final reply to `event_id`: on its stream when the stream can take it, else (or
@@ -335,16 +370,22 @@ impl Outbound {
         target: &MessageTarget,
         deadline: Instant,
     ) -> Result<DeliveryReceipt, PostError> {
-        let conversation = &slot.chat.conversation;
+        // Opening the stream is a message: it waits for the conversation's turn.
+        let mut turn = None;
         if reply.is_idle() {
-            self.paced(conversation, deadline).await?;
+            turn = Some(self.turn(&slot.chat.conversation, deadline).await?);
         }
         let plan = reply.plan_final(text, Instant::now(), || wire::req_id("stream"));
         let Some(frame) = plan.stream else {
+            drop(turn);
             debug!(event_id = %slot.event_id, "stream window over; replying with proactive messages");
             return self.send_parts(target, &plan.proactive, deadline, None).await;
         };
+        if let Some(turn) = &mut turn {
+            turn.attempted();
+        }
         let outcome = self.stream_frame(&slot.req_id, &frame, deadline).await;
+        drop(turn);
         reply.record(&frame, outcome);
         match outcome {
             Outcome::Acked => {
@@ -432,7 +473,8 @@ impl Outbound {
         content: SendContent,
         deadline: Instant,
     ) -> Result<(String, Sent), PostError> {
-        self.paced(conversation, deadline).await?;
+        let mut turn = self.turn(conversation, deadline).await?;
+        turn.attempted();
         let chat_type = self.chats().get(conversation).map(|kind| kind.chat_type());
         let body = SendMsg { chatid: conversation.to_owned(), chat_type, content };
         let req_id = wire::req_id(wire::cmd::SEND_MSG);
@@ -462,11 +504,16 @@ impl Outbound {
 
     /// Answers an `enter_chat` event with the welcome text, within the platform's 5 s.
     pub async fn welcome(&self, req_id: &str, conversation: &str, text: &str) {
-        let now = Instant::now();
-        if !self.reserve(conversation, now, now) {
-            debug!(%conversation, "conversation at its message limit: no welcome");
-            return;
-        }
+        // The platform takes it for 5 s; waiting longer for a turn would be in vain.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut turn = match self.turn(conversation, deadline).await {
+            Ok(turn) => turn,
+            Err(_) => {
+                debug!(%conversation, "conversation at its message limit: no welcome");
+                return;
+            }
+        };
+        turn.attempted();
         let body = wire::WelcomeBody::Text { text: wire::Text { content: text.to_owned() } };
         let frame = wire::encode(wire::cmd::RESPOND_WELCOME, req_id, Some(&body));
         self.event_reply(req_id, frame, "welcome").await;
@@ -486,6 +533,31 @@ impl Outbound {
             Ok(ack) if ack.is_ok() => debug!(%req_id, "{what} sent"),
             Ok(ack) => warn!(%req_id, error = %ack.describe(), "WeCom refused the {what}"),
             Err(err) => warn!(%req_id, error = %err, "{what} not sent"),
+        }
+    }
+}
+
+/// A conversation's turn to send one message. Held until the message's outcome is known;
+/// once a message was attempted, dropping the turn records it with the pacer at that moment
+/// (the platform had counted it by then, if it counted it at all).
+struct Turn<'a> {
+    outbound: &'a Outbound,
+    conversation: String,
+    _held: tokio::sync::OwnedMutexGuard<()>,
+    attempted: bool,
+}
+
+impl Turn<'_> {
+    /// The message is about to be written.
+    fn attempted(&mut self) {
+        self.attempted = true;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if self.attempted {
+            self.outbound.pacer().record(&self.conversation, Instant::now());
         }
     }
 }
