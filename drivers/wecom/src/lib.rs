@@ -8,7 +8,9 @@
 //! * [`pacing`]: per-conversation message pacing (30 a minute, 1,000 an hour).
 //! * [`link`]: the live connection: one command, one acknowledgement, matched by `req_id`.
 //! * [`session`]: one connection's life (subscribe, pings, reading, fencing).
-//! * [`outbound`]: replies, progress, proactive messages, cards, welcome texts, paced.
+//! * [`outbound`]: sending: stream frames, proactive messages, cards, welcome texts, paced
+//!   one message at a time per conversation.
+//! * [`replies`]: replies to callbacks (placeholder, progress, final text or fallback).
 //! * [`cards`]: approval and choice cards waiting for a click.
 //! * [`platform`]: the [`WeComDriver`] (reconnects, dispatch, the `Driver` methods).
 
@@ -19,6 +21,7 @@ pub mod link;
 pub mod outbound;
 pub mod pacing;
 pub mod platform;
+pub mod replies;
 pub mod reply;
 pub mod session;
 pub mod wire;

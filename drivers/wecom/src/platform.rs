@@ -29,7 +29,8 @@ use crate::cards::{Cards, Click};
 use crate::config::WeComConfig;
 use crate::convert::{self, Chat};
 use crate::link::Link;
-use crate::outbound::{Outbound, Progress};
+use crate::outbound::Outbound;
+use crate::replies::{Progress, Replies};
 use crate::session::{self, End};
 use crate::wire::{EventCallback, Incoming, MessageCallback, event};
 
@@ -67,6 +68,7 @@ pub struct WeComDriver {
     config: Arc<WeComConfig>,
     link: Link,
     outbound: Arc<Outbound>,
+    replies: Arc<Replies>,
     cards: Arc<Cards>,
     phase: Mutex<Phase>,
     /// Bumped by `resume`; a fenced or refused link waits for it to change.
@@ -79,9 +81,10 @@ impl WeComDriver {
         let config = Arc::new(config);
         let link = Link::new();
         let outbound = Arc::new(Outbound::new(config.clone(), link.clone()));
+        let replies = Arc::new(Replies::new(config.clone(), outbound.clone()));
         let cards = Arc::new(Cards::new(config.responders.clone()));
         let (resume, _) = watch::channel(0);
-        Self { config, link, outbound, cards, phase: Mutex::new(Phase::Idle), resume }
+        Self { config, link, outbound, replies, cards, phase: Mutex::new(Phase::Idle), resume }
     }
 
     fn phase(&self) -> MutexGuard<'_, Phase> {
@@ -216,7 +219,7 @@ impl WeComDriver {
             callback.chattype.as_deref(),
             &callback.from.userid,
         );
-        self.outbound.register(&msgid, req_id, chat);
+        self.replies.register(&msgid, req_id, chat);
         let reported = tokio::select! {
             biased;
             () = shutdown.cancelled() => return false,
@@ -224,7 +227,7 @@ impl WeComDriver {
         };
         match reported {
             Ok(ticket) => {
-                let placeholder = Placeholder { outbound: self.outbound.clone(), event_id: msgid };
+                let placeholder = Placeholder { replies: self.replies.clone(), event_id: msgid };
                 pending.track(ticket, placeholder);
                 true
             }
@@ -245,7 +248,7 @@ impl WeComDriver {
                 };
                 let outbound = self.outbound.clone();
                 let req_id = req_id.to_owned();
-                self.outbound.tasks().spawn(async move {
+                self.replies.tasks().spawn(async move {
                     outbound.welcome(&req_id, &user, &text).await;
                 });
             }
@@ -259,7 +262,7 @@ impl WeComDriver {
                         info!(task_id = %click.task_id, %user, key = %click.event_key, "card answered");
                         let outbound = self.outbound.clone();
                         let req_id = req_id.to_owned();
-                        self.outbound.tasks().spawn(async move {
+                        self.replies.tasks().spawn(async move {
                             outbound.update_card(&req_id, card).await;
                         });
                     }
@@ -280,14 +283,14 @@ impl WeComDriver {
 /// again from the hub's record).
 #[derive(Debug)]
 struct Placeholder {
-    outbound: Arc<Outbound>,
+    replies: Arc<Replies>,
     event_id: String,
 }
 
 impl Settle for Placeholder {
     async fn settle(self, outcome: &Acceptance) {
         if matches!(outcome, Acceptance::Accepted { duplicate: false }) {
-            self.outbound.accepted(&self.event_id);
+            self.replies.accepted(&self.event_id);
         }
     }
 }
@@ -316,7 +319,7 @@ impl Driver for WeComDriver {
     }
 
     async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
-        self.outbound.tasks().reopen();
+        self.replies.tasks().reopen();
         let pending = PendingAcks::new();
         let (dispatch, queue) = mpsc::channel(session::DISPATCH_QUEUE);
         tokio::join!(
@@ -325,8 +328,8 @@ impl Driver for WeComDriver {
         );
         // Placeholders still waiting for the hub's answer are not worth a delay.
         pending.drain(Duration::ZERO).await;
-        self.outbound.tasks().close();
-        if tokio::time::timeout(STOP_GRACE, self.outbound.tasks().wait()).await.is_err() {
+        self.replies.tasks().close();
+        if tokio::time::timeout(STOP_GRACE, self.replies.tasks().wait()).await.is_err() {
             debug!("progress sends still running at stop");
         }
         *self.phase() = Phase::Idle;
@@ -339,7 +342,7 @@ impl Driver for WeComDriver {
             return Err(PostError::failed(format!("target is channel {}", target.channel), false));
         }
         match &post.kind {
-            PostKind::Reply { event_id } => self.outbound.reply(event_id, &post.message).await,
+            PostKind::Reply { event_id } => self.replies.reply(event_id, &post.message).await,
             PostKind::Proactive { .. } => self.outbound.post(&post.message).await,
         }
     }
@@ -352,7 +355,7 @@ impl Driver for WeComDriver {
             Effect::Preview { text } => Progress::Preview(text),
             _ => return Err(EffectError::Unsupported),
         };
-        if !self.outbound.progress(conversation, progress) {
+        if !self.replies.progress(conversation, progress) {
             debug!(%conversation, "progress for a conversation with no reply in progress");
         }
         Ok(())
