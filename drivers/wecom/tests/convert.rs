@@ -106,6 +106,31 @@ fn a_quoted_message_travels_in_the_metadata() {
 }
 
 #[test]
+fn a_mixed_message_of_images_alone_has_empty_text_and_numbered_keys() {
+    let message = inbound("mixed_images_only", None);
+    assert_eq!(message["body"]["text"], "");
+    assert_eq!(message["body"]["attachments"].as_array().unwrap().len(), 2);
+    let metadata = &message["metadata"];
+    assert_eq!(metadata["wecom.attachment.0.type"], "image");
+    assert!(
+        metadata.get("wecom.attachment.0.aeskey").is_none(),
+        "the first image came without a key"
+    );
+    assert_eq!(
+        metadata["wecom.attachment.1.aeskey"],
+        "c2Vjb25ka2V5c2Vjb25ka2V5c2Vjb25ka2V5c2Vjb24="
+    );
+}
+
+#[test]
+fn a_quoted_mixed_message_keeps_its_text_and_a_leading_space_before_the_mention_is_fine() {
+    let message = inbound("quote_mixed", None);
+    assert_eq!(message["body"]["text"], "summarise this");
+    assert_eq!(message["metadata"]["wecom.quote"], "disk at 91%\non db-2");
+    assert_eq!(message["target"]["conversation"], "wrkSFfCgAAxxxxxxxxxxxxxxxxxxxx");
+}
+
+#[test]
 fn a_message_with_nothing_to_pass_on_is_skipped() {
     let Incoming::Message { mut callback, .. } = fixture("text_group") else { unreachable!() };
     callback.text = Some(Text { content: "@运维助手\u{2005}".into() });
