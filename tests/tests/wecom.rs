@@ -5,15 +5,14 @@
 //! connection replaced, a kick leaving the instance fenced, refused credentials without a hot
 //! loop, and proactive sends with and without a platform error.
 
-use std::fs::OpenOptions;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use channeld_tests::driver::DriverProcess;
 use channeld_tests::fakes::wecom::{
     ERR_STREAM_EXPIRED, FakeConfig, FakeWeCom, PingMode, Record, StreamRecord, payloads,
 };
-use channeld_tests::{HubProcess, workspace_bin, write_script};
+use channeld_tests::{HubProcess, write_script};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 
@@ -23,49 +22,20 @@ const SECRET: &str = "s3cret-ops";
 /// How long a test waits for something the driver should do within a few seconds.
 const WITHIN: Duration = Duration::from_secs(20);
 
-/// A `channeld-wecom` process for [`INSTANCE`]. Killed on drop; its log is printed when the
-/// test fails.
-struct DriverProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl DriverProcess {
-    fn spawn(hub: &HubProcess, fake: &FakeWeCom, secret: &str, env: &[(&str, &str)]) -> Self {
-        let log = hub.dir.path().join("wecom.driver.log");
-        let stderr = OpenOptions::new().create(true).append(true).open(&log).expect("driver log");
-        let mut command = Command::new(workspace_bin("channeld-wecom"));
-        command
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("CHANNELD_CHANNEL_ID", INSTANCE)
-            .env("CHANNELD_SOCKET", hub.socket(INSTANCE))
-            .env("CHANNELD_WECOM_WS_URL", fake.url())
-            .env("CHANNELD_WECOM_BOT_ID", BOT)
-            .env("CHANNELD_WECOM_SECRET", secret)
-            .env("CHANNELD_LOG", "debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
-        for (name, value) in env {
-            command.env(name, value);
-        }
-        Self { child: command.spawn().expect("spawn channeld-wecom"), log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for DriverProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("---- {} ----\n{}", self.log.display(), self.log());
-        }
-    }
+/// Starts `channeld-wecom` for [`INSTANCE`] against `fake` with `secret` and `env`.
+fn spawn_driver(
+    hub: &HubProcess,
+    fake: &FakeWeCom,
+    secret: &str,
+    env: &[(&str, &str)],
+) -> DriverProcess {
+    let mut settings = vec![
+        ("CHANNELD_WECOM_WS_URL", fake.url()),
+        ("CHANNELD_WECOM_BOT_ID", BOT.to_owned()),
+        ("CHANNELD_WECOM_SECRET", secret.to_owned()),
+    ];
+    settings.extend(env.iter().map(|(name, value)| (*name, (*value).to_owned())));
+    DriverProcess::for_hub("channeld-wecom", hub, INSTANCE, &settings)
 }
 
 /// A hub serving [`INSTANCE`] for alice and bob, with the echo runtime or `agent`.
@@ -116,7 +86,7 @@ fn ready(status: &Value) -> bool {
 
 /// Starts the driver and waits until it subscribed and the hub shows it Ready.
 async fn start(hub: &HubProcess, fake: &FakeWeCom, env: &[(&str, &str)]) -> DriverProcess {
-    let driver = DriverProcess::spawn(hub, fake, SECRET, env);
+    let driver = spawn_driver(hub, fake, SECRET, env);
     // The hub may show a driver Ready before it reported its link: the subscribe comes first.
     fake.wait_live(WITHIN).await;
     wait_status(hub, &driver, "Ready", ready).await;
@@ -339,7 +309,7 @@ async fn a_kick_leaves_the_instance_fenced_without_resubscribing() {
 async fn a_refused_secret_is_auth_rejected_without_a_hot_loop() {
     let fake = fake().await;
     let hub = hub(None);
-    let driver = DriverProcess::spawn(&hub, &fake, "wrong-secret", &[]);
+    let driver = spawn_driver(&hub, &fake, "wrong-secret", &[]);
     let status = wait_status(&hub, &driver, "Unavailable auth_rejected", |status| {
         status["connected"] == true && status["health"]["status"]["reason"] == "auth_rejected"
     })
