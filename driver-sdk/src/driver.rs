@@ -242,10 +242,12 @@ pub struct OperatorAction {
 ///    [`Hub`] handle until `shutdown` fires or the input ends.
 /// 3. `shutdown` fires when the process is stopping (SIGTERM) **and** when the hub refuses
 ///    this driver on a reconnect (`already_connected`: another process now serves the
-///    instance). Either way `run` must stop taking platform input, settle what it holds
-///    ([`PendingAcks::drain`](crate::PendingAcks::drain)), disconnect from the platform and
-///    return promptly. A `run` that is still busy after the drain deadline is aborted and
-///    the process exits non-zero.
+///    instance). Either way `run` must stop taking platform input and settle what it holds
+///    ([`PendingAcks::drain`](crate::PendingAcks::drain)). If posts travel on the connection
+///    `run` holds, it then awaits [`Hub::requests_done`] (replies still being posted during a
+///    drain finish first; after a refusal it resolves at once). Then it disconnects from the
+///    platform and returns. A `run` still busy a drain deadline after that is aborted and the
+///    process exits non-zero.
 /// 4. After a refusal the SDK keeps retrying the hub; when it accepts the driver again, `run`
 ///    is called **again** with a fresh token: keep per-connection state inside `run`. A plain
 ///    loss of the hub connection (hub restart) does not stop `run`: inbound messages wait in

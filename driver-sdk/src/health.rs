@@ -15,8 +15,8 @@ use channeld_protocol::types::{Health, HealthState, HealthStatus, UnavailableRea
 pub enum LinkState {
     /// Opening the platform connection; `attempt` counts the failed attempts before this one.
     Connecting { attempt: u32 },
-    /// Connected and working.
-    Up,
+    /// Connected and working; `detail` may say what it serves (`consuming queue inbox`).
+    Up { detail: Option<String> },
     /// The connection failed or dropped for a reason that may pass (network, platform
     /// outage, rate limit); the driver retries with backoff.
     Retrying { attempt: u32, error: String },
@@ -36,6 +36,16 @@ pub enum LinkState {
 }
 
 impl LinkState {
+    /// Connected and working.
+    pub fn up() -> Self {
+        LinkState::Up { detail: None }
+    }
+
+    /// Connected and working, saying what it serves.
+    pub fn up_as(detail: impl Into<String>) -> Self {
+        LinkState::Up { detail: Some(detail.into()) }
+    }
+
     /// The operator-only condition behind this state, if it is one.
     pub fn unavailable_reason(&self) -> Option<UnavailableReason> {
         match self {
@@ -44,7 +54,7 @@ impl LinkState {
             LinkState::Fenced { .. } => Some(UnavailableReason::Fenced),
             LinkState::SetupRefused { .. } => Some(UnavailableReason::SetupRefused),
             LinkState::Connecting { .. }
-            | LinkState::Up
+            | LinkState::Up { .. }
             | LinkState::Retrying { .. }
             | LinkState::Stalled { .. } => None,
         }
@@ -58,9 +68,9 @@ impl LinkState {
             ..HealthStatus::default()
         };
         let (state, detail, status) = match self {
-            LinkState::Up => (
+            LinkState::Up { detail } => (
                 HealthState::Ready,
-                None,
+                detail.clone(),
                 HealthStatus { auth: Some("ok".into()), ..status("connected") },
             ),
             LinkState::Connecting { attempt } => (
@@ -134,8 +144,12 @@ mod tests {
             assert_eq!(health.state, HealthState::Unavailable, "{state:?}");
             assert_eq!(health.status.unwrap().reason.as_deref(), Some(reason));
         }
-        let up = LinkState::Up.health();
+        let up = LinkState::up().health();
         assert_eq!(up.state, HealthState::Ready);
+        assert_eq!(
+            LinkState::up_as("consuming queue q").health().detail.as_deref(),
+            Some("consuming queue q")
+        );
         assert_eq!(up.status.unwrap().transport.as_deref(), Some("connected"));
     }
 

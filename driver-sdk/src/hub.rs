@@ -73,6 +73,9 @@ pub struct Hub {
     pub(crate) shared: Arc<Shared>,
     /// Cancelled when this `run` must stop (shutdown or a refusal by the hub).
     pub(crate) stop: CancellationToken,
+    /// Cancelled once the SDK hands this `run` no more hub requests and those in flight are
+    /// done (see [`Hub::requests_done`]).
+    pub(crate) idle: CancellationToken,
 }
 
 /// Resolves when the hub has answered an inbound; see [`Acceptance`]. Hand it to
@@ -115,6 +118,15 @@ impl Hub {
     /// True while a hub connection is up and its handshake is done.
     pub fn is_connected(&self) -> bool {
         self.shared.is_connected()
+    }
+
+    /// Resolves once the SDK will hand this `run` no more posts, effects, commands or
+    /// operator actions and the ones in flight have finished (within the drain deadline):
+    /// at once after the hub refused the driver, after the in-flight work on shutdown. A
+    /// driver whose posts travel on the connection `run` holds (an MQTT client, a WebSocket)
+    /// awaits it after `shutdown` fired and before it disconnects.
+    pub async fn requests_done(&self) {
+        self.idle.cancelled().await;
     }
 
     /// Reports a platform message ([`Inbound`] or [`InboundMessage`]); the event id is the

@@ -14,7 +14,7 @@
 //!     let failure = match connect().await {
 //!         Ok(()) => {
 //!             reconnect.connected();
-//!             hub.link_state(LinkState::Up);
+//!             hub.link_state(LinkState::up());
 //!             let error = serve().await.err().unwrap_or_default();
 //!             hub.link_state(LinkState::Retrying { attempt: reconnect.attempt() + 1, error });
 //!             Failure::Transient
@@ -93,7 +93,7 @@ impl Nudge {
 }
 
 /// Reconnect bookkeeping for one platform link. Pure apart from [`Reconnect::wait`] (which
-/// sleeps) and the clock read by [`Reconnect::connected`] and [`Reconnect::next_delay`].
+/// sleeps) and the clock read by [`Reconnect::connected`] and [`Reconnect::failed`].
 #[derive(Debug)]
 pub struct Reconnect {
     policy: ReconnectPolicy,
@@ -137,13 +137,15 @@ impl Reconnect {
         self.nudge.clone()
     }
 
-    /// Records a failure and returns how long to wait before the next attempt.
-    pub fn next_delay(&mut self, failure: Failure) -> Duration {
-        self.next_delay_at(failure, Instant::now(), fastrand::f64())
+    /// Records a failure and returns how long to wait before the next attempt (report the
+    /// link state with [`attempt`](Self::attempt) now counting this failure, then
+    /// [`sleep`](Self::sleep)).
+    pub fn failed(&mut self, failure: Failure) -> Duration {
+        self.failed_at(failure, Instant::now(), fastrand::f64())
     }
 
-    /// [`next_delay`](Self::next_delay) with the clock and the jitter (in `[0, 1)`) given.
-    pub fn next_delay_at(&mut self, failure: Failure, now: Instant, jitter: f64) -> Duration {
+    /// [`failed`](Self::failed) with the clock and the jitter (in `[0, 1)`) given.
+    pub fn failed_at(&mut self, failure: Failure, now: Instant, jitter: f64) -> Duration {
         if let Some(since) = self.up_since.take()
             && now.saturating_duration_since(since) >= self.policy.reset_after
         {
@@ -158,17 +160,21 @@ impl Reconnect {
         }
     }
 
-    /// Records a failure and waits the delay. Returns false when `cancel` fired (stop
-    /// reconnecting), true when it is time for the next attempt (the delay passed or the
-    /// wait was nudged).
-    pub async fn wait(&mut self, failure: Failure, cancel: &CancellationToken) -> bool {
-        let delay = self.next_delay(failure);
+    /// Waits `delay`. Returns false when `cancel` fired (stop reconnecting), true when it is
+    /// time for the next attempt (the delay passed or the wait was nudged).
+    pub async fn sleep(&self, delay: Duration, cancel: &CancellationToken) -> bool {
         tokio::select! {
             biased;
             () = cancel.cancelled() => false,
             () = self.nudge.0.notified() => true,
             () = tokio::time::sleep(delay) => true,
         }
+    }
+
+    /// [`failed`](Self::failed), then [`sleep`](Self::sleep).
+    pub async fn wait(&mut self, failure: Failure, cancel: &CancellationToken) -> bool {
+        let delay = self.failed(failure);
+        self.sleep(delay, cancel).await
     }
 }
 
@@ -190,9 +196,8 @@ mod tests {
     fn transient_failures_double_to_the_cap() {
         let mut reconnect = Reconnect::new(policy());
         let now = Instant::now();
-        let delays: Vec<u64> = (0..6)
-            .map(|_| reconnect.next_delay_at(Failure::Transient, now, 0.5).as_secs())
-            .collect();
+        let delays: Vec<u64> =
+            (0..6).map(|_| reconnect.failed_at(Failure::Transient, now, 0.5).as_secs()).collect();
         assert_eq!(delays, [1, 2, 4, 8, 8, 8]);
         assert_eq!(reconnect.attempt(), 6);
     }
@@ -201,13 +206,12 @@ mod tests {
     fn operator_failures_take_the_slow_lane() {
         let mut reconnect = Reconnect::new(policy());
         let now = Instant::now();
-        let delays: Vec<u64> = (0..4)
-            .map(|_| reconnect.next_delay_at(Failure::Operator, now, 0.5).as_secs())
-            .collect();
+        let delays: Vec<u64> =
+            (0..4).map(|_| reconnect.failed_at(Failure::Operator, now, 0.5).as_secs()).collect();
         assert_eq!(delays, [30, 60, 120, 120]);
         // Jitter never takes the slow lane below three quarters of its first delay.
         let mut low = Reconnect::new(policy());
-        assert!(low.next_delay_at(Failure::Operator, now, 0.0) >= Duration::from_millis(22_500));
+        assert!(low.failed_at(Failure::Operator, now, 0.0) >= Duration::from_millis(22_500));
     }
 
     #[test]
@@ -215,15 +219,13 @@ mod tests {
         let mut reconnect = Reconnect::new(policy());
         let start = Instant::now();
         for _ in 0..4 {
-            reconnect.next_delay_at(Failure::Transient, start, 0.5);
+            reconnect.failed_at(Failure::Transient, start, 0.5);
         }
         reconnect.up_since = Some(start);
-        let short =
-            reconnect.next_delay_at(Failure::Transient, start + Duration::from_secs(5), 0.5);
+        let short = reconnect.failed_at(Failure::Transient, start + Duration::from_secs(5), 0.5);
         assert_eq!(short, Duration::from_secs(8));
         reconnect.up_since = Some(start);
-        let stable =
-            reconnect.next_delay_at(Failure::Transient, start + Duration::from_secs(60), 0.5);
+        let stable = reconnect.failed_at(Failure::Transient, start + Duration::from_secs(60), 0.5);
         assert_eq!(stable, Duration::from_secs(1));
         assert_eq!(reconnect.attempt(), 1);
     }

@@ -123,13 +123,13 @@ pub async fn run_driver<D: Driver>(
         }
     }
 
+    // Drain: the platform side stops taking input (its token is a child of `closing`) while
+    // hub requests in flight finish on its still-open platform connection; then it is told
+    // no more come and must return.
     shared.closing.cancel();
     if !shared.is_connected() {
         // No hub to answer: let the platform side settle what it holds as unresolved now.
         abandon_pending(&shared);
-    }
-    if let Err(err) = platform.stop(drain).await {
-        outcome = outcome.and(Err(err));
     }
     tracker.close();
     if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
@@ -137,6 +137,9 @@ pub async fn run_driver<D: Driver>(
             in_flight = tracker.len(),
             "in-flight requests did not finish within the drain deadline"
         );
+    }
+    if let Err(err) = platform.stop(drain).await {
+        outcome = outcome.and(Err(err));
     }
     session_token.cancel();
     if !connection_done && let Ok(Err(err)) = connection.await {
@@ -163,7 +166,14 @@ fn abandon_pending(shared: &Shared) {
 struct PlatformSide<D> {
     driver: Arc<D>,
     shared: Arc<Shared>,
-    running: Option<(JoinHandle<Result<(), DriverError>>, CancellationToken)>,
+    running: Option<Running>,
+}
+
+/// A `run` in progress: its task, its stop token and its requests-done token.
+struct Running {
+    task: JoinHandle<Result<(), DriverError>>,
+    stop: CancellationToken,
+    idle: CancellationToken,
 }
 
 impl<D: Driver> PlatformSide<D> {
@@ -177,22 +187,23 @@ impl<D: Driver> PlatformSide<D> {
             return;
         }
         let stop = self.shared.closing.child_token();
+        let idle = CancellationToken::new();
         // A new run reports its own link state; an old one's is stale.
         self.shared.lock().health = None;
-        let hub = Hub { shared: self.shared.clone(), stop: stop.clone() };
+        let hub = Hub { shared: self.shared.clone(), stop: stop.clone(), idle: idle.clone() };
         let driver = self.driver.clone();
         let token = stop.clone();
         debug!(channel = %self.shared.launch.channel, "the hub accepted the driver; starting the platform side");
         let task = tokio::spawn(async move { driver.run(hub, token).await });
-        self.running = Some((task, stop));
+        self.running = Some(Running { task, stop, idle });
     }
 
     /// Waits for `run` to return by itself. Only polled while running.
     async fn ended(&mut self) -> Result<(), RunError> {
-        let Some((task, _)) = self.running.as_mut() else {
+        let Some(running) = self.running.as_mut() else {
             return std::future::pending().await;
         };
-        let result = task.await;
+        let result = (&mut running.task).await;
         self.running = None;
         run_result(result)
     }
@@ -208,17 +219,19 @@ impl<D: Driver> PlatformSide<D> {
             %code,
             "the hub refused this driver; disconnecting from the platform until it accepts it again"
         );
-        if let Some((_, stop)) = &self.running {
-            stop.cancel();
+        if let Some(running) = &self.running {
+            running.stop.cancel();
         }
         abandon_pending(&self.shared);
         self.stop(drain).await
     }
 
-    /// Asks `run` to stop and waits up to `drain`; aborts it after that.
+    /// Asks `run` to stop, tells it no more hub requests come, and waits up to `drain`;
+    /// aborts it after that.
     async fn stop(&mut self, drain: Duration) -> Result<(), RunError> {
-        let Some((mut task, stop)) = self.running.take() else { return Ok(()) };
+        let Some(Running { mut task, stop, idle }) = self.running.take() else { return Ok(()) };
         stop.cancel();
+        idle.cancel();
         match tokio::time::timeout(drain, &mut task).await {
             Ok(result) => run_result(result),
             Err(_) => {

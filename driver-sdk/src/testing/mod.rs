@@ -16,6 +16,7 @@ mod fake_hub;
 
 pub use conformance::ConformanceHarness;
 pub use fake_hub::{AckMode, DRAIN, FAKE_HUB_NAME, FakeConnection, FakeHub, IO_TIMEOUT};
+pub use tempfile::TempDir;
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -23,6 +24,14 @@ use tokio_util::sync::CancellationToken;
 use crate::driver::Driver;
 use crate::launch::DriverLaunchConfig;
 use crate::runtime::{RunError, run_driver};
+
+/// A fresh temporary directory (removed when dropped), for a harness's platform files.
+pub fn temp_dir(prefix: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("{prefix}-"))
+        .tempdir()
+        .unwrap_or_else(|err| panic!("cannot create a temp dir: {err}"))
+}
 
 /// A driver running in-process under [`run_driver`], as `main` would run it.
 #[derive(Debug)]

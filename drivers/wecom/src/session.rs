@@ -77,7 +77,7 @@ pub async fn run(cx: &Context<'_>, reconnect: &mut Reconnect) -> End {
         return end;
     }
     reconnect.connected();
-    cx.hub.link_state(LinkState::Up);
+    cx.hub.link_state(up(config));
     info!(bot_id = %config.bot_id, host = config.ws_url.host_str().unwrap_or_default(), "subscribed to WeCom");
     let (connection, outgoing) = cx.link.attach();
     let end = serve(cx, &sender, &mut receiver, &connection, outgoing).await;
@@ -191,7 +191,7 @@ async fn serve(
                         }
                         unanswered.clear();
                         last_answer = Instant::now();
-                        cx.hub.link_state(LinkState::Up);
+                        cx.hub.link_state(up(cx.config));
                     }
                     Ok(Incoming::Ack(ack)) => {
                         let req_id = ack.req_id.clone();
@@ -231,4 +231,9 @@ async fn write(mut outgoing: mpsc::Receiver<Outgoing>, sender: WsSender) {
             let _ = written.send(());
         }
     }
+}
+
+/// Subscribed and answering pings.
+fn up(config: &WeComConfig) -> LinkState {
+    LinkState::up_as(format!("subscribed as bot {}", config.bot_id))
 }
