@@ -290,7 +290,7 @@ async fn a_kick_leaves_the_instance_fenced_without_resubscribing() {
     assert_eq!(status["health"]["state"], "Unavailable", "{status}");
     let out = hub.ctl(&["status"]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("Unavailable") && text.contains("fenced"), "{text}");
+    assert!(text.contains("Unavailable") && text.contains("reason=fenced"), "{text}");
     // The window: in the next 30 s the driver must not take the bot back by itself
     // (with a 1 s reconnect cap it would have tried many times).
     let watch_until = Instant::now() + Duration::from_secs(30);

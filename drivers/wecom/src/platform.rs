@@ -125,7 +125,7 @@ impl WeComDriver {
                         "another client took this bot's connection (disconnected_event); not reconnecting until `channelctl resume`"
                     );
                     hub.link_state(LinkState::Fenced {
-                        detail: "fenced: another client subscribed this bot and WeCom dropped this connection; `channelctl resume` takes it back".into(),
+                        detail: "another client subscribed this bot and WeCom dropped this connection; `channelctl resume` takes it back".into(),
                     });
                     tokio::select! {
                         () = shutdown.cancelled() => return,
@@ -142,7 +142,7 @@ impl WeComDriver {
                     }
                     hub.link_state(LinkState::AuthRejected {
                         detail: format!(
-                            "auth_rejected: {detail}; retrying slowly (`channelctl resume` retries at once after a fix)"
+                            "{detail}; retrying slowly (`channelctl resume` retries at once after a fix)"
                         ),
                     });
                     tokio::select! {
