@@ -552,6 +552,13 @@ async fn a_second_driver_the_hub_refuses_never_takes_over_the_broker_session() {
     provision(&broker, ONE, None).await;
     let first = DriverProcess::spawn(&hub, ONE, &broker, &[]);
     wait_ready(&hub, ONE, &first).await;
+    // Mosquitto writes its log after the CONNACK: wait until it shows the provisioning client
+    // and the first driver, so the count below is not taken before its line lands.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while broker_connections(&broker, ONE) < 2 {
+        assert!(Instant::now() < deadline, "first driver never logged:\n{}", broker.log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     let connections = broker_connections(&broker, ONE);
 
     // The same instance again: same socket, same MQTT client id.
