@@ -1,1 +1,19 @@
-//! The Slack driver as a library, so its tests can use the pure layers directly.
+//! The Slack driver as a library, so its tests can use the layers directly.
+//!
+//! * [`config`]: `CHANNELD_SLACK_*` settings and the two tokens, validated.
+//! * [`wire`]: Slack's Socket Mode, Events API, interactivity and Web API formats.
+//! * [`convert`]: pure mapping between Slack events and channeld frames.
+//! * [`mrkdwn`]: agent Markdown to Slack mrkdwn, and splitting long replies.
+//! * [`blocks`]: commands as Block Kit messages, and clicks back to results.
+//! * [`seen`]: inbound ids the hub already answered (answer once).
+//! * [`pacing`]: about one post per second per channel.
+
+pub mod blocks;
+pub mod config;
+pub mod convert;
+pub mod mrkdwn;
+pub mod pacing;
+pub mod seen;
+pub mod wire;
+
+pub use config::{ConfigError, SlackConfig};
