@@ -7,13 +7,17 @@
 //! * [`blocks`]: commands as Block Kit messages, and clicks back to results.
 //! * [`seen`]: inbound ids the hub already answered (answer once).
 //! * [`pacing`]: about one post per second per channel.
+//! * [`outbound`]: posts, previews, typing, reactions, edits and deletions on Slack.
+//! * [`web`]: the Web API client, with Slack's answers classified.
 
 pub mod blocks;
 pub mod config;
 pub mod convert;
 pub mod mrkdwn;
+pub mod outbound;
 pub mod pacing;
 pub mod seen;
+pub mod web;
 pub mod wire;
 
 pub use config::{ConfigError, SlackConfig};
