@@ -162,13 +162,13 @@ pub fn outcome(action: &Action, user: &str, choices: &[Choice]) -> Option<Outcom
     if action.action_id == APPROVE {
         return Some(Outcome {
             result: CommandResult::Accepted,
-            summary: format!(":white_check_mark: Approved by {by}"),
+            summary: format!(":white_check_mark: Approve, clicked by {by}"),
         });
     }
     if action.action_id == DENY {
         return Some(Outcome {
             result: CommandResult::rejected(format!("denied by {user}")),
-            summary: format!(":no_entry: Denied by {by}"),
+            summary: format!(":no_entry: Deny, clicked by {by}"),
         });
     }
     if action.action_id == INPUT {

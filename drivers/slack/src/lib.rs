@@ -5,12 +5,14 @@
 //! * [`convert`]: pure mapping between Slack events and channeld frames.
 //! * [`mrkdwn`]: agent Markdown to Slack mrkdwn, and splitting long replies.
 //! * [`blocks`]: commands as Block Kit messages, and clicks back to results.
+//! * [`commands`]: commands waiting for a click.
 //! * [`seen`]: inbound ids the hub already answered (answer once).
 //! * [`pacing`]: about one post per second per channel.
 //! * [`outbound`]: posts, previews, typing, reactions, edits and deletions on Slack.
 //! * [`web`]: the Web API client, with Slack's answers classified.
 
 pub mod blocks;
+pub mod commands;
 pub mod config;
 pub mod convert;
 pub mod mrkdwn;

@@ -431,6 +431,18 @@ impl Outbound {
         self.post_one(request).await
     }
 
+    /// Posts text that is already mrkdwn (a notification) as one message.
+    pub async fn post_mrkdwn(
+        &self,
+        target: &MessageTarget,
+        text: &str,
+    ) -> Result<Placed, CallError> {
+        let channel = self.channel_for(target.conversation.as_str()).await?;
+        let thread_ts = target.thread.as_ref().map(|t| t.as_str().to_owned());
+        let text: String = text.chars().take(self.max_chars).collect();
+        self.post_one(post_request(&channel, &text, &thread_ts)).await
+    }
+
     /// Replaces a message's text and removes its blocks (buttons).
     pub async fn replace(&self, placed: &Placed, text: String) -> Result<(), CallError> {
         let update = wire::UpdateMessage {
