@@ -1,0 +1,430 @@
+//! Socket Mode: the connection loop that keeps one live socket (two during a refresh), turns
+//! envelopes into hub reports and acknowledges each only after the hub's answer.
+//!
+//! Tasks: one reader per open socket (a `JoinSet` owned by the loop, drained when the loop
+//! ends) forwards parsed frames into one bounded queue ([`LINK_EVENTS`]; readers wait when
+//! it is full, so Slack's envelopes back up on the socket rather than in memory). The loop
+//! owns the sockets and decides; acknowledgements travel on the socket the envelope came
+//! from, settled by the SDK's `PendingAcks` (drained before the sockets close).
+//!
+//! Refresh: on `warning` / `refresh_requested` a new socket is opened while the old one keeps
+//! delivering; once the new one said `hello` it is primary and the old one is closed after its
+//! pending acknowledgements settled ([`DRAIN_OLD_SOCKET`] at most). An envelope the old socket
+//! could not acknowledge is redelivered by Slack on the new one and acknowledged there from
+//! the answer already recorded in [`Seen`](crate::seen::Seen): nothing lost, nothing answered
+//! twice.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use channeld_driver_sdk::protocol::types::{Health, HealthState, HealthStatus};
+use channeld_driver_sdk::transport::websocket::{self, WsMessage, WsOptions, WsReceiver, WsSender};
+use channeld_driver_sdk::transport::TransportError;
+use channeld_driver_sdk::{
+    Acceptance, CancellationToken, Failure, Hub, LinkState, PendingAcks, Reconnect, ReconnectPolicy, Settle, Url,
+};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tracing::{debug, info, warn};
+
+use crate::config::SlackConfig;
+use crate::convert::{self, BotIdentity, Classified};
+use crate::platform::Shared;
+use crate::web::CallError;
+use crate::wire::{self, Envelope, EventCallback, Interaction, SocketFrame};
+
+/// Frames read but not yet handled, across all sockets.
+pub const LINK_EVENTS: usize = 256;
+/// How long a replaced socket stays open for its pending acknowledgements.
+pub const DRAIN_OLD_SOCKET: Duration = Duration::from_secs(5);
+/// How long stopping waits for the hub's answers before closing the sockets.
+const DRAIN_ON_STOP: Duration = Duration::from_secs(5);
+
+/// What a reader reports.
+enum LinkEvent {
+    Frame(u64, SocketFrame),
+    Ended(u64, Result<(), TransportError>),
+}
+
+/// One open socket.
+struct Link {
+    sender: WsSender,
+    /// Acknowledgements waiting for the hub, sent on this socket.
+    acks: PendingAcks,
+    hello: bool,
+}
+
+/// Acknowledges one envelope on its socket once the hub answered.
+struct EnvelopeAck {
+    sender: WsSender,
+    envelope_id: String,
+    inbound_id: Option<channeld_driver_sdk::protocol::Id>,
+    shared: Arc<Shared>,
+}
+
+impl Settle for EnvelopeAck {
+    async fn settle(self, outcome: &Acceptance) {
+        if matches!(outcome, Acceptance::Unresolved) {
+            return;
+        }
+        if let Some(id) = self.inbound_id {
+            self.shared.remember_answered(id);
+        }
+        ack(&self.sender, &self.envelope_id).await;
+    }
+}
+
+async fn ack(sender: &WsSender, envelope_id: &str) {
+    let frame = serde_json::to_string(&wire::Ack { envelope_id }).unwrap_or_default();
+    if sender.send_text(frame).await.is_err() {
+        debug!(%envelope_id, "socket gone before the ack; Slack redelivers the envelope");
+    }
+}
+
+/// How a connection attempt or a socket ended.
+enum End {
+    Shutdown,
+    /// Retry on the normal lane, with this link state meanwhile.
+    Transient(LinkState),
+    /// Retry on the slow lane.
+    Operator(Health),
+}
+
+fn unavailable(reason: &str, detail: &str) -> Health {
+    Health {
+        state: HealthState::Unavailable,
+        detail: Some(detail.to_owned()),
+        status: Some(HealthStatus {
+            transport: Some("disconnected".into()),
+            reason: Some(reason.into()),
+            ..HealthStatus::default()
+        }),
+    }
+}
+
+fn degraded(reason: &str, detail: &str) -> Health {
+    Health {
+        state: HealthState::Degraded,
+        detail: Some(detail.to_owned()),
+        status: Some(HealthStatus {
+            transport: Some("disconnected".into()),
+            reason: Some(reason.into()),
+            ..HealthStatus::default()
+        }),
+    }
+}
+
+/// Slack's codes for a token it will not take.
+fn is_auth_error(code: &str) -> bool {
+    matches!(
+        code,
+        "invalid_auth" | "not_authed" | "account_inactive" | "token_revoked" | "token_expired" | "not_allowed_token_type" | "missing_scope"
+    )
+}
+
+fn call_end(what: &str, err: &CallError) -> End {
+    match err {
+        CallError::Slack(code) if is_auth_error(code) => {
+            End::Operator(unavailable("auth_rejected", &format!("slack refused the token for {what}: {code}")))
+        }
+        CallError::RateLimited(wait) => End::Transient(LinkState::Retrying {
+            attempt: 0,
+            error: format!("{what} rate limited for {}s", wait.as_secs()),
+        }),
+        other => End::Transient(LinkState::Retrying { attempt: 0, error: format!("{what}: {other}") }),
+    }
+}
+
+/// The Socket Mode loop; returns when `shutdown` fires.
+pub async fn run(shared: Arc<Shared>, hub: Hub, shutdown: CancellationToken) {
+    let config = &shared.config;
+    let policy = ReconnectPolicy {
+        initial: Duration::from_secs(1),
+        max: config.reconnect_max,
+        reset_after: Duration::ZERO,
+        operator_initial: config.slow_retry,
+        operator_max: config.slow_retry,
+    };
+    let mut reconnect = Reconnect::new(policy);
+    shared.set_nudge(reconnect.nudger());
+    loop {
+        hub.link_state(LinkState::Connecting { attempt: reconnect.attempt() });
+        let end = session(&shared, &hub, &shutdown, &mut reconnect).await;
+        let failure = match end {
+            End::Shutdown => return,
+            End::Transient(state) => {
+                let state = match state {
+                    LinkState::Retrying { error, .. } => LinkState::Retrying { attempt: reconnect.attempt() + 1, error },
+                    other => other,
+                };
+                hub.link_state(state);
+                Failure::Transient
+            }
+            End::Operator(health) => {
+                warn!(detail = ?health.detail, "slack refuses the link; retrying slowly");
+                hub.health(health);
+                Failure::Operator
+            }
+        };
+        if !reconnect.wait(failure, &shutdown).await {
+            return;
+        }
+    }
+}
+
+/// Opens a socket: a fresh URL from `apps.connections.open`, then the WebSocket.
+async fn open(shared: &Shared) -> Result<(WsSender, WsReceiver), End> {
+    let url = shared.web.connections_open().await.map_err(|err| call_end("apps.connections.open", &err))?;
+    let url = Url::parse(&url).map_err(|_| {
+        End::Transient(LinkState::Retrying { attempt: 0, error: "apps.connections.open returned an invalid URL".into() })
+    })?;
+    let options = WsOptions {
+        ping_interval: shared.config.ping_interval,
+        idle_timeout: shared.config.idle_timeout,
+        ..WsOptions::default()
+    };
+    websocket::connect(&url, &options)
+        .await
+        .map_err(|err| End::Transient(LinkState::Retrying { attempt: 0, error: err.to_string() }))
+}
+
+/// Reads one socket into the loop's queue until it ends.
+async fn read(id: u64, mut receiver: WsReceiver, events: mpsc::Sender<LinkEvent>) {
+    let end = loop {
+        match receiver.recv().await {
+            Ok(Some(WsMessage::Text(text))) => match serde_json::from_str::<SocketFrame>(&text) {
+                Ok(frame) => {
+                    if events.send(LinkEvent::Frame(id, frame)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(err) => warn!(socket = id, error = %err, "unreadable Socket Mode frame"),
+            },
+            Ok(Some(WsMessage::Binary(_))) => debug!(socket = id, "binary frame ignored"),
+            Ok(None) => break Ok(()),
+            Err(err) => break Err(err),
+        }
+    };
+    let _ = events.send(LinkEvent::Ended(id, end)).await;
+}
+
+/// One connection's life: identity, the first socket, and serving until it is lost.
+async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, reconnect: &mut Reconnect) -> End {
+    if let Err(end) = shared.identity().await {
+        return end;
+    }
+    let (events_tx, mut events) = mpsc::channel(LINK_EVENTS);
+    let mut readers = JoinSet::new();
+    let mut links: HashMap<u64, Link> = HashMap::new();
+    let mut next_id = 0u64;
+    let mut primary: Option<u64> = None;
+    let mut replacing = false;
+    let mut opening: JoinSet<Result<(WsSender, WsReceiver), End>> = JoinSet::new();
+    let mut retiring: JoinSet<()> = JoinSet::new();
+
+    let first = shared.clone();
+    opening.spawn(async move { open(&first).await });
+    let end = loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break End::Shutdown,
+            Some(opened) = opening.join_next() => match opened {
+                Ok(Ok((sender, receiver))) => {
+                    next_id += 1;
+                    let id = next_id;
+                    readers.spawn(read(id, receiver, events_tx.clone()));
+                    links.insert(id, Link { sender, acks: PendingAcks::new(), hello: false });
+                    debug!(socket = id, "socket open; waiting for hello");
+                }
+                Ok(Err(end)) => {
+                    if primary.is_none() {
+                        break end;
+                    }
+                    // A failed refresh: the old socket still serves until Slack closes it.
+                    replacing = false;
+                    warn!("could not open the replacement socket; the current one keeps serving");
+                }
+                Err(_) => break End::Transient(LinkState::Retrying { attempt: 0, error: "socket open task failed".into() }),
+            },
+            Some(event) = events.recv() => match event {
+                LinkEvent::Frame(id, SocketFrame::Hello(hello)) => {
+                    let Some(link) = links.get_mut(&id) else { continue };
+                    link.hello = true;
+                    let previous = primary.replace(id);
+                    replacing = false;
+                    reconnect.connected();
+                    hub.link_state(LinkState::Up);
+                    info!(socket = id, connections = ?hello.num_connections, "slack socket up");
+                    if let Some(old) = previous.filter(|old| *old != id) {
+                        retire(&mut links, old, &mut retiring);
+                    }
+                }
+                LinkEvent::Frame(id, SocketFrame::EventsApi(envelope)) => {
+                    if let Some(link) = links.get(&id) {
+                        on_event(shared, hub, link, envelope).await;
+                    }
+                }
+                LinkEvent::Frame(id, SocketFrame::Interactive(envelope)) => {
+                    if let Some(link) = links.get(&id) {
+                        ack(&link.sender, &envelope.envelope_id).await;
+                        on_interaction(shared, envelope);
+                    }
+                }
+                LinkEvent::Frame(id, SocketFrame::SlashCommands(envelope)) => {
+                    if let Some(link) = links.get(&id) {
+                        ack(&link.sender, &envelope.envelope_id).await;
+                        info!("slash commands are not handled by this driver; acknowledged and dropped");
+                    }
+                }
+                LinkEvent::Frame(_, SocketFrame::Other) => {}
+                LinkEvent::Frame(id, SocketFrame::Disconnect(disconnect)) => {
+                    info!(socket = id, reason = %disconnect.reason, "slack asks to disconnect");
+                    match disconnect.reason.as_str() {
+                        "warning" | "refresh_requested" => {
+                            if Some(id) == primary && !replacing {
+                                replacing = true;
+                                let next = shared.clone();
+                                opening.spawn(async move { open(&next).await });
+                            }
+                        }
+                        "link_disabled" => {
+                            break End::Operator(unavailable(
+                                "link_disabled",
+                                "Socket Mode is switched off in the Slack app settings (link_disabled)",
+                            ));
+                        }
+                        "too_many_websockets" => {
+                            hub.health(degraded(
+                                "too_many_websockets",
+                                "slack refused the socket: the app holds too many (too_many_websockets)",
+                            ));
+                            break End::Transient(LinkState::Retrying { attempt: 0, error: "too_many_websockets".into() });
+                        }
+                        other => {
+                            break End::Transient(LinkState::Retrying { attempt: 0, error: format!("slack disconnected: {other}") });
+                        }
+                    }
+                }
+                LinkEvent::Ended(id, result) => {
+                    let Some(link) = links.remove(&id) else { continue };
+                    // Acknowledgements for this socket can no longer be sent: Slack redelivers.
+                    let _ = link.acks.drain(Duration::ZERO).await;
+                    if Some(id) != primary {
+                        debug!(socket = id, "a replaced socket closed");
+                        continue;
+                    }
+                    // The primary is gone: promote a replacement that already said hello.
+                    primary = links.iter().find(|(_, l)| l.hello).map(|(id, _)| *id);
+                    if primary.is_some() {
+                        continue;
+                    }
+                    break match result {
+                        Err(TransportError::Idle(idle)) => End::Transient(LinkState::Stalled { idle }),
+                        Err(err) => End::Transient(LinkState::Retrying { attempt: 0, error: err.to_string() }),
+                        Ok(()) => End::Transient(LinkState::Retrying { attempt: 0, error: "slack closed the socket".into() }),
+                    };
+                }
+            },
+            Some(_) = retiring.join_next() => {}
+        }
+    };
+    // Settle what the hub answers in time, then close every socket.
+    let drain = if matches!(end, End::Shutdown) { DRAIN_ON_STOP } else { Duration::ZERO };
+    for (_, link) in links.drain() {
+        let _ = link.acks.drain(drain).await;
+        link.sender.close().await;
+    }
+    opening.abort_all();
+    while retiring.join_next().await.is_some() {}
+    drop(events_tx);
+    readers.abort_all();
+    while readers.join_next().await.is_some() {}
+    end
+}
+
+/// Closes a replaced socket once its acknowledgements settled (bounded).
+fn retire(links: &mut HashMap<u64, Link>, id: u64, retiring: &mut JoinSet<()>) {
+    let Some(link) = links.remove(&id) else { return };
+    retiring.spawn(async move {
+        let left = link.acks.drain(DRAIN_OLD_SOCKET).await;
+        if left > 0 {
+            info!(socket = id, left, "replaced socket closed with envelopes unanswered; Slack redelivers them");
+        }
+        link.sender.close().await;
+    });
+}
+
+/// An `events_api` envelope: dropped events are acknowledged at once; messages go to the hub
+/// and are acknowledged after its answer.
+async fn on_event(shared: &Arc<Shared>, hub: &Hub, link: &Link, envelope: Envelope) {
+    let callback: EventCallback = match serde_json::from_value(envelope.payload) {
+        Ok(callback) => callback,
+        Err(err) => {
+            warn!(error = %err, "unreadable event payload; acknowledged and dropped");
+            ack(&link.sender, &envelope.envelope_id).await;
+            return;
+        }
+    };
+    let Some(bot) = shared.bot() else {
+        // Without the bot's identity own posts cannot be told apart: let Slack redeliver.
+        return;
+    };
+    let classified = convert::classify(hub.channel(), &bot, shared.config.respond, shared.config.inbound_events, &callback);
+    let ack_now = |why: &str| debug!(event_id = %callback.event_id, retry = envelope.retry_attempt, why, "event acknowledged without the hub");
+    match classified {
+        Classified::Message(mut message) => {
+            if shared.answered(&message.id) {
+                ack_now("answered before");
+                ack(&link.sender, &envelope.envelope_id).await;
+                return;
+            }
+            message.sender.display_name = shared.display_name(message.sender.id.as_str()).await;
+            let id = message.id.clone();
+            match hub.inbound(message).await {
+                Ok(ticket) => link.acks.track(ticket, EnvelopeAck {
+                    sender: link.sender.clone(),
+                    envelope_id: envelope.envelope_id,
+                    inbound_id: Some(id),
+                    shared: shared.clone(),
+                }),
+                Err(err) if err.is_permanent() => {
+                    warn!(%id, error = %err, "message cannot be reported; acknowledged and dropped");
+                    ack(&link.sender, &envelope.envelope_id).await;
+                }
+                Err(err) => debug!(%id, error = %err, "not reported (stopping); Slack redelivers"),
+            }
+        }
+        Classified::Event { event_id, event } => match hub.inbound_event(event_id.clone(), event).await {
+            Ok(ticket) => link.acks.track(ticket, EnvelopeAck {
+                sender: link.sender.clone(),
+                envelope_id: envelope.envelope_id,
+                inbound_id: None,
+                shared: shared.clone(),
+            }),
+            Err(err) => debug!(%event_id, error = %err, "event not reported"),
+        },
+        Classified::AssistantThread { channel, thread_ts } => {
+            shared.outbound.assistant_thread(&channel, &thread_ts);
+            ack(&link.sender, &envelope.envelope_id).await;
+        }
+        Classified::Ignore(reason) => {
+            ack_now(&format!("{reason:?}"));
+            ack(&link.sender, &envelope.envelope_id).await;
+        }
+    }
+}
+
+fn on_interaction(shared: &Shared, envelope: Envelope) {
+    match serde_json::from_value::<Interaction>(envelope.payload) {
+        Ok(Interaction::BlockActions(click)) => shared.commands.on_click(&click),
+        Ok(Interaction::Other) => debug!("interaction type not handled"),
+        Err(err) => warn!(error = %err, "unreadable interaction payload"),
+    }
+}
+
+/// `auth.test`, as a connection step.
+pub async fn identify(shared: &SlackConfig, web: &crate::web::WebApi) -> Result<BotIdentity, End> {
+    let _ = shared;
+    let auth = web.auth_test().await.map_err(|err| call_end("auth.test", &err))?;
+    Ok(BotIdentity { user_id: auth.user_id, bot_id: auth.bot_id })
+}
