@@ -140,12 +140,25 @@ impl Shared {
     }
 
     fn push(&self, kind: &'static str, payload: Value, event_id: Option<String>) {
+        self.push_attempt(kind, payload, event_id, 0);
+    }
+
+    fn push_attempt(
+        &self,
+        kind: &'static str,
+        payload: Value,
+        event_id: Option<String>,
+        attempts: u32,
+    ) {
         self.update(|state| {
+            if let Some(id) = &event_id {
+                state.payloads.insert(id.clone(), payload.clone());
+            }
             state.outstanding.push_back(Outstanding {
                 kind,
                 payload,
                 event_id,
-                attempts: 0,
+                attempts,
                 envelope_id: None,
                 socket: None,
                 due: None,
@@ -341,6 +354,22 @@ impl FakeSlack {
     /// Queues any event (wrapped in `event_callback`); returns its `event_id`.
     pub fn push_event(&self, event: Value) -> String {
         self.shared.push_events_api(event)
+    }
+
+    /// Delivers `event_id` again with a new envelope id and the next `retry_attempt`, as Slack
+    /// does when an acknowledgement was lost; redelivered until acknowledged.
+    pub fn redeliver(&self, event_id: &str) {
+        let (payload, attempts) = {
+            let state = self.shared.lock();
+            let payload = state
+                .payloads
+                .get(event_id)
+                .cloned()
+                .unwrap_or_else(|| panic!("no event {event_id}"));
+            let attempts = state.record.deliveries_of(event_id).len() as u32;
+            (payload, attempts)
+        };
+        self.shared.push_attempt("events_api", payload, Some(event_id.to_owned()), attempts);
     }
 
     /// Queues an `interactive` envelope with `payload`.

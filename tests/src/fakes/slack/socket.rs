@@ -252,13 +252,14 @@ pub(crate) fn dispatch(shared: &Shared) {
     let mut index = 0;
     while index < state.outstanding.len() {
         let out = &state.outstanding[index];
-        let first = out.attempts == 0;
+        // Never sent yet (a new event, or one redelivered on request) goes out now.
+        let unsent = out.due.is_none();
         let due = out.due.is_some_and(|due| due <= now);
-        if !first && !due {
+        if !unsent && !due {
             index += 1;
             continue;
         }
-        if !first && (out.kind != "events_api" || out.attempts > options.max_retries) {
+        if !unsent && (out.kind != "events_api" || out.attempts > options.max_retries) {
             // Interactive envelopes are not redelivered; events give up after the last retry.
             state.outstanding.remove(index);
             continue;

@@ -240,6 +240,8 @@ pub(crate) struct State {
     pub link_disabled: bool,
     pub tokens_revoked: bool,
     pub counter: u64,
+    /// Every `events_api` payload pushed, by event id, for [`FakeSlack::redeliver`].
+    pub payloads: HashMap<String, Value>,
 }
 
 impl State {

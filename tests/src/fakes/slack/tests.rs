@@ -375,3 +375,18 @@ async fn bot_posts_are_echoed_and_clicks_carry_the_button() {
     assert_eq!(payload["actions"][0]["value"], "cmd-1");
     assert_eq!(payload["container"]["message_ts"], ts);
 }
+
+#[tokio::test]
+async fn an_acknowledged_event_can_be_redelivered_as_if_the_ack_was_lost() {
+    let fake = FakeSlack::start_with(quick()).await;
+    let mut ws = open_socket(&fake).await;
+    let said = fake.user_dms("U1", "once");
+    let first = next_json(&mut ws).await;
+    ack(&mut ws, &first).await;
+    fake.wait_for("the ack", WITHIN, |r| r.event_acked(&said.event_ids[0]).then_some(())).await;
+    fake.redeliver(&said.event_ids[0]);
+    let again = next_json(&mut ws).await;
+    assert_eq!(again["payload"]["event_id"], first["payload"]["event_id"]);
+    assert_eq!(again["retry_attempt"], 1);
+    assert_ne!(again["envelope_id"], first["envelope_id"]);
+}
