@@ -95,6 +95,8 @@ struct State {
     pacer: Pacer,
     previews: HashMap<PreviewKey, Preview>,
     preview_order: VecDeque<PreviewKey>,
+    /// Replies already posted: a preview arriving after its reply is dropped.
+    replied: VecDeque<PreviewKey>,
     dms: Bounded<String>,
     assistant_threads: Bounded<()>,
 }
@@ -107,6 +109,9 @@ pub struct Outbound {
     preview_interval: Duration,
     typing_reaction: String,
     state: Arc<Mutex<State>>,
+    /// Held while a preview's first message is posted and while a reply takes its preview,
+    /// so a reply never misses a preview that is being posted.
+    preview_gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Outbound {
@@ -120,9 +125,11 @@ impl Outbound {
                 pacer: Pacer::new(config.post_interval),
                 previews: HashMap::new(),
                 preview_order: VecDeque::new(),
+                replied: VecDeque::new(),
                 dms: Bounded::new(MAX_REMEMBERED),
                 assistant_threads: Bounded::new(MAX_REMEMBERED),
             })),
+            preview_gate: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
@@ -210,7 +217,10 @@ impl Outbound {
             self.channel_for(target.conversation.as_str()).await.map_err(|err| outcome(&err))?;
         let parts = parts(body, self.max_chars);
         let thread_ts = target.thread.as_ref().map(|t| t.as_str().to_owned());
-        let preview = self.take_preview(target);
+        let preview = {
+            let _gate = self.preview_gate.lock().await;
+            self.take_preview(target)
+        };
         let mut first: Option<Placed> = None;
         for (index, text) in parts.into_iter().enumerate() {
             let placed = match (&preview, index) {
@@ -250,10 +260,17 @@ impl Outbound {
         Ok(placed)
     }
 
+    /// Takes the reply's preview, and marks the reply as posted so a late preview is dropped.
     fn take_preview(&self, target: &MessageTarget) -> Option<Placed> {
         let key = preview_key(target);
         let mut state = self.lock();
         state.preview_order.retain(|k| k != &key);
+        if target.reply_to.is_some() {
+            state.replied.push_back(key.clone());
+            while state.replied.len() > MAX_PREVIEWS {
+                state.replied.pop_front();
+            }
+        }
         state.previews.remove(&key).map(|preview| preview.placed)
     }
 
@@ -363,10 +380,10 @@ impl Outbound {
 
     /// A preview: posted once, then updated at most once per preview interval; updates in
     /// between are folded into the next one.
-    async fn preview(&self, target: &MessageTarget, text: &str) -> Result<(), EffectError> {
+    async fn preview(&self, target: &MessageTarget, raw: &str) -> Result<(), EffectError> {
         let key = preview_key(target);
         let text = parts(
-            &MessageBody::text(text).map_err(|err| EffectError::Failed(err.to_string()))?,
+            &MessageBody::text(raw).map_err(|err| EffectError::Failed(err.to_string()))?,
             self.max_chars,
         )
         .swap_remove(0);
@@ -381,6 +398,20 @@ impl Outbound {
             }
         };
         let Some(due) = due else {
+            let gate = self.preview_gate.lock().await;
+            let (replied, exists) = {
+                let state = self.lock();
+                (state.replied.contains(&key), state.previews.contains_key(&key))
+            };
+            if replied {
+                // The reply is already there: a late preview would stand beside it.
+                return Ok(());
+            }
+            if exists {
+                // Another preview posted it meanwhile: this text goes out as its update.
+                drop(gate);
+                return Box::pin(self.preview(target, raw)).await;
+            }
             let channel = self.channel_for(&key.0).await.map_err(effect_error)?;
             let placed =
                 self.post_one(post_request(&channel, &text, &key.1)).await.map_err(effect_error)?;

@@ -288,3 +288,16 @@ async fn a_choice_without_a_click_times_out_as_rejected() {
     let message = &record.visible_bot_messages("C1")[0];
     assert!(message.text.contains("No answer in time"), "{}", message.text);
 }
+
+#[tokio::test]
+async fn a_preview_arriving_after_its_reply_is_dropped() {
+    let fake = fake().await;
+    let out = outbound(&fake, &[]);
+    let reply = target("C1", Some("1.0"), Some("C1:1.0"));
+    out.post(&reply, &text("final")).await.unwrap();
+    out.effect(&reply, &Effect::Preview { text: "late draft".into() }).await.unwrap();
+    let record = fake.record();
+    let visible = record.visible_bot_messages("C1");
+    assert_eq!(visible.len(), 1, "no stray preview beside the reply");
+    assert_eq!(visible[0].text, "final");
+}
