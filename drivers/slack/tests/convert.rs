@@ -275,3 +275,47 @@ fn reaction_names_accept_names_colons_and_common_emoji() {
     assert_eq!(reaction_name("🦀"), None);
     assert_eq!(reaction_name("Not A Name"), None);
 }
+
+#[test]
+fn joins_are_dropped_and_broadcast_thread_replies_stay_in_their_thread() {
+    let all = |raw| classified(raw, Respond::All, InboundEvents::default());
+    assert_eq!(
+        all(include_str!("fixtures/channel_join.json")),
+        Classified::Ignore(Ignored::Subtype("channel_join".into()))
+    );
+    let Classified::Message(message) =
+        mentions_only(include_str!("fixtures/thread_broadcast.json"))
+    else {
+        panic!("a broadcast reply is a person's post")
+    };
+    assert_eq!(message.target.thread.as_ref().map(|t| t.as_str()), Some("1718032000.000200"));
+    assert_eq!(message.body.text_str(), "also posting this to the channel");
+}
+
+#[test]
+fn edits_of_bot_posts_are_never_forwarded() {
+    let forward = InboundEvents { edits: true, deletes: true, reactions: true };
+    let edited =
+        classified(include_str!("fixtures/bot_message_changed.json"), Respond::All, forward);
+    assert_eq!(
+        edited,
+        Classified::Ignore(Ignored::BotMessage),
+        "our own preview updates do not loop back"
+    );
+}
+
+#[test]
+fn a_group_dm_needs_a_mention_like_a_channel() {
+    let raw = include_str!("fixtures/mpim_message.json");
+    assert_eq!(mentions_only(raw), Classified::Ignore(Ignored::NotMentioned));
+    let Classified::Message(message) = classified(raw, Respond::All, InboundEvents::default())
+    else {
+        panic!("respond=all takes group DMs")
+    };
+    assert_eq!(message.body.text_str(), "shall we ask the bot? > maybe");
+    assert_eq!(
+        message.target.thread.as_ref().map(|t| t.as_str()),
+        Some("1718034300.000500"),
+        "threads like a channel"
+    );
+}
