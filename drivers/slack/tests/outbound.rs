@@ -301,3 +301,24 @@ async fn a_preview_arriving_after_its_reply_is_dropped() {
     assert_eq!(visible.len(), 1, "no stray preview beside the reply");
     assert_eq!(visible[0].text, "final");
 }
+
+#[tokio::test]
+async fn the_default_pacing_stays_under_slacks_channel_limit() {
+    let fake = FakeSlack::start_with(FakeSlackOptions {
+        echo_bot_messages: false,
+        ping_interval: None,
+        posts_per_channel_second: Some(1),
+        ..FakeSlackOptions::default()
+    })
+    .await;
+    let out = outbound(&fake, &[("SLACK_POST_INTERVAL_MS", "1000")]);
+    for n in 0..3 {
+        out.post(&target("C1", None, None), &text(&format!("burst {n}"))).await.unwrap();
+    }
+    let record = fake.record();
+    assert!(
+        record.calls_to("chat.postMessage").iter().all(|c| c.status == 200),
+        "never rate limited"
+    );
+    assert_eq!(record.visible_bot_messages("C1").len(), 3);
+}

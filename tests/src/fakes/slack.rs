@@ -74,6 +74,9 @@ pub struct FakeSlackOptions {
     pub echo_bot_messages: bool,
     /// Event subscriptions: `message.im`, `message.channels`, `message.groups`, `app_mention`.
     pub subscriptions: Vec<String>,
+    /// Enforce `chat.postMessage`'s special limit: more than this many posts to one channel
+    /// within a second get HTTP 429 with `Retry-After: 1`. `None` enforces nothing.
+    pub posts_per_channel_second: Option<usize>,
 }
 
 impl Default for FakeSlackOptions {
@@ -95,6 +98,7 @@ impl Default for FakeSlackOptions {
             subscriptions: ["message.im", "message.channels", "message.groups", "app_mention"]
                 .map(str::to_owned)
                 .to_vec(),
+            posts_per_channel_second: None,
         }
     }
 }

@@ -240,6 +240,8 @@ pub(crate) struct State {
     pub link_disabled: bool,
     pub tokens_revoked: bool,
     pub counter: u64,
+    /// Recent accepted posts per channel, for the per-channel rate limit.
+    pub recent_posts: HashMap<String, VecDeque<Instant>>,
     /// Every `events_api` payload pushed, by event id, for [`FakeSlack::redeliver`].
     pub payloads: HashMap<String, Value>,
 }

@@ -325,6 +325,7 @@ async fn link_disabled_refuses_new_sockets_and_too_many_sockets_are_refused() {
         (Some("disconnect"), Some("link_disabled"))
     );
     fake.enable_link();
+    fake.wait_for("the disabled socket closed", WITHIN, |r| r.sockets[0].closed_at.map(drop)).await;
     let _fourth = open_socket(&fake).await;
 }
 
@@ -389,4 +390,24 @@ async fn an_acknowledged_event_can_be_redelivered_as_if_the_ack_was_lost() {
     assert_eq!(again["payload"]["event_id"], first["payload"]["event_id"]);
     assert_eq!(again["retry_attempt"], 1);
     assert_ne!(again["envelope_id"], first["envelope_id"]);
+}
+
+#[tokio::test]
+async fn posting_faster_than_the_channel_limit_is_rate_limited() {
+    let fake =
+        FakeSlack::start_with(FakeSlackOptions { posts_per_channel_second: Some(2), ..quick() })
+            .await;
+    let token = fake.options().bot_token.clone();
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(
+            call(&fake, "chat.postMessage", Some(&token), json!({"channel": "C1", "text": "x"}))
+                .await
+                .0,
+        );
+    }
+    let (other, _, _) =
+        call(&fake, "chat.postMessage", Some(&token), json!({"channel": "C2", "text": "x"})).await;
+    assert_eq!(statuses, [200, 200, 429]);
+    assert_eq!(other, 200, "the limit is per channel");
 }

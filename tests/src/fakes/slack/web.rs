@@ -4,7 +4,7 @@
 //! `{"ok":false,…}`, and the injected faults (429 + `Retry-After`, delays, hangs, 5xx).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, RawQuery, State as AxumState};
@@ -317,6 +317,21 @@ fn post_message(shared: &Shared, args: &Value) -> Answer {
         Ok(content) => content,
         Err(answer) => return answer,
     };
+    if let Some(limit) = options.posts_per_channel_second {
+        let now = Instant::now();
+        let recent = state.recent_posts.entry(channel.clone()).or_default();
+        while recent.front().is_some_and(|at| now.duration_since(*at) >= Duration::from_secs(1)) {
+            recent.pop_front();
+        }
+        if recent.len() >= limit {
+            return Answer {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                retry_after: Some(1),
+                body: json!({"ok": false, "error": "ratelimited"}),
+            };
+        }
+        recent.push_back(now);
+    }
     let thread_ts = text_arg(args, "thread_ts").map(str::to_owned);
     let ts = state.next_ts();
     let message = StoredMessage {
