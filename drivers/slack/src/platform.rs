@@ -53,7 +53,7 @@ impl Shared {
         if let Some(bot) = self.bot() {
             return Ok(bot);
         }
-        let bot = crate::socket::identify(&self.config, &self.web).await?;
+        let bot = crate::socket::identify(&self.web).await?;
         *lock(&self.bot) = Some(bot.clone());
         Ok(bot)
     }

@@ -28,7 +28,6 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use crate::config::SlackConfig;
 use crate::convert::{self, BotIdentity, Classified};
 use crate::platform::Shared;
 use crate::web::CallError;
@@ -36,8 +35,11 @@ use crate::wire::{self, Envelope, EventCallback, Interaction, SocketFrame};
 
 /// Frames read but not yet handled, across all sockets.
 pub const LINK_EVENTS: usize = 256;
-/// How long a replaced socket stays open for its pending acknowledgements.
-pub const DRAIN_OLD_SOCKET: Duration = Duration::from_secs(5);
+/// How long a replaced socket keeps serving (Slack may still deliver there during a
+/// refresh) before it is drained and closed.
+pub const RETIRE_GRACE: Duration = Duration::from_secs(2);
+/// How long a replaced socket then waits for its pending acknowledgements.
+pub const DRAIN_OLD_SOCKET: Duration = Duration::from_secs(3);
 /// How long stopping waits for the hub's answers before closing the sockets.
 const DRAIN_ON_STOP: Duration = Duration::from_secs(5);
 
@@ -53,6 +55,8 @@ struct Link {
     /// Acknowledgements waiting for the hub, sent on this socket.
     acks: PendingAcks,
     hello: bool,
+    /// Replaced by a newer socket: still serving until its grace period ends.
+    retiring: bool,
 }
 
 /// Acknowledges one envelope on its socket once the hub answered.
@@ -83,10 +87,12 @@ async fn ack(sender: &WsSender, envelope_id: &str) {
 }
 
 /// How a connection attempt or a socket ended.
-enum End {
+pub(crate) enum End {
     Shutdown,
     /// Retry on the normal lane, with this link state meanwhile.
     Transient(LinkState),
+    /// Retry on the normal lane, showing this health (a Slack reason the link states lack).
+    TransientHealth(Health),
     /// Retry on the slow lane.
     Operator(Health),
 }
@@ -161,6 +167,11 @@ pub async fn run(shared: Arc<Shared>, hub: Hub, shutdown: CancellationToken) {
                 hub.link_state(state);
                 Failure::Transient
             }
+            End::TransientHealth(health) => {
+                warn!(detail = ?health.detail, "slack refused the socket; retrying");
+                hub.health(health);
+                Failure::Transient
+            }
             End::Operator(health) => {
                 warn!(detail = ?health.detail, "slack refuses the link; retrying slowly");
                 hub.health(health);
@@ -221,19 +232,38 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
     let mut primary: Option<u64> = None;
     let mut replacing = false;
     let mut opening: JoinSet<Result<(WsSender, WsReceiver), End>> = JoinSet::new();
-    let mut retiring: JoinSet<()> = JoinSet::new();
+    // Replaced sockets: the grace timers, then their drains.
+    let mut retiring: JoinSet<u64> = JoinSet::new();
+    let mut closing: JoinSet<()> = JoinSet::new();
+    // A socket that does not say hello within the idle timeout is given up.
+    let mut hello_due: Option<tokio::time::Instant> = None;
 
     let first = shared.clone();
     opening.spawn(async move { open(&first).await });
     let end = loop {
+        let hello_timeout = async {
+            match hello_due {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             () = shutdown.cancelled() => break End::Shutdown,
+            () = hello_timeout => {
+                hello_due = None;
+                if primary.is_none() {
+                    break End::Transient(LinkState::Retrying { attempt: 0, error: "slack sent no hello".into() });
+                }
+                replacing = false;
+                warn!("the replacement socket sent no hello; the current one keeps serving");
+            }
             Some(opened) = opening.join_next() => match opened {
                 Ok(Ok((sender, receiver))) => {
                     next_id += 1;
                     let id = next_id;
                     readers.spawn(read(id, receiver, events_tx.clone()));
-                    links.insert(id, Link { sender, acks: PendingAcks::new(), hello: false });
+                    links.insert(id, Link { sender, acks: PendingAcks::new(), hello: false, retiring: false });
+                    hello_due = Some(tokio::time::Instant::now() + shared.config.idle_timeout);
                     debug!(socket = id, "socket open; waiting for hello");
                 }
                 Ok(Err(end)) => {
@@ -250,13 +280,21 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
                 LinkEvent::Frame(id, SocketFrame::Hello(hello)) => {
                     let Some(link) = links.get_mut(&id) else { continue };
                     link.hello = true;
+                    hello_due = None;
                     let previous = primary.replace(id);
                     replacing = false;
                     reconnect.connected();
                     hub.link_state(LinkState::Up);
                     info!(socket = id, connections = ?hello.num_connections, "slack socket up");
-                    if let Some(old) = previous.filter(|old| *old != id) {
-                        retire(&mut links, old, &mut retiring);
+                    if let Some(old) = previous.filter(|old| *old != id)
+                        && let Some(link) = links.get_mut(&old)
+                    {
+                        // It keeps serving for a grace period: Slack may still deliver there.
+                        link.retiring = true;
+                        retiring.spawn(async move {
+                            tokio::time::sleep(RETIRE_GRACE).await;
+                            old
+                        });
                     }
                 }
                 LinkEvent::Frame(id, SocketFrame::EventsApi(envelope)) => {
@@ -294,11 +332,10 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
                             ));
                         }
                         "too_many_websockets" => {
-                            hub.health(degraded(
+                            break End::TransientHealth(degraded(
                                 "too_many_websockets",
                                 "slack refused the socket: the app holds too many (too_many_websockets)",
                             ));
-                            break End::Transient(LinkState::Retrying { attempt: 0, error: "too_many_websockets".into() });
                         }
                         other => {
                             break End::Transient(LinkState::Retrying { attempt: 0, error: format!("slack disconnected: {other}") });
@@ -310,11 +347,11 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
                     // Acknowledgements for this socket can no longer be sent: Slack redelivers.
                     let _ = link.acks.drain(Duration::ZERO).await;
                     if Some(id) != primary {
-                        debug!(socket = id, "a replaced socket closed");
+                        debug!(socket = id, retiring = link.retiring, "a socket other than the primary closed");
                         continue;
                     }
                     // The primary is gone: promote a replacement that already said hello.
-                    primary = links.iter().find(|(_, l)| l.hello).map(|(id, _)| *id);
+                    primary = links.iter().find(|(_, l)| l.hello && !l.retiring).map(|(id, _)| *id);
                     if primary.is_some() {
                         continue;
                     }
@@ -325,7 +362,14 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
                     };
                 }
             },
-            Some(_) = retiring.join_next() => {}
+            Some(done) = retiring.join_next() => {
+                if let Ok(id) = done
+                    && let Some(link) = links.remove(&id)
+                {
+                    closing.spawn(close_retired(id, link));
+                }
+            }
+            Some(_) = closing.join_next() => {}
         }
     };
     // Settle what the hub answers in time, then close every socket.
@@ -335,7 +379,8 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
         link.sender.close().await;
     }
     opening.abort_all();
-    while retiring.join_next().await.is_some() {}
+    retiring.abort_all();
+    while closing.join_next().await.is_some() {}
     drop(events_tx);
     readers.abort_all();
     while readers.join_next().await.is_some() {}
@@ -343,15 +388,12 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
 }
 
 /// Closes a replaced socket once its acknowledgements settled (bounded).
-fn retire(links: &mut HashMap<u64, Link>, id: u64, retiring: &mut JoinSet<()>) {
-    let Some(link) = links.remove(&id) else { return };
-    retiring.spawn(async move {
-        let left = link.acks.drain(DRAIN_OLD_SOCKET).await;
-        if left > 0 {
-            info!(socket = id, left, "replaced socket closed with envelopes unanswered; Slack redelivers them");
-        }
-        link.sender.close().await;
-    });
+async fn close_retired(id: u64, link: Link) {
+    let left = link.acks.drain(DRAIN_OLD_SOCKET).await;
+    if left > 0 {
+        info!(socket = id, left, "replaced socket closed with envelopes unanswered; Slack redelivers them");
+    }
+    link.sender.close().await;
 }
 
 /// An `events_api` envelope: dropped events are acknowledged at once; messages go to the hub
@@ -423,8 +465,7 @@ fn on_interaction(shared: &Shared, envelope: Envelope) {
 }
 
 /// `auth.test`, as a connection step.
-pub async fn identify(shared: &SlackConfig, web: &crate::web::WebApi) -> Result<BotIdentity, End> {
-    let _ = shared;
+pub(crate) async fn identify(web: &crate::web::WebApi) -> Result<BotIdentity, End> {
     let auth = web.auth_test().await.map_err(|err| call_end("auth.test", &err))?;
     Ok(BotIdentity { user_id: auth.user_id, bot_id: auth.bot_id })
 }
