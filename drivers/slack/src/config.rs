@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::ChannelId;
-use channeld_driver_sdk::{DriverLaunchConfig, Secret};
+use channeld_driver_sdk::{ConfigError, DriverLaunchConfig, Secret, Url};
 
 /// `CHANNELD_SLACK_API_URL`: the Web API base, ending in `/`; every method is
 /// `POST <base><method>`.
@@ -64,21 +65,6 @@ const DEFAULT_MAX_MESSAGE_CHARS: usize = 3_900;
 pub const SLACK_MAX_TEXT_CHARS: usize = 40_000;
 const DEFAULT_TYPING_REACTION: &str = "eyes";
 
-/// Why the Slack settings are unusable. Never contains a token.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("CHANNELD_{var} is invalid: {reason}")]
-    Invalid { var: &'static str, reason: String },
-    #[error("the {what} is missing: provide the credential {credential} or CHANNELD_{var}")]
-    MissingToken { what: &'static str, credential: &'static str, var: &'static str },
-    #[error("the {what} (credential {credential} or CHANNELD_{var}) {reason}")]
-    Token { what: &'static str, credential: &'static str, var: &'static str, reason: String },
-}
-
-fn invalid(var: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { var, reason: reason.into() }
-}
-
 /// Which messages get an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Respond {
@@ -123,21 +109,17 @@ impl SlackConfig {
     /// Reads and validates the settings.
     pub fn from_launch(launch: &DriverLaunchConfig) -> Result<Self, ConfigError> {
         let api_url = api_url(launch.var(VAR_API_URL).unwrap_or(DEFAULT_API_URL))?;
-        let app_token =
-            token(launch, "app-level token", CREDENTIAL_APP_TOKEN, VAR_APP_TOKEN, "xapp-")?;
-        let bot_token = token(launch, "bot token", CREDENTIAL_BOT_TOKEN, VAR_BOT_TOKEN, "xoxb-")?;
+        let app_token = token(launch, CREDENTIAL_APP_TOKEN, VAR_APP_TOKEN, "xapp-")?;
+        let bot_token = token(launch, CREDENTIAL_BOT_TOKEN, VAR_BOT_TOKEN, "xoxb-")?;
         let respond = match launch.var(VAR_RESPOND).map(str::trim) {
             None | Some("mentions") => Respond::Mentions,
             Some("all") => Respond::All,
             Some(_) => return Err(invalid(VAR_RESPOND, "expected mentions or all")),
         };
         let inbound_events = inbound_events(launch.var(VAR_INBOUND_EVENTS).unwrap_or(""))?;
-        let max_message_chars = number(
-            launch,
-            VAR_MAX_MESSAGE_CHARS,
-            100..=SLACK_MAX_TEXT_CHARS as u64,
-            DEFAULT_MAX_MESSAGE_CHARS as u64,
-        )? as usize;
+        let max_message_chars = launch
+            .parse_within(VAR_MAX_MESSAGE_CHARS, 100..=SLACK_MAX_TEXT_CHARS)?
+            .unwrap_or(DEFAULT_MAX_MESSAGE_CHARS);
         let typing_reaction = match launch.var(VAR_TYPING_REACTION) {
             None => DEFAULT_TYPING_REACTION.to_owned(),
             Some(raw) => {
@@ -151,11 +133,7 @@ impl SlackConfig {
                 name.to_owned()
             }
         };
-        let user_names = match launch.var(VAR_USER_NAMES).map(str::trim) {
-            None | Some("true") => true,
-            Some("false") => false,
-            Some(_) => return Err(invalid(VAR_USER_NAMES, "expected true or false")),
-        };
+        let user_names = launch.parse_or(VAR_USER_NAMES, true)?;
         let ping_interval = seconds(launch, VAR_PING, 1..=300, 30)?;
         let idle_timeout = seconds(launch, VAR_IDLE_TIMEOUT, 2..=600, 60)?;
         if idle_timeout <= ping_interval {
@@ -182,18 +160,12 @@ impl SlackConfig {
             reconnect_max: seconds(launch, VAR_RECONNECT_MAX, 1..=3600, 30)?,
             slow_retry: seconds(launch, VAR_SLOW_RETRY, 1..=86_400, 300)?,
             http_timeout: seconds(launch, VAR_HTTP_TIMEOUT, 1..=300, 30)?,
-            post_interval: Duration::from_millis(number(
-                launch,
-                VAR_POST_INTERVAL,
-                0..=60_000,
-                1000,
-            )?),
-            preview_interval: Duration::from_millis(number(
-                launch,
-                VAR_PREVIEW_INTERVAL,
-                0..=60_000,
-                1000,
-            )?),
+            post_interval: Duration::from_millis(
+                launch.parse_within(VAR_POST_INTERVAL, 0..=60_000u64)?.unwrap_or(1000),
+            ),
+            preview_interval: Duration::from_millis(
+                launch.parse_within(VAR_PREVIEW_INTERVAL, 0..=60_000u64)?.unwrap_or(1000),
+            ),
             command_timeout: seconds(launch, VAR_COMMAND_TIMEOUT, 1..=86_400, 300)?,
         })
     }
@@ -204,46 +176,47 @@ impl SlackConfig {
     }
 }
 
-/// An `http://` or `https://` URL ending in `/`, without credentials.
+fn invalid(var: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::invalid(setting_var(var), reason)
+}
+
+/// An `http://` or `https://` URL ending in `/`, without credentials, query or fragment.
 fn api_url(raw: &str) -> Result<String, ConfigError> {
-    let raw = raw.trim();
-    let rest = raw
-        .strip_prefix("https://")
-        .or_else(|| raw.strip_prefix("http://"))
-        .ok_or_else(|| invalid(VAR_API_URL, "expected an http:// or https:// URL"))?;
-    if !raw.ends_with('/') {
-        return Err(invalid(VAR_API_URL, "must end in / (for example https://slack.com/api/)"));
+    let url =
+        Url::parse(raw.trim()).map_err(|err| invalid(VAR_API_URL, format!("not a URL: {err}")))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(invalid(VAR_API_URL, "expected an http:// or https:// URL"));
     }
-    let authority = rest.split('/').next().unwrap_or("");
-    if authority.is_empty() || authority.contains(char::is_whitespace) {
-        return Err(invalid(VAR_API_URL, "the host is missing or contains whitespace"));
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid(VAR_API_URL, "the host is missing"));
     }
-    if authority.contains('@') {
+    if !url.username().is_empty() || url.password().is_some() {
         return Err(invalid(VAR_API_URL, "credentials do not belong in the URL"));
     }
-    if raw.contains(['?', '#']) {
+    if url.query().is_some() || url.fragment().is_some() {
         return Err(invalid(VAR_API_URL, "expected no query or fragment"));
     }
-    Ok(raw.to_owned())
+    if !url.path().ends_with('/') {
+        return Err(invalid(VAR_API_URL, "must end in / (for example https://slack.com/api/)"));
+    }
+    Ok(url.to_string())
 }
 
 fn token(
     launch: &DriverLaunchConfig,
-    what: &'static str,
     credential: &'static str,
     var: &'static str,
     prefix: &str,
 ) -> Result<Secret, ConfigError> {
-    let secret = launch
-        .secret(credential, var)
-        .map_err(|err| ConfigError::Token { what, credential, var, reason: err.to_string() })?
-        .ok_or(ConfigError::MissingToken { what, credential, var })?;
-    let value = secret.expose();
+    let what = format!("{credential} (or {})", setting_var(var));
+    let secret = launch.secret(credential, var)?.ok_or_else(|| ConfigError::Credential {
+        name: what.clone(),
+        reason: "is missing: a Slack token is required".into(),
+    })?;
+    let value = secret.as_str();
     if !value.starts_with(prefix) || value.contains(char::is_whitespace) {
-        return Err(ConfigError::Token {
-            what,
-            credential,
-            var,
+        return Err(ConfigError::Credential {
+            name: what,
             reason: format!("does not look like a Slack {prefix}… token"),
         });
     }
@@ -275,29 +248,14 @@ pub fn is_reaction_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "_-+'".contains(c))
 }
 
-fn number(
-    launch: &DriverLaunchConfig,
-    var: &'static str,
-    range: std::ops::RangeInclusive<u64>,
-    default: u64,
-) -> Result<u64, ConfigError> {
-    let Some(raw) = launch.var(var) else { return Ok(default) };
-    match raw.trim().parse::<u64>() {
-        Ok(value) if range.contains(&value) => Ok(value),
-        _ => Err(invalid(
-            var,
-            format!("expected a whole number from {} to {}", range.start(), range.end()),
-        )),
-    }
-}
-
+/// Whole seconds within `range` (the `_SECONDS` settings).
 fn seconds(
     launch: &DriverLaunchConfig,
     var: &'static str,
     range: std::ops::RangeInclusive<u64>,
     default: u64,
 ) -> Result<Duration, ConfigError> {
-    number(launch, var, range, default).map(Duration::from_secs)
+    Ok(Duration::from_secs(launch.parse_within(var, range)?.unwrap_or(default)))
 }
 
 #[cfg(test)]
@@ -336,14 +294,15 @@ mod tests {
         std::fs::write(dir.path().join(CREDENTIAL_BOT_TOKEN), "xoxb-from-file\n").unwrap();
         let launch = DriverLaunchConfig::from_vars([
             ("CHANNELD_CHANNEL_ID", "slack.lab".to_owned()),
+            ("CHANNELD_SOCKET", "/tmp/slack.lab.sock".to_owned()),
             ("CHANNELD_SLACK_APP_TOKEN", APP.to_owned()),
             ("CHANNELD_SLACK_BOT_TOKEN", BOT.to_owned()),
             ("CREDENTIALS_DIRECTORY", dir.path().display().to_string()),
         ])
         .unwrap();
         let config = SlackConfig::from_launch(&launch).unwrap();
-        assert_eq!(config.app_token.expose(), "xapp-from-file");
-        assert_eq!(config.bot_token.expose(), "xoxb-from-file");
+        assert_eq!(config.app_token.as_str(), "xapp-from-file");
+        assert_eq!(config.bot_token.as_str(), "xoxb-from-file");
         let printed = format!("{config:?}");
         assert!(!printed.contains("from-file") && !printed.contains("secret"), "{printed}");
     }
@@ -355,7 +314,7 @@ mod tests {
         let err = SlackConfig::from_launch(&missing).unwrap_err().to_string();
         assert_eq!(
             err,
-            "the bot token is missing: provide the credential slack-bot-token or CHANNELD_SLACK_BOT_TOKEN"
+            "credential slack-bot-token (or CHANNELD_SLACK_BOT_TOKEN) is missing: a Slack token is required"
         );
         let swapped = DriverLaunchConfig::for_socket(ChannelId::new("slack.lab").unwrap(), "/x")
             .with_var(VAR_APP_TOKEN, BOT)
@@ -392,7 +351,7 @@ mod tests {
             (VAR_INBOUND_EVENTS, "edits,typing"),
             (VAR_MAX_MESSAGE_CHARS, "50000"),
             (VAR_TYPING_REACTION, "👀"),
-            (VAR_USER_NAMES, "yes"),
+            (VAR_USER_NAMES, "maybe"),
             (VAR_PING, "0"),
             (VAR_IDLE_TIMEOUT, "30"),
             (VAR_RECONNECT_MAX, "soon"),

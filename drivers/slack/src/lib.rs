@@ -8,6 +8,8 @@
 //! * [`commands`]: commands waiting for a click.
 //! * [`seen`]: inbound ids the hub already answered (answer once).
 //! * [`pacing`]: about one post per second per channel.
+//! * [`platform`]: the [`SlackDriver`] (declaration, posts, effects, commands).
+//! * [`socket`]: the Socket Mode loop (sockets, refresh, acks after the hub's answer).
 //! * [`outbound`]: posts, previews, typing, reactions, edits and deletions on Slack.
 //! * [`web`]: the Web API client, with Slack's answers classified.
 
@@ -18,8 +20,11 @@ pub mod convert;
 pub mod mrkdwn;
 pub mod outbound;
 pub mod pacing;
+pub mod platform;
 pub mod seen;
+pub mod socket;
 pub mod web;
 pub mod wire;
 
-pub use config::{ConfigError, SlackConfig};
+pub use config::SlackConfig;
+pub use platform::SlackDriver;

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use channeld_driver_sdk::protocol::Id;
 use channeld_driver_sdk::protocol::types::{Actions, Capabilities, DeliveryReceipt};
 use channeld_driver_sdk::{
-    CancellationToken, CommandAnswer, CommandRequest, Declaration, Driver, DriverError, EffectError, EffectRequest,
-    Hub, Nudge, OperatorAction, OperatorActionError, Post, PostError,
+    CancellationToken, CommandAnswer, CommandRequest, Declaration, Driver, DriverError,
+    EffectError, EffectRequest, Hub, Nudge, OperatorAction, OperatorActionError, Post, PostError,
 };
 use tracing::debug;
 
@@ -26,6 +26,13 @@ const NAMES: usize = 4096;
 /// How long a `users.info` lookup may hold up an inbound message.
 const NAME_LOOKUP_WITHIN: Duration = Duration::from_secs(1);
 
+/// Display names by user id (`None`: looked up, none found), and their insertion order.
+#[derive(Debug, Default)]
+struct Names {
+    by_user: HashMap<String, Option<String>>,
+    order: VecDeque<String>,
+}
+
 /// State shared by the socket loop and the hub-facing methods.
 #[derive(Debug)]
 pub struct Shared {
@@ -35,7 +42,7 @@ pub struct Shared {
     pub commands: Commands,
     bot: Mutex<Option<BotIdentity>>,
     seen: Mutex<Seen>,
-    names: Mutex<(HashMap<String, Option<String>>, VecDeque<String>)>,
+    names: Mutex<Names>,
     nudge: Mutex<Option<Nudge>>,
 }
 
@@ -75,7 +82,7 @@ impl Shared {
         if !self.config.user_names {
             return None;
         }
-        if let Some(known) = lock(&self.names).0.get(user) {
+        if let Some(known) = lock(&self.names).by_user.get(user) {
             return known.clone();
         }
         let name = match tokio::time::timeout(NAME_LOOKUP_WITHIN, self.web.users_info(user)).await {
@@ -97,12 +104,12 @@ impl Shared {
             }
         };
         let mut names = lock(&self.names);
-        if names.0.insert(user.to_owned(), name.clone()).is_none() {
-            names.1.push_back(user.to_owned());
+        if names.by_user.insert(user.to_owned(), name.clone()).is_none() {
+            names.order.push_back(user.to_owned());
         }
-        while names.1.len() > NAMES {
-            if let Some(old) = names.1.pop_front() {
-                names.0.remove(&old);
+        while names.order.len() > NAMES {
+            if let Some(old) = names.order.pop_front() {
+                names.by_user.remove(&old);
             }
         }
         name
@@ -117,7 +124,12 @@ pub struct SlackDriver {
 
 impl SlackDriver {
     pub fn new(config: SlackConfig, client: reqwest::Client) -> Self {
-        let web = WebApi::new(client, config.api_url.clone(), config.app_token.clone(), config.bot_token.clone());
+        let web = WebApi::new(
+            client,
+            config.api_url.clone(),
+            config.app_token.clone(),
+            config.bot_token.clone(),
+        );
         let outbound = Outbound::new(web.clone(), &config);
         let commands = Commands::new(outbound.clone(), config.command_timeout);
         Self {
@@ -128,7 +140,7 @@ impl SlackDriver {
                 commands,
                 bot: Mutex::new(None),
                 seen: Mutex::new(Seen::default()),
-                names: Mutex::new((HashMap::new(), VecDeque::new())),
+                names: Mutex::new(Names::default()),
                 nudge: Mutex::new(None),
             }),
         }
@@ -155,7 +167,14 @@ impl Driver for SlackDriver {
             websocket: true,
             ..Capabilities::default()
         };
-        let actions = Actions { typing: true, preview: true, reaction: true, edit: true, delete: true, ..Actions::default() };
+        let actions = Actions {
+            typing: true,
+            preview: true,
+            reaction: true,
+            edit: true,
+            delete: true,
+            ..Actions::default()
+        };
         Declaration::new(capabilities).with_actions(actions).with_operator_actions([RESUME])
     }
 
@@ -182,10 +201,16 @@ impl Driver for SlackDriver {
     }
 
     async fn command(&self, request: CommandRequest) -> CommandAnswer {
-        self.shared.commands.present(&request.command_id, &request.command, request.target.as_ref()).await
+        self.shared
+            .commands
+            .present(&request.command_id, &request.command, request.target.as_ref())
+            .await
     }
 
-    async fn operator_action(&self, request: OperatorAction) -> Result<serde_json::Value, OperatorActionError> {
+    async fn operator_action(
+        &self,
+        request: OperatorAction,
+    ) -> Result<serde_json::Value, OperatorActionError> {
         match request.name.as_str() {
             RESUME => {
                 if let Some(nudge) = lock(&self.shared.nudge).clone() {

@@ -19,10 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_driver_sdk::protocol::types::{Health, HealthState, HealthStatus};
-use channeld_driver_sdk::transport::websocket::{self, WsMessage, WsOptions, WsReceiver, WsSender};
 use channeld_driver_sdk::transport::TransportError;
+use channeld_driver_sdk::transport::websocket::{self, WsMessage, WsOptions, WsReceiver, WsSender};
 use channeld_driver_sdk::{
-    Acceptance, CancellationToken, Failure, Hub, LinkState, PendingAcks, Reconnect, ReconnectPolicy, Settle, Url,
+    Acceptance, CancellationToken, Failure, Hub, LinkState, PendingAcks, Reconnect,
+    ReconnectPolicy, Settle, Url,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -125,20 +126,29 @@ fn degraded(reason: &str, detail: &str) -> Health {
 fn is_auth_error(code: &str) -> bool {
     matches!(
         code,
-        "invalid_auth" | "not_authed" | "account_inactive" | "token_revoked" | "token_expired" | "not_allowed_token_type" | "missing_scope"
+        "invalid_auth"
+            | "not_authed"
+            | "account_inactive"
+            | "token_revoked"
+            | "token_expired"
+            | "not_allowed_token_type"
+            | "missing_scope"
     )
 }
 
 fn call_end(what: &str, err: &CallError) -> End {
     match err {
-        CallError::Slack(code) if is_auth_error(code) => {
-            End::Operator(unavailable("auth_rejected", &format!("slack refused the token for {what}: {code}")))
-        }
+        CallError::Slack(code) if is_auth_error(code) => End::Operator(unavailable(
+            "auth_rejected",
+            &format!("slack refused the token for {what}: {code}"),
+        )),
         CallError::RateLimited(wait) => End::Transient(LinkState::Retrying {
             attempt: 0,
             error: format!("{what} rate limited for {}s", wait.as_secs()),
         }),
-        other => End::Transient(LinkState::Retrying { attempt: 0, error: format!("{what}: {other}") }),
+        other => {
+            End::Transient(LinkState::Retrying { attempt: 0, error: format!("{what}: {other}") })
+        }
     }
 }
 
@@ -161,7 +171,9 @@ pub async fn run(shared: Arc<Shared>, hub: Hub, shutdown: CancellationToken) {
             End::Shutdown => return,
             End::Transient(state) => {
                 let state = match state {
-                    LinkState::Retrying { error, .. } => LinkState::Retrying { attempt: reconnect.attempt() + 1, error },
+                    LinkState::Retrying { error, .. } => {
+                        LinkState::Retrying { attempt: reconnect.attempt() + 1, error }
+                    }
                     other => other,
                 };
                 hub.link_state(state);
@@ -186,9 +198,16 @@ pub async fn run(shared: Arc<Shared>, hub: Hub, shutdown: CancellationToken) {
 
 /// Opens a socket: a fresh URL from `apps.connections.open`, then the WebSocket.
 async fn open(shared: &Shared) -> Result<(WsSender, WsReceiver), End> {
-    let url = shared.web.connections_open().await.map_err(|err| call_end("apps.connections.open", &err))?;
+    let url = shared
+        .web
+        .connections_open()
+        .await
+        .map_err(|err| call_end("apps.connections.open", &err))?;
     let url = Url::parse(&url).map_err(|_| {
-        End::Transient(LinkState::Retrying { attempt: 0, error: "apps.connections.open returned an invalid URL".into() })
+        End::Transient(LinkState::Retrying {
+            attempt: 0,
+            error: "apps.connections.open returned an invalid URL".into(),
+        })
     })?;
     let options = WsOptions {
         ping_interval: shared.config.ping_interval,
@@ -221,7 +240,12 @@ async fn read(id: u64, mut receiver: WsReceiver, events: mpsc::Sender<LinkEvent>
 }
 
 /// One connection's life: identity, the first socket, and serving until it is lost.
-async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, reconnect: &mut Reconnect) -> End {
+async fn session(
+    shared: &Arc<Shared>,
+    hub: &Hub,
+    shutdown: &CancellationToken,
+    reconnect: &mut Reconnect,
+) -> End {
     if let Err(end) = shared.identity().await {
         return end;
     }
@@ -284,7 +308,7 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
                     let previous = primary.replace(id);
                     replacing = false;
                     reconnect.connected();
-                    hub.link_state(LinkState::Up);
+                    hub.link_state(LinkState::up());
                     info!(socket = id, connections = ?hello.num_connections, "slack socket up");
                     if let Some(old) = previous.filter(|old| *old != id)
                         && let Some(link) = links.get_mut(&old)
@@ -391,7 +415,10 @@ async fn session(shared: &Arc<Shared>, hub: &Hub, shutdown: &CancellationToken, 
 async fn close_retired(id: u64, link: Link) {
     let left = link.acks.drain(DRAIN_OLD_SOCKET).await;
     if left > 0 {
-        info!(socket = id, left, "replaced socket closed with envelopes unanswered; Slack redelivers them");
+        info!(
+            socket = id,
+            left, "replaced socket closed with envelopes unanswered; Slack redelivers them"
+        );
     }
     link.sender.close().await;
 }
@@ -411,7 +438,13 @@ async fn on_event(shared: &Arc<Shared>, hub: &Hub, link: &Link, envelope: Envelo
         // Without the bot's identity own posts cannot be told apart: let Slack redeliver.
         return;
     };
-    let classified = convert::classify(hub.channel(), &bot, shared.config.respond, shared.config.inbound_events, &callback);
+    let classified = convert::classify(
+        hub.channel(),
+        &bot,
+        shared.config.respond,
+        shared.config.inbound_events,
+        &callback,
+    );
     let ack_now = |why: &str| debug!(event_id = %callback.event_id, retry = envelope.retry_attempt, why, "event acknowledged without the hub");
     match classified {
         Classified::Message(mut message) => {
@@ -423,12 +456,15 @@ async fn on_event(shared: &Arc<Shared>, hub: &Hub, link: &Link, envelope: Envelo
             message.sender.display_name = shared.display_name(message.sender.id.as_str()).await;
             let id = message.id.clone();
             match hub.inbound(message).await {
-                Ok(ticket) => link.acks.track(ticket, EnvelopeAck {
-                    sender: link.sender.clone(),
-                    envelope_id: envelope.envelope_id,
-                    inbound_id: Some(id),
-                    shared: shared.clone(),
-                }),
+                Ok(ticket) => link.acks.track(
+                    ticket,
+                    EnvelopeAck {
+                        sender: link.sender.clone(),
+                        envelope_id: envelope.envelope_id,
+                        inbound_id: Some(id),
+                        shared: shared.clone(),
+                    },
+                ),
                 Err(err) if err.is_permanent() => {
                     warn!(%id, error = %err, "message cannot be reported; acknowledged and dropped");
                     ack(&link.sender, &envelope.envelope_id).await;
@@ -436,15 +472,20 @@ async fn on_event(shared: &Arc<Shared>, hub: &Hub, link: &Link, envelope: Envelo
                 Err(err) => debug!(%id, error = %err, "not reported (stopping); Slack redelivers"),
             }
         }
-        Classified::Event { event_id, event } => match hub.inbound_event(event_id.clone(), event).await {
-            Ok(ticket) => link.acks.track(ticket, EnvelopeAck {
-                sender: link.sender.clone(),
-                envelope_id: envelope.envelope_id,
-                inbound_id: None,
-                shared: shared.clone(),
-            }),
-            Err(err) => debug!(%event_id, error = %err, "event not reported"),
-        },
+        Classified::Event { event_id, event } => {
+            match hub.inbound_event(event_id.clone(), event).await {
+                Ok(ticket) => link.acks.track(
+                    ticket,
+                    EnvelopeAck {
+                        sender: link.sender.clone(),
+                        envelope_id: envelope.envelope_id,
+                        inbound_id: None,
+                        shared: shared.clone(),
+                    },
+                ),
+                Err(err) => debug!(%event_id, error = %err, "event not reported"),
+            }
+        }
         Classified::AssistantThread { channel, thread_ts } => {
             shared.outbound.assistant_thread(&channel, &thread_ts);
             ack(&link.sender, &envelope.envelope_id).await;

@@ -16,6 +16,7 @@
 use std::time::Duration;
 
 use channeld_driver_sdk::Secret;
+use channeld_driver_sdk::transport::http;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -80,7 +81,7 @@ impl WebApi {
             Token::App => &self.app_token,
             Token::Bot => &self.bot_token,
         };
-        self.client.post(format!("{}{method}", self.base)).bearer_auth(secret.expose())
+        self.client.post(format!("{}{method}", self.base)).bearer_auth(secret.as_str())
     }
 
     /// A method with a JSON body (`application/json; charset=utf-8`, as Slack asks).
@@ -151,14 +152,15 @@ async fn finish<R: DeserializeOwned>(
         .map_err(|err| CallError::Unknown(format!("unexpected answer: {err}")))
 }
 
-/// A transport error: not sent when the connection was never made, unknown otherwise.
+/// A transport error: not sent when the connection was never made, unknown otherwise (the
+/// kit's rule).
 fn transport(err: reqwest::Error) -> CallError {
+    let reached = http::reached(&err);
     // The URL is the configured base plus a method name: no secret, but keep it short.
-    let err = err.without_url();
-    if err.is_connect() || err.is_builder() {
-        CallError::NotSent(error_chain(&err))
-    } else {
-        CallError::Unknown(error_chain(&err))
+    let text = error_chain(&err.without_url());
+    match reached {
+        http::Reached::No => CallError::NotSent(text),
+        http::Reached::Maybe => CallError::Unknown(text),
     }
 }
 
@@ -171,14 +173,4 @@ fn error_chain(err: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
-}
-
-/// An HTTP client for the Web API: `timeout` per request, connect within it.
-pub fn client(timeout: Duration) -> Result<reqwest::Client, String> {
-    reqwest::Client::builder()
-        .timeout(timeout)
-        .connect_timeout(timeout.min(Duration::from_secs(10)))
-        .user_agent(concat!("channeld-slack/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|err| err.to_string())
 }

@@ -5,19 +5,22 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::time::Duration;
 
 use channeld_driver_sdk::Secret;
-use channeld_slack::web::{self, CallError, WebApi};
+use channeld_driver_sdk::transport::http::{self, HttpOptions};
+use channeld_slack::web::{CallError, WebApi};
 use channeld_slack::wire;
 use channeld_tests::fakes::slack::{FakeSlack, FakeSlackOptions, Fault};
 use serde_json::json;
 
-fn api(base: String, options: &FakeSlackOptions) -> WebApi {
+fn api(base: String, fake: &FakeSlackOptions) -> WebApi {
     channeld_driver_sdk::install_crypto_provider();
-    let client = web::client(Duration::from_secs(1)).unwrap();
+    let options =
+        HttpOptions { timeout: Duration::from_secs(1), ..HttpOptions::for_driver("slack") };
+    let client = http::client(&options).unwrap();
     WebApi::new(
         client,
         base,
-        Secret::new(options.app_token.clone()),
-        Secret::new(options.bot_token.clone()),
+        Secret::new(fake.app_token.clone()),
+        Secret::new(fake.bot_token.clone()),
     )
 }
 

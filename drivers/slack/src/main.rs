@@ -10,10 +10,10 @@ use channeld_slack::{SlackConfig, SlackDriver};
 
 fn main() -> ExitCode {
     channeld_driver_sdk::main(|launch| async move {
-        let config =
-            SlackConfig::from_launch(&launch).map_err(|err| DriverError::Config(err.to_string()))?;
-        let options = HttpOptions { timeout: config.http_timeout, ..HttpOptions::for_driver("slack") };
-        let client = http::client(&options).map_err(|err| DriverError::Config(err.to_string()))?;
+        let config = SlackConfig::from_launch(&launch)?;
+        let options =
+            HttpOptions { timeout: config.http_timeout, ..HttpOptions::for_driver("slack") };
+        let client = http::client(&options).map_err(DriverError::platform)?;
         tracing::info!(
             channel = %config.channel,
             api = %config.api_url,
