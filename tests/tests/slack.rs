@@ -10,7 +10,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use channeld_tests::fakes::slack::{FakeSlack, FakeSlackOptions, Fault, StoredMessage, dm_channel};
+use channeld_tests::fakes::slack::{
+    FakeSlack, FakeSlackOptions, Fault, SocketEnd, StoredMessage, dm_channel,
+};
 use channeld_tests::{HubProcess, workspace_bin, write_script};
 
 const INSTANCE: &str = "slack.test";
@@ -214,13 +216,15 @@ async fn a_refresh_during_200_messages_loses_and_repeats_nothing() {
     let unique: HashSet<&String> = replies.iter().collect();
     assert_eq!(unique.len(), 200, "every message answered");
     assert_eq!(replies.len(), 200, "none answered twice");
+    let old_closed = fake.wait_for("the old socket closed", STEP, |r| r.sockets[0].closed_at).await;
     let record = fake.record();
     let sockets = record.hello_sockets();
     assert!(sockets.len() >= 2, "a second socket was opened for the refresh");
     assert!(
-        sockets[1].opened_at < sockets[0].closed_at.expect("the old socket closed"),
-        "new socket before the old closed"
+        sockets[1].hello_at.expect("hello") < old_closed,
+        "the new socket was up before the old closed"
     );
+    assert_eq!(record.sockets[0].end, Some(SocketEnd::ByClient), "the driver closed it, not Slack");
     assert_eq!(hub.instance_status(INSTANCE)["counters"]["replies"], 200);
 }
 
@@ -244,7 +248,7 @@ async fn a_half_open_socket_is_replaced_within_the_idle_timeout() {
     let said = fake.user_dms("U1", "still there?");
     bot_replies(&fake, &dm_channel("U1"), 1).await;
     all_acked(&fake, &said.event_ids).await;
-    assert!(fake.record().sockets[0].pings > 0, "the driver pinged");
+    fake.wait_for("the driver's own pings", STEP, |r| (r.sockets[1].pings > 0).then_some(())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

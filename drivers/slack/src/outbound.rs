@@ -42,15 +42,17 @@ pub struct Placed {
     pub ts: String,
 }
 
-/// Which reply a preview stands in for.
-type PreviewKey = (String, Option<String>, Option<String>);
+/// Which reply a preview stands in for: its conversation and thread (the hub sends live
+/// effects without `reply_to`).
+type PreviewKey = (String, Option<String>);
 
 fn preview_key(target: &MessageTarget) -> PreviewKey {
-    (
-        target.conversation.as_str().to_owned(),
-        target.thread.as_ref().map(|t| t.as_str().to_owned()),
-        target.reply_to.as_ref().map(|r| r.as_str().to_owned()),
-    )
+    (target.conversation.as_str().to_owned(), target.thread.as_ref().map(|t| t.as_str().to_owned()))
+}
+
+/// A conversation and thread as one map key.
+fn place_key(target: &MessageTarget) -> String {
+    format!("{}\u{0}{}", target.conversation, target.thread.as_ref().map_or("", |t| t.as_str()))
 }
 
 #[derive(Debug)]
@@ -78,6 +80,12 @@ impl<V> Bounded<V> {
         self.map.get(key)
     }
 
+    fn remove(&mut self, key: &str) -> Option<V> {
+        let value = self.map.remove(key)?;
+        self.order.retain(|k| k != key);
+        Some(value)
+    }
+
     fn insert(&mut self, key: String, value: V) {
         if self.map.insert(key.clone(), value).is_none() {
             self.order.push_back(key);
@@ -99,6 +107,10 @@ struct State {
     replied: VecDeque<PreviewKey>,
     dms: Bounded<String>,
     assistant_threads: Bounded<()>,
+    /// The latest inbound message per conversation and thread: what typing marks.
+    last_inbound: Bounded<String>,
+    /// Where the typing reaction is shown now, per conversation and thread.
+    typing_on: Bounded<String>,
 }
 
 /// The write side of the driver.
@@ -128,6 +140,8 @@ impl Outbound {
                 replied: VecDeque::new(),
                 dms: Bounded::new(MAX_REMEMBERED),
                 assistant_threads: Bounded::new(MAX_REMEMBERED),
+                last_inbound: Bounded::new(MAX_REMEMBERED),
+                typing_on: Bounded::new(MAX_REMEMBERED),
             })),
             preview_gate: Arc::new(tokio::sync::Mutex::new(())),
         }
@@ -140,6 +154,17 @@ impl Outbound {
     /// Remembers an assistant thread: typing there is its status, not a reaction.
     pub fn assistant_thread(&self, channel: &str, thread_ts: &str) {
         self.lock().assistant_threads.insert(format!("{channel}:{thread_ts}"), ());
+    }
+
+    /// Remembers the message being answered in a conversation: typing marks it.
+    /// A new turn starts there: the previous reply's preview bookkeeping is forgotten.
+    pub fn inbound_seen(&self, target: &MessageTarget, message_id: &str) {
+        let key = preview_key(target);
+        let mut state = self.lock();
+        state.last_inbound.insert(place_key(target), message_id.to_owned());
+        state.replied.retain(|k| k != &key);
+        state.preview_order.retain(|k| k != &key);
+        state.previews.remove(&key);
     }
 
     fn is_assistant_thread(&self, channel: &str, thread: Option<&str>) -> bool {
@@ -356,23 +381,37 @@ impl Outbound {
                 .map(drop)
                 .map_err(effect_error);
         }
-        let Some(reply_to) = &target.reply_to else {
+        // The hub sends live effects without `reply_to`: mark the latest inbound message.
+        let key = place_key(target);
+        let marked = {
+            let mut state = self.lock();
+            let message = target
+                .reply_to
+                .as_ref()
+                .map(|r| r.as_str().to_owned())
+                .or_else(|| state.last_inbound.get(&key).cloned());
+            match (active, message) {
+                (true, Some(message)) => {
+                    state.typing_on.insert(key, message.clone());
+                    Some(message)
+                }
+                (false, message) => state.typing_on.remove(&key).or(message),
+                (true, None) => None,
+            }
+        };
+        let Some(message) = marked else {
             return Err(EffectError::Failed(
-                "typing outside an assistant thread needs the message being answered".into(),
+                "no message in this conversation to show typing on".into(),
             ));
         };
-        let (channel, ts) = parse_message_id(reply_to.as_str(), &channel);
+        let (channel, ts) = parse_message_id(&message, &channel);
         self.react(channel, ts, &self.typing_reaction, active).await
     }
 
-    /// Removes the typing reaction after a reply (it may not be there: that is fine).
+    /// Removes the typing reaction after a reply, where one is shown.
     async fn clear_typing(&self, target: &MessageTarget) {
-        let Some(reply_to) = &target.reply_to else { return };
-        let conversation = target.conversation.as_str();
-        if self.is_assistant_thread(conversation, target.thread.as_ref().map(|t| t.as_str())) {
-            return;
-        }
-        let (channel, ts) = parse_message_id(reply_to.as_str(), conversation);
+        let Some(message) = self.lock().typing_on.remove(&place_key(target)) else { return };
+        let (channel, ts) = parse_message_id(&message, target.conversation.as_str());
         if let Err(err) = self.react(channel, ts, &self.typing_reaction, false).await {
             debug!(error = %err, "could not remove the typing reaction");
         }

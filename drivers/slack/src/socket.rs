@@ -455,6 +455,7 @@ async fn on_event(shared: &Arc<Shared>, hub: &Hub, link: &Link, envelope: Envelo
             }
             message.sender.display_name = shared.display_name(message.sender.id.as_str()).await;
             let id = message.id.clone();
+            shared.outbound.inbound_seen(&message.target, id.as_str());
             match hub.inbound(message).await {
                 Ok(ticket) => link.acks.track(
                     ticket,

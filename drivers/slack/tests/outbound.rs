@@ -174,9 +174,12 @@ async fn a_proactive_send_to_a_user_opens_the_dm_first() {
 async fn the_final_reply_replaces_the_preview() {
     let fake = fake().await;
     let out = outbound(&fake, &[]);
+    // Like the hub: live effects carry no reply_to, the reply does.
+    let live = target("C1", Some("1.0"), None);
     let reply = target("C1", Some("1.0"), Some("C1:1.0"));
+    out.inbound_seen(&live, "C1:1.0");
     for text in ["thinking", "thinking harder", "almost"] {
-        out.effect(&reply, &Effect::Preview { text: text.into() }).await.unwrap();
+        out.effect(&live, &Effect::Preview { text: text.into() }).await.unwrap();
     }
     let placed = out.post(&reply, &text("the answer")).await.unwrap();
     let record = fake.record();
@@ -199,8 +202,10 @@ async fn typing_is_a_reaction_outside_assistant_threads_and_a_status_inside() {
     let fake = fake().await;
     let said = fake.user_posts("C1", "U1", "hi", None, &[]);
     let out = outbound(&fake, &[]);
+    let live = target("C1", Some(&said.ts), None);
     let reply = target("C1", Some(&said.ts), Some(&format!("C1:{}", said.ts)));
-    out.effect(&reply, &Effect::Typing { active: true }).await.unwrap();
+    out.inbound_seen(&live, &format!("C1:{}", said.ts));
+    out.effect(&live, &Effect::Typing { active: true }).await.unwrap();
     assert_eq!(fake.record().message("C1", &said.ts).unwrap().reactions, vec!["eyes"]);
     out.post(&reply, &text("answer")).await.unwrap();
     assert!(
@@ -295,9 +300,11 @@ async fn a_choice_without_a_click_times_out_as_rejected() {
 async fn a_preview_arriving_after_its_reply_is_dropped() {
     let fake = fake().await;
     let out = outbound(&fake, &[]);
+    let live = target("C1", Some("1.0"), None);
     let reply = target("C1", Some("1.0"), Some("C1:1.0"));
+    out.inbound_seen(&live, "C1:1.0");
     out.post(&reply, &text("final")).await.unwrap();
-    out.effect(&reply, &Effect::Preview { text: "late draft".into() }).await.unwrap();
+    out.effect(&live, &Effect::Preview { text: "late draft".into() }).await.unwrap();
     let record = fake.record();
     let visible = record.visible_bot_messages("C1");
     assert_eq!(visible.len(), 1, "no stray preview beside the reply");
@@ -325,4 +332,28 @@ async fn the_default_pacing_stays_under_slacks_channel_limit() {
         "never rate limited"
     );
     assert_eq!(record.visible_bot_messages("C1").len(), 4);
+}
+
+#[tokio::test]
+async fn typing_needs_a_message_to_mark_and_a_new_turn_gets_a_new_preview() {
+    let fake = fake().await;
+    let out = outbound(&fake, &[]);
+    let live = target("DU1", None, None);
+    let err = out.effect(&live, &Effect::Typing { active: true }).await.unwrap_err();
+    assert!(err.to_string().contains("no message"), "{err}");
+
+    for turn in ["1.0", "2.0"] {
+        out.inbound_seen(&live, &format!("DU1:{turn}"));
+        out.effect(&live, &Effect::Preview { text: format!("draft {turn}") }).await.unwrap();
+        out.post(
+            &target("DU1", None, Some(&format!("DU1:{turn}"))),
+            &text(&format!("answer {turn}")),
+        )
+        .await
+        .unwrap();
+    }
+    let record = fake.record();
+    let texts: Vec<&str> =
+        record.visible_bot_messages("DU1").iter().map(|m| m.text.as_str()).collect();
+    assert_eq!(texts, ["answer 1.0", "answer 2.0"], "each turn's preview became its own answer");
 }

@@ -94,15 +94,16 @@ async fn serve(shared: Arc<Shared>, id: u64, mut socket: WebSocket) {
         },
         "connection_info": { "app_id": shared.options.app_id },
     });
-    if socket.send(Message::Text(hello.to_string().into())).await.is_err() {
-        finish(&shared, id, SocketEnd::ByClient);
-        return;
-    }
+    // Recorded first: a client that saw hello must find the socket live in the record.
     shared.update(|state| {
         if let Some(record) = state.socket_mut(id) {
             record.hello_at = Some(Instant::now());
         }
     });
+    if socket.send(Message::Text(hello.to_string().into())).await.is_err() {
+        finish(&shared, id, SocketEnd::ByClient);
+        return;
+    }
     shared.dispatch();
 
     let mut ping = shared.options.ping_interval.map(tokio::time::interval);
