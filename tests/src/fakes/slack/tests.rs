@@ -31,6 +31,7 @@ async fn call(
     token: Option<&str>,
     body: Value,
 ) -> (u16, Value, Option<String>) {
+    channeld_driver_sdk::install_crypto_provider();
     let client = reqwest::Client::new();
     let mut request = client.post(format!("{}{method}", fake.api_url())).json(&body);
     if let Some(token) = token {
@@ -138,6 +139,7 @@ async fn web_api_errors_are_http_200_with_ok_false() {
 
 #[tokio::test]
 async fn users_info_takes_form_arguments_only() {
+    channeld_driver_sdk::install_crypto_provider();
     let fake = FakeSlack::start_with(quick()).await;
     fake.add_user("U1", "Ada Lovelace", "ada");
     assert_eq!(bot(&fake, "users.info", json!({"user": "U1"})).await["error"], "invalid_arguments");
