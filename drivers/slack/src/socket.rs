@@ -138,10 +138,12 @@ fn is_auth_error(code: &str) -> bool {
 
 fn call_end(what: &str, err: &CallError) -> End {
     match err {
-        CallError::Slack(code) if is_auth_error(code) => End::Operator(unavailable(
-            "auth_rejected",
-            &format!("slack refused the token for {what}: {code}"),
-        )),
+        CallError::Slack(code) if is_auth_error(code) => End::Operator(
+            LinkState::AuthRejected {
+                detail: format!("slack refused the token for {what}: {code}"),
+            }
+            .health(),
+        ),
         CallError::RateLimited(wait) => End::Transient(LinkState::Retrying {
             attempt: 0,
             error: format!("{what} rate limited for {}s", wait.as_secs()),
