@@ -7,7 +7,7 @@ mod canary;
 
 use std::path::Path;
 
-use canary::{Broker, canary, closed_port, every_frame_on_the_wire, through_the_hub};
+use canary::{Broker, canary, closed_port, credentials, every_frame_on_the_wire, through_the_hub};
 use channeld_tests::fakes::slack::{FakeSlack, FakeSlackOptions};
 use channeld_tests::write_file;
 
@@ -25,8 +25,7 @@ fn slack_env(credentials: &Path, api_url: &str) -> Vec<(&'static str, String)> {
 async fn slack_tokens_from_credentials_never_leak() {
     let app = format!("xapp-{}", canary("slack-app"));
     let bot = format!("xoxb-{}", canary("slack-bot"));
-    let dir = tempfile::Builder::new().prefix("credentials-").tempdir().expect("temp dir");
-    write_file(dir.path(), "slack-app-token", &format!("{app}\n"));
+    let dir = credentials("slack-app-token", &app);
     write_file(dir.path(), "slack-bot-token", &format!("{bot}\n"));
     let canaries = [app.as_str(), bot.as_str()];
 
