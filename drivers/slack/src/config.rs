@@ -36,10 +36,11 @@ pub const VAR_TYPING_REACTION: &str = "SLACK_TYPING_REACTION";
 /// `CHANNELD_SLACK_USER_NAMES`: look up display names with `users.info` (`true`, default) or
 /// not (`false`, no `users:read` scope needed).
 pub const VAR_USER_NAMES: &str = "SLACK_USER_NAMES";
-/// `CHANNELD_SLACK_PING_SECONDS`: the driver's own WebSocket ping interval, 1–300 (default 30).
+/// `CHANNELD_SLACK_PING_SECONDS`: the driver's own WebSocket ping interval, 1–300 (default 15).
 pub const VAR_PING: &str = "SLACK_PING_SECONDS";
 /// `CHANNELD_SLACK_IDLE_TIMEOUT_SECONDS`: a socket with nothing received for this long is
-/// replaced, 2–600 and more than the ping interval (default 60).
+/// replaced, 2–600 and more than the ping interval (default 45: a half-open socket is
+/// replaced within a minute).
 pub const VAR_IDLE_TIMEOUT: &str = "SLACK_IDLE_TIMEOUT_SECONDS";
 /// `CHANNELD_SLACK_RECONNECT_MAX_SECONDS`: the cap of the reconnect backoff, 1–3600 (default 30).
 pub const VAR_RECONNECT_MAX: &str = "SLACK_RECONNECT_MAX_SECONDS";
@@ -134,8 +135,8 @@ impl SlackConfig {
             }
         };
         let user_names = launch.parse_or(VAR_USER_NAMES, true)?;
-        let ping_interval = seconds(launch, VAR_PING, 1..=300, 30)?;
-        let idle_timeout = seconds(launch, VAR_IDLE_TIMEOUT, 2..=600, 60)?;
+        let ping_interval = seconds(launch, VAR_PING, 1..=300, 15)?;
+        let idle_timeout = seconds(launch, VAR_IDLE_TIMEOUT, 2..=600, 45)?;
         if idle_timeout <= ping_interval {
             return Err(invalid(
                 VAR_IDLE_TIMEOUT,
@@ -281,8 +282,8 @@ mod tests {
         assert_eq!(config.max_message_chars, 3_900);
         assert_eq!(config.typing_reaction, "eyes");
         assert!(config.user_names);
-        assert_eq!(config.ping_interval, Duration::from_secs(30));
-        assert_eq!(config.idle_timeout, Duration::from_secs(60));
+        assert_eq!(config.ping_interval, Duration::from_secs(15));
+        assert_eq!(config.idle_timeout, Duration::from_secs(45));
         assert_eq!(config.post_interval, Duration::from_secs(1));
         assert_eq!(config.slow_retry, Duration::from_secs(300));
     }
