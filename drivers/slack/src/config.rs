@@ -354,7 +354,7 @@ mod tests {
             (VAR_TYPING_REACTION, "👀"),
             (VAR_USER_NAMES, "maybe"),
             (VAR_PING, "0"),
-            (VAR_IDLE_TIMEOUT, "30"),
+            (VAR_IDLE_TIMEOUT, "15"),
             (VAR_RECONNECT_MAX, "soon"),
             (VAR_SLOW_RETRY, "0"),
             (VAR_HTTP_TIMEOUT, "301"),
