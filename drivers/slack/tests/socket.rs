@@ -1,0 +1,135 @@
+//! The Socket Mode loop in-process, through the SDK's fake hub and the fake Slack: how each
+//! way a socket ends shows in health, and how the driver replaces it.
+
+use std::time::{Duration, Instant};
+
+use channeld_driver_sdk::protocol::types::{Health, HealthState};
+use channeld_driver_sdk::testing::{AckMode, DriverTask, FakeConnection, FakeHub};
+use channeld_driver_sdk::transport::http::{self, HttpOptions};
+use channeld_slack::{SlackConfig, SlackDriver};
+use channeld_tests::fakes::slack::{FakeSlack, FakeSlackOptions, SocketEnd};
+
+const WITHIN: Duration = Duration::from_secs(20);
+
+struct Setup {
+    fake: FakeSlack,
+    _hub: FakeHub,
+    conn: FakeConnection,
+    task: DriverTask,
+    probes: u32,
+}
+
+async fn setup(options: FakeSlackOptions) -> Setup {
+    let fake = FakeSlack::start_with(options).await;
+    let hub = FakeHub::bind().await;
+    let launch = hub
+        .launch_config("slack.test")
+        .with_var("SLACK_API_URL", fake.api_url())
+        .with_var("SLACK_APP_TOKEN", fake.options().app_token.clone())
+        .with_var("SLACK_BOT_TOKEN", fake.options().bot_token.clone())
+        .with_var("SLACK_RECONNECT_MAX_SECONDS", "1");
+    let config = SlackConfig::from_launch(&launch).unwrap();
+    let client = http::client(&HttpOptions::for_driver("slack")).unwrap();
+    let task = DriverTask::spawn(SlackDriver::new(config, client), launch);
+    let mut conn = hub.accept().await;
+    conn.handshake(AckMode::Extensions).await;
+    Setup { fake, _hub: hub, conn, task, probes: 0 }
+}
+
+impl Setup {
+    /// Probes until the health satisfies `wanted`.
+    async fn health(&mut self, what: &str, wanted: impl Fn(&Health) -> bool) -> Health {
+        let deadline = Instant::now() + WITHIN;
+        loop {
+            self.probes += 1;
+            let request = format!("probe-{}", self.probes);
+            self.conn.health_request(&request).await;
+            let health = self.conn.expect_health_response(&request).await;
+            if wanted(&health) {
+                return health;
+            }
+            assert!(Instant::now() < deadline, "health never {what}: last {health:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn ready(&mut self) {
+        self.health("Ready", |h| h.state == HealthState::Ready).await;
+    }
+}
+
+fn reason(health: &Health) -> Option<&str> {
+    health.status.as_ref().and_then(|s| s.reason.as_deref())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_websockets_is_degraded_with_its_reason_and_retried() {
+    let mut s = setup(FakeSlackOptions::default()).await;
+    s.ready().await;
+    s.fake.disconnect("too_many_websockets", Some(Duration::ZERO)).await;
+    let degraded = s
+        .health("Degraded/too_many_websockets", |h| reason(h) == Some("too_many_websockets"))
+        .await;
+    assert_eq!(degraded.state, HealthState::Degraded);
+    s.ready().await;
+    assert!(s.fake.record().hello_sockets().len() >= 2, "reconnected");
+    s.task.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warning_opens_the_next_socket_before_the_old_one_goes() {
+    let mut s = setup(FakeSlackOptions::default()).await;
+    s.ready().await;
+    // `warning`: Slack keeps the socket open for now; the driver opens the next one.
+    s.fake.disconnect("warning", None).await;
+    let record = s
+        .fake
+        .wait_for("a second socket", WITHIN, |r| (r.hello_sockets().len() == 2).then(|| r.clone()))
+        .await;
+    assert!(
+        record.sockets[0]
+            .closed_at
+            .is_none_or(|closed| closed > record.sockets[1].hello_at.unwrap())
+    );
+    let end = s
+        .fake
+        .wait_for("the old socket closed by the driver", WITHIN, |r| r.sockets[0].end.clone())
+        .await;
+    assert_eq!(end, SocketEnd::ByClient);
+    let said = s.fake.user_dms("U1", "after the switch");
+    let inbound = s.conn.expect_inbound().await;
+    assert_eq!(inbound.message.body.text_str(), "after the switch");
+    s.conn.accept_inbound(&inbound.event_id).await;
+    s.fake
+        .wait_for("acked on the new socket", WITHIN, |r| {
+            r.deliveries_of(&said.event_ids[0])
+                .iter()
+                .any(|e| e.socket == 2 && e.acked_at.is_some())
+                .then_some(())
+        })
+        .await;
+    s.task.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abrupt_close_is_retried_and_unacknowledged_events_come_back() {
+    let mut s = setup(FakeSlackOptions {
+        redeliver_after: Duration::from_millis(500),
+        ..FakeSlackOptions::default()
+    })
+    .await;
+    s.ready().await;
+    let said = s.fake.user_dms("U1", "in flight");
+    let inbound = s.conn.expect_inbound().await;
+    // The socket dies before the hub answered: no ack went out, so Slack redelivers.
+    s.fake.close_abruptly().await;
+    s.fake.wait_for("a new socket", WITHIN, |r| (r.hello_sockets().len() >= 2).then_some(())).await;
+    s.conn.accept_inbound(&inbound.event_id).await;
+    s.fake
+        .wait_for("the redelivery acknowledged", WITHIN, |r| {
+            r.event_acked(&said.event_ids[0]).then_some(())
+        })
+        .await;
+    s.ready().await;
+    s.task.stop().await.unwrap();
+}
