@@ -41,6 +41,8 @@ pub const LINK_EVENTS: usize = 256;
 pub const RETIRE_GRACE: Duration = Duration::from_secs(2);
 /// How long a replaced socket then waits for its pending acknowledgements.
 pub const DRAIN_OLD_SOCKET: Duration = Duration::from_secs(3);
+/// The longest `Retry-After` honoured for `apps.connections.open` before the normal backoff.
+const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
 /// How long stopping waits for the hub's answers before closing the sockets.
 const DRAIN_ON_STOP: Duration = Duration::from_secs(5);
 
@@ -200,11 +202,16 @@ pub async fn run(shared: Arc<Shared>, hub: Hub, shutdown: CancellationToken) {
 
 /// Opens a socket: a fresh URL from `apps.connections.open`, then the WebSocket.
 async fn open(shared: &Shared) -> Result<(WsSender, WsReceiver), End> {
-    let url = shared
-        .web
-        .connections_open()
-        .await
-        .map_err(|err| call_end("apps.connections.open", &err))?;
+    let url = match shared.web.connections_open().await {
+        Ok(url) => url,
+        Err(err) => {
+            if let CallError::RateLimited(wait) = err {
+                // Slack says when to ask again (the task is aborted if the driver stops).
+                tokio::time::sleep(wait.min(MAX_RATE_LIMIT_WAIT)).await;
+            }
+            return Err(call_end("apps.connections.open", &err));
+        }
+    };
     let url = Url::parse(&url).map_err(|_| {
         End::Transient(LinkState::Retrying {
             attempt: 0,
@@ -248,8 +255,13 @@ async fn session(
     shutdown: &CancellationToken,
     reconnect: &mut Reconnect,
 ) -> End {
-    if let Err(end) = shared.identity().await {
-        return end;
+    tokio::select! {
+        () = shutdown.cancelled() => return End::Shutdown,
+        identity = shared.identity() => {
+            if let Err(end) = identity {
+                return end;
+            }
+        }
     }
     let (events_tx, mut events) = mpsc::channel(LINK_EVENTS);
     let mut readers = JoinSet::new();
@@ -510,6 +522,13 @@ fn on_interaction(shared: &Shared, envelope: Envelope) {
 
 /// `auth.test`, as a connection step.
 pub(crate) async fn identify(web: &crate::web::WebApi) -> Result<BotIdentity, End> {
-    let auth = web.auth_test().await.map_err(|err| call_end("auth.test", &err))?;
-    Ok(BotIdentity { user_id: auth.user_id, bot_id: auth.bot_id })
+    match web.auth_test().await {
+        Ok(auth) => Ok(BotIdentity { user_id: auth.user_id, bot_id: auth.bot_id }),
+        Err(err) => {
+            if let CallError::RateLimited(wait) = err {
+                tokio::time::sleep(wait.min(MAX_RATE_LIMIT_WAIT)).await;
+            }
+            Err(call_end("auth.test", &err))
+        }
+    }
 }

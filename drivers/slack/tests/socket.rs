@@ -7,7 +7,7 @@ use channeld_driver_sdk::protocol::types::{Health, HealthState};
 use channeld_driver_sdk::testing::{AckMode, DriverTask, FakeConnection, FakeHub};
 use channeld_driver_sdk::transport::http::{self, HttpOptions};
 use channeld_slack::{SlackConfig, SlackDriver};
-use channeld_tests::fakes::slack::{FakeSlack, FakeSlackOptions, SocketEnd};
+use channeld_tests::fakes::slack::{FakeSlack, FakeSlackOptions, Fault, SocketEnd};
 
 const WITHIN: Duration = Duration::from_secs(20);
 
@@ -20,7 +20,11 @@ struct Setup {
 }
 
 async fn setup(options: FakeSlackOptions) -> Setup {
-    let fake = FakeSlack::start_with(options).await;
+    setup_with(FakeSlack::start_with(options).await).await
+}
+
+/// The driver against `fake` (prepared by the test before the driver starts).
+async fn setup_with(fake: FakeSlack) -> Setup {
     let hub = FakeHub::bind().await;
     let launch = hub
         .launch_config("slack.test")
@@ -143,5 +147,21 @@ async fn an_abrupt_close_is_retried_and_unacknowledged_events_come_back() {
         }
     }
     s.ready().await;
+    s.task.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_connection_open_waits_retry_after() {
+    let fake = FakeSlack::start().await;
+    fake.fail("apps.connections.open", Fault::RateLimited { retry_after_secs: 2 }, Some(1));
+    let mut s = setup_with(fake).await;
+    s.ready().await;
+    let record = s.fake.record();
+    let opens = record.calls_to("apps.connections.open");
+    assert_eq!(opens.len(), 2);
+    assert!(
+        opens[1].at.duration_since(opens[0].at) >= Duration::from_secs(2),
+        "Retry-After honoured"
+    );
     s.task.stop().await.unwrap();
 }
