@@ -7,7 +7,6 @@
 //! reached Slack is `Unknown` and never retried. A 429 is waited out (`Retry-After`) and the
 //! post sent again, at most [`RATE_LIMIT_RETRIES`] times.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,6 +17,8 @@ use tracing::debug;
 
 use crate::config::SlackConfig;
 use crate::convert::{self, parse_message_id};
+pub use crate::live::Placed;
+use crate::live::{Bounded, Live, MAX_REMEMBERED, PreviewStep};
 use crate::mrkdwn;
 use crate::pacing::Pacer;
 use crate::web::{CallError, WebApi};
@@ -27,90 +28,15 @@ use crate::wire;
 pub const RATE_LIMIT_RETRIES: u32 = 3;
 /// The longest `Retry-After` a post waits out; longer ones fail the post (retryable).
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
-/// Previews remembered at once (oldest dropped: its run is long over).
-const MAX_PREVIEWS: usize = 1024;
-/// DM channels and assistant threads remembered (oldest forgotten; a forgotten DM is
-/// opened again, a forgotten assistant thread shows typing as a reaction).
-const MAX_REMEMBERED: usize = 4096;
 /// Status shown in an assistant thread while the agent works.
 pub const THINKING_STATUS: &str = "is thinking…";
-
-/// A message posted: where and its ts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placed {
-    pub channel: String,
-    pub ts: String,
-}
-
-/// Which reply a preview stands in for: its conversation and thread (the hub sends live
-/// effects without `reply_to`).
-type PreviewKey = (String, Option<String>);
-
-fn preview_key(target: &MessageTarget) -> PreviewKey {
-    (target.conversation.as_str().to_owned(), target.thread.as_ref().map(|t| t.as_str().to_owned()))
-}
-
-/// A conversation and thread as one map key.
-fn place_key(target: &MessageTarget) -> String {
-    format!("{}\u{0}{}", target.conversation, target.thread.as_ref().map_or("", |t| t.as_str()))
-}
-
-#[derive(Debug)]
-struct Preview {
-    placed: Placed,
-    last_update: Instant,
-    /// Text waiting for the next allowed update (only the newest is kept).
-    pending: Option<String>,
-}
-
-/// A bounded insertion-ordered map (oldest evicted).
-#[derive(Debug)]
-struct Bounded<V> {
-    map: HashMap<String, V>,
-    order: VecDeque<String>,
-    capacity: usize,
-}
-
-impl<V> Bounded<V> {
-    fn new(capacity: usize) -> Self {
-        Self { map: HashMap::new(), order: VecDeque::new(), capacity }
-    }
-
-    fn get(&self, key: &str) -> Option<&V> {
-        self.map.get(key)
-    }
-
-    fn remove(&mut self, key: &str) -> Option<V> {
-        let value = self.map.remove(key)?;
-        self.order.retain(|k| k != key);
-        Some(value)
-    }
-
-    fn insert(&mut self, key: String, value: V) {
-        if self.map.insert(key.clone(), value).is_none() {
-            self.order.push_back(key);
-        }
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.map.remove(&old);
-            }
-        }
-    }
-}
 
 #[derive(Debug)]
 struct State {
     pacer: Pacer,
-    previews: HashMap<PreviewKey, Preview>,
-    preview_order: VecDeque<PreviewKey>,
-    /// Replies already posted: a preview arriving after its reply is dropped.
-    replied: VecDeque<PreviewKey>,
+    /// DM channels by user id (a forgotten one is opened again).
     dms: Bounded<String>,
-    assistant_threads: Bounded<()>,
-    /// The latest inbound message per conversation and thread: what typing marks.
-    last_inbound: Bounded<String>,
-    /// Where the typing reaction is shown now, per conversation and thread.
-    typing_on: Bounded<String>,
+    live: Live,
 }
 
 /// The write side of the driver.
@@ -118,7 +44,6 @@ struct State {
 pub struct Outbound {
     web: WebApi,
     max_chars: usize,
-    preview_interval: Duration,
     typing_reaction: String,
     state: Arc<Mutex<State>>,
     /// Held while a preview's first message is posted and while a reply takes its preview,
@@ -131,17 +56,11 @@ impl Outbound {
         Self {
             web,
             max_chars: config.max_message_chars,
-            preview_interval: config.preview_interval,
             typing_reaction: config.typing_reaction.clone(),
             state: Arc::new(Mutex::new(State {
                 pacer: Pacer::new(config.post_interval),
-                previews: HashMap::new(),
-                preview_order: VecDeque::new(),
-                replied: VecDeque::new(),
                 dms: Bounded::new(MAX_REMEMBERED),
-                assistant_threads: Bounded::new(MAX_REMEMBERED),
-                last_inbound: Bounded::new(MAX_REMEMBERED),
-                typing_on: Bounded::new(MAX_REMEMBERED),
+                live: Live::new(config.preview_interval),
             })),
             preview_gate: Arc::new(tokio::sync::Mutex::new(())),
         }
@@ -153,24 +72,12 @@ impl Outbound {
 
     /// Remembers an assistant thread: typing there is its status, not a reaction.
     pub fn assistant_thread(&self, channel: &str, thread_ts: &str) {
-        self.lock().assistant_threads.insert(format!("{channel}:{thread_ts}"), ());
+        self.lock().live.assistant_thread(channel, thread_ts);
     }
 
-    /// Remembers the message being answered in a conversation: typing marks it.
-    /// A new turn starts there: the previous reply's preview bookkeeping is forgotten.
+    /// A new message in a conversation: typing marks it, and a new turn's preview begins.
     pub fn inbound_seen(&self, target: &MessageTarget, message_id: &str) {
-        let key = preview_key(target);
-        let mut state = self.lock();
-        state.last_inbound.insert(place_key(target), message_id.to_owned());
-        state.replied.retain(|k| k != &key);
-        state.preview_order.retain(|k| k != &key);
-        state.previews.remove(&key);
-    }
-
-    fn is_assistant_thread(&self, channel: &str, thread: Option<&str>) -> bool {
-        thread.is_some_and(|ts| {
-            self.lock().assistant_threads.get(&format!("{channel}:{ts}")).is_some()
-        })
+        self.lock().live.inbound_seen(target, message_id);
     }
 
     /// The channel to post to: a user id (`U…`/`W…`) means the DM with that user, opened with
@@ -244,7 +151,7 @@ impl Outbound {
         let thread_ts = target.thread.as_ref().map(|t| t.as_str().to_owned());
         let preview = {
             let _gate = self.preview_gate.lock().await;
-            self.take_preview(target)
+            self.lock().live.take_preview(target)
         };
         let mut first: Option<Placed> = None;
         for (index, text) in parts.into_iter().enumerate() {
@@ -283,20 +190,6 @@ impl Outbound {
         let placed = first.ok_or_else(|| PostError::failed("nothing to post", false))?;
         self.clear_typing(target).await;
         Ok(placed)
-    }
-
-    /// Takes the reply's preview, and marks the reply as posted so a late preview is dropped.
-    fn take_preview(&self, target: &MessageTarget) -> Option<Placed> {
-        let key = preview_key(target);
-        let mut state = self.lock();
-        state.preview_order.retain(|k| k != &key);
-        if target.reply_to.is_some() {
-            state.replied.push_back(key.clone());
-            while state.replied.len() > MAX_PREVIEWS {
-                state.replied.pop_front();
-            }
-        }
-        state.previews.remove(&key).map(|preview| preview.placed)
     }
 
     /// Applies a live effect.
@@ -369,7 +262,8 @@ impl Outbound {
     async fn typing(&self, target: &MessageTarget, active: bool) -> Result<(), EffectError> {
         let channel = self.channel_for(target.conversation.as_str()).await.map_err(effect_error)?;
         let thread = target.thread.as_ref().map(|t| t.as_str());
-        if let Some(thread_ts) = thread.filter(|_| self.is_assistant_thread(&channel, thread)) {
+        let assistant = self.lock().live.is_assistant_thread(&channel, thread);
+        if let Some(thread_ts) = thread.filter(|_| assistant) {
             let status = wire::SetStatus {
                 channel_id: channel.clone(),
                 thread_ts: thread_ts.to_owned(),
@@ -381,25 +275,7 @@ impl Outbound {
                 .map(drop)
                 .map_err(effect_error);
         }
-        // The hub sends live effects without `reply_to`: mark the latest inbound message.
-        let key = place_key(target);
-        let marked = {
-            let mut state = self.lock();
-            let message = target
-                .reply_to
-                .as_ref()
-                .map(|r| r.as_str().to_owned())
-                .or_else(|| state.last_inbound.get(&key).cloned());
-            match (active, message) {
-                (true, Some(message)) => {
-                    state.typing_on.insert(key, message.clone());
-                    Some(message)
-                }
-                (false, message) => state.typing_on.remove(&key).or(message),
-                (true, None) => None,
-            }
-        };
-        let Some(message) = marked else {
+        let Some(message) = self.lock().live.typing(target, active) else {
             return Err(EffectError::Failed(
                 "no message in this conversation to show typing on".into(),
             ));
@@ -410,77 +286,46 @@ impl Outbound {
 
     /// Removes the typing reaction after a reply, where one is shown.
     async fn clear_typing(&self, target: &MessageTarget) {
-        let Some(message) = self.lock().typing_on.remove(&place_key(target)) else { return };
+        let Some(message) = self.lock().live.typing_shown(target) else { return };
         let (channel, ts) = parse_message_id(&message, target.conversation.as_str());
         if let Err(err) = self.react(channel, ts, &self.typing_reaction, false).await {
             debug!(error = %err, "could not remove the typing reaction");
         }
     }
 
-    /// A preview: posted once, then updated at most once per preview interval; updates in
-    /// between are folded into the next one.
+    /// A preview: posted once, then updated at most once per preview interval; texts in
+    /// between are folded into the next update.
     async fn preview(&self, target: &MessageTarget, raw: &str) -> Result<(), EffectError> {
-        let key = preview_key(target);
-        let text = parts(
-            &MessageBody::text(raw).map_err(|err| EffectError::Failed(err.to_string()))?,
-            self.max_chars,
-        )
-        .swap_remove(0);
-        let due = {
-            let mut state = self.lock();
-            match state.previews.get_mut(&key) {
-                None => None,
-                Some(preview) => {
-                    preview.pending = Some(text.clone());
-                    Some(preview.last_update + self.preview_interval)
-                }
-            }
-        };
-        let Some(due) = due else {
+        let body = MessageBody::text(raw).map_err(|err| EffectError::Failed(err.to_string()))?;
+        let text = parts(&body, self.max_chars).swap_remove(0);
+        let mut step = self.lock().live.preview(target, text.clone(), Instant::now());
+        if step == PreviewStep::Post {
             let gate = self.preview_gate.lock().await;
-            let (replied, exists) = {
-                let state = self.lock();
-                (state.replied.contains(&key), state.previews.contains_key(&key))
-            };
-            if replied {
-                // The reply is already there: a late preview would stand beside it.
+            // Decided again under the gate: a reply or another preview may have come first.
+            step = self.lock().live.preview(target, text.clone(), Instant::now());
+            if step == PreviewStep::Post {
+                let channel =
+                    self.channel_for(target.conversation.as_str()).await.map_err(effect_error)?;
+                let thread_ts = target.thread.as_ref().map(|t| t.as_str().to_owned());
+                let placed = self
+                    .post_one(post_request(&channel, &text, &thread_ts))
+                    .await
+                    .map_err(effect_error)?;
+                self.lock().live.preview_posted(target, placed, Instant::now());
                 return Ok(());
             }
-            if exists {
-                // Another preview posted it meanwhile: this text goes out as its update.
-                drop(gate);
-                return Box::pin(self.preview(target, raw)).await;
-            }
-            let channel = self.channel_for(&key.0).await.map_err(effect_error)?;
-            let placed =
-                self.post_one(post_request(&channel, &text, &key.1)).await.map_err(effect_error)?;
-            let mut state = self.lock();
-            state.previews.insert(
-                key.clone(),
-                Preview { placed, last_update: Instant::now(), pending: None },
-            );
-            state.preview_order.push_back(key);
-            while state.preview_order.len() > MAX_PREVIEWS {
-                if let Some(old) = state.preview_order.pop_front() {
-                    state.previews.remove(&old);
-                }
-            }
+            drop(gate);
+        }
+        let PreviewStep::UpdateAt(due) = step else {
+            // The reply is already there.
             return Ok(());
         };
         tokio::time::sleep_until(due.into()).await;
-        // The newest text goes out once; a final reply that took the preview meanwhile wins.
-        let update = {
-            let mut state = self.lock();
-            let Some(preview) = state.previews.get_mut(&key) else { return Ok(()) };
-            let Some(text) = preview.pending.take() else { return Ok(()) };
-            preview.last_update = Instant::now();
-            wire::UpdateMessage {
-                channel: preview.placed.channel.clone(),
-                ts: preview.placed.ts.clone(),
-                text,
-                blocks: None,
-            }
+        let Some((placed, text)) = self.lock().live.preview_due(target, Instant::now()) else {
+            return Ok(());
         };
+        let update =
+            wire::UpdateMessage { channel: placed.channel, ts: placed.ts, text, blocks: None };
         self.call_checked::<_, serde_json::Value>("chat.update", &update)
             .await
             .map(drop)
