@@ -3,6 +3,7 @@
 //! * [`config`]: `CHANNELD_SLACK_*` settings and the two tokens, validated.
 //! * [`wire`]: Slack's Socket Mode, Events API, interactivity and Web API formats.
 //! * [`convert`]: pure mapping between Slack events and channeld frames.
+//! * [`envelopes`]: each Socket Mode envelope reported and acknowledged after the hub's answer.
 //! * [`live`]: pure bookkeeping of previews, typing and assistant threads.
 //! * [`mrkdwn`]: agent Markdown to Slack mrkdwn, and splitting long replies.
 //! * [`blocks`]: commands as Block Kit messages, and clicks back to results.
@@ -18,6 +19,7 @@ pub mod blocks;
 pub mod commands;
 pub mod config;
 pub mod convert;
+pub mod envelopes;
 pub mod live;
 pub mod mrkdwn;
 pub mod outbound;

@@ -1,6 +1,8 @@
 //! Socket Mode: the connection loop that keeps one live socket (two during a refresh), turns
 //! envelopes into hub reports and acknowledges each only after the hub's answer.
 //!
+//! Envelopes themselves are handled in [`crate::envelopes`].
+//!
 //! Tasks: one reader per open socket (a `JoinSet` owned by the loop, drained when the loop
 //! ends) forwards parsed frames into one bounded queue ([`LINK_EVENTS`]; readers wait when
 //! it is full, so Slack's envelopes back up on the socket rather than in memory). The loop
@@ -22,17 +24,17 @@ use channeld_driver_sdk::protocol::types::{Health, HealthState, HealthStatus};
 use channeld_driver_sdk::transport::TransportError;
 use channeld_driver_sdk::transport::websocket::{self, WsMessage, WsOptions, WsReceiver, WsSender};
 use channeld_driver_sdk::{
-    Acceptance, CancellationToken, Failure, Hub, LinkState, PendingAcks, Reconnect,
-    ReconnectPolicy, Settle, Url,
+    CancellationToken, Failure, Hub, LinkState, PendingAcks, Reconnect, ReconnectPolicy, Url,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use crate::convert::{self, BotIdentity, Classified};
+use crate::convert::BotIdentity;
+use crate::envelopes::{ack, on_event, on_interaction};
 use crate::platform::Shared;
 use crate::web::CallError;
-use crate::wire::{self, Envelope, EventCallback, Interaction, SocketFrame};
+use crate::wire::SocketFrame;
 
 /// Frames read but not yet handled, across all sockets.
 pub const LINK_EVENTS: usize = 256;
@@ -53,40 +55,13 @@ enum LinkEvent {
 }
 
 /// One open socket.
-struct Link {
-    sender: WsSender,
+pub(crate) struct Link {
+    pub sender: WsSender,
     /// Acknowledgements waiting for the hub, sent on this socket.
-    acks: PendingAcks,
+    pub acks: PendingAcks,
     hello: bool,
     /// Replaced by a newer socket: still serving until its grace period ends.
     retiring: bool,
-}
-
-/// Acknowledges one envelope on its socket once the hub answered.
-struct EnvelopeAck {
-    sender: WsSender,
-    envelope_id: String,
-    inbound_id: Option<channeld_driver_sdk::protocol::Id>,
-    shared: Arc<Shared>,
-}
-
-impl Settle for EnvelopeAck {
-    async fn settle(self, outcome: &Acceptance) {
-        if matches!(outcome, Acceptance::Unresolved) {
-            return;
-        }
-        if let Some(id) = self.inbound_id {
-            self.shared.remember_answered(id);
-        }
-        ack(&self.sender, &self.envelope_id).await;
-    }
-}
-
-async fn ack(sender: &WsSender, envelope_id: &str) {
-    let frame = serde_json::to_string(&wire::Ack { envelope_id }).unwrap_or_default();
-    if sender.send_text(frame).await.is_err() {
-        debug!(%envelope_id, "socket gone before the ack; Slack redelivers the envelope");
-    }
 }
 
 /// How a connection attempt or a socket ended.
@@ -435,89 +410,6 @@ async fn close_retired(id: u64, link: Link) {
         );
     }
     link.sender.close().await;
-}
-
-/// An `events_api` envelope: dropped events are acknowledged at once; messages go to the hub
-/// and are acknowledged after its answer.
-async fn on_event(shared: &Arc<Shared>, hub: &Hub, link: &Link, envelope: Envelope) {
-    let callback: EventCallback = match serde_json::from_value(envelope.payload) {
-        Ok(callback) => callback,
-        Err(err) => {
-            warn!(error = %err, "unreadable event payload; acknowledged and dropped");
-            ack(&link.sender, &envelope.envelope_id).await;
-            return;
-        }
-    };
-    let Some(bot) = shared.bot() else {
-        // Without the bot's identity own posts cannot be told apart: let Slack redeliver.
-        return;
-    };
-    let classified = convert::classify(
-        hub.channel(),
-        &bot,
-        shared.config.respond,
-        shared.config.inbound_events,
-        &callback,
-    );
-    let ack_now = |why: &str| debug!(event_id = %callback.event_id, retry = envelope.retry_attempt, why, "event acknowledged without the hub");
-    match classified {
-        Classified::Message(mut message) => {
-            if shared.answered(&message.id) {
-                ack_now("answered before");
-                ack(&link.sender, &envelope.envelope_id).await;
-                return;
-            }
-            message.sender.display_name = shared.display_name(message.sender.id.as_str()).await;
-            let id = message.id.clone();
-            shared.outbound.inbound_seen(&message.target, id.as_str());
-            match hub.inbound(message).await {
-                Ok(ticket) => link.acks.track(
-                    ticket,
-                    EnvelopeAck {
-                        sender: link.sender.clone(),
-                        envelope_id: envelope.envelope_id,
-                        inbound_id: Some(id),
-                        shared: shared.clone(),
-                    },
-                ),
-                Err(err) if err.is_permanent() => {
-                    warn!(%id, error = %err, "message cannot be reported; acknowledged and dropped");
-                    ack(&link.sender, &envelope.envelope_id).await;
-                }
-                Err(err) => debug!(%id, error = %err, "not reported (stopping); Slack redelivers"),
-            }
-        }
-        Classified::Event { event_id, event } => {
-            match hub.inbound_event(event_id.clone(), event).await {
-                Ok(ticket) => link.acks.track(
-                    ticket,
-                    EnvelopeAck {
-                        sender: link.sender.clone(),
-                        envelope_id: envelope.envelope_id,
-                        inbound_id: None,
-                        shared: shared.clone(),
-                    },
-                ),
-                Err(err) => debug!(%event_id, error = %err, "event not reported"),
-            }
-        }
-        Classified::AssistantThread { channel, thread_ts } => {
-            shared.outbound.assistant_thread(&channel, &thread_ts);
-            ack(&link.sender, &envelope.envelope_id).await;
-        }
-        Classified::Ignore(reason) => {
-            ack_now(&format!("{reason:?}"));
-            ack(&link.sender, &envelope.envelope_id).await;
-        }
-    }
-}
-
-fn on_interaction(shared: &Shared, envelope: Envelope) {
-    match serde_json::from_value::<Interaction>(envelope.payload) {
-        Ok(Interaction::BlockActions(click)) => shared.commands.on_click(&click),
-        Ok(Interaction::Other) => debug!("interaction type not handled"),
-        Err(err) => warn!(error = %err, "unreadable interaction payload"),
-    }
 }
 
 /// `auth.test`, as a connection step.
