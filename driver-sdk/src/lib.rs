@@ -35,6 +35,7 @@ mod session;
 mod settle;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
 #[cfg(any(feature = "http", feature = "websocket"))]
 pub mod transport;
 
@@ -55,6 +56,7 @@ pub use reconnect::{Failure, Nudge, Reconnect, ReconnectPolicy};
 pub use runtime::{HEARTBEAT_INTERVAL, RunError, run_driver};
 pub use secret::Secret;
 pub use settle::{PendingAcks, SETTLE_WITHIN, Settle};
+pub use tls::install_crypto_provider;
 
 pub use channeld_protocol as protocol;
 /// The tokio and tracing the SDK is built with, so a driver needs no dependency of its own
@@ -63,13 +65,6 @@ pub use tokio;
 pub use tokio_util::sync::CancellationToken;
 pub use tracing;
 pub use url::Url;
-
-/// Installs the process-wide rustls crypto provider (ring, the one provider every channeld
-/// binary uses). [`main`] calls it first thing; call it yourself in tests that open TLS
-/// connections outside [`main`]. Calling it again changes nothing.
-pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
 
 /// Logs to stderr with the filter from `CHANNELD_LOG` (default `default_filter`); the same
 /// setup as the hub's.

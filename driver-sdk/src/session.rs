@@ -385,6 +385,22 @@ impl<D: Driver> Session<D> {
         Some(Permit { queued, handlers: self.handlers.clone() })
     }
 
+    /// Runs `handle(driver, sink)` as a tracked task once a handler is free (the bounded
+    /// queue and handler pool of [`permit`](Self::permit)).
+    async fn spawn_handler<F, Fut>(&self, sink: &FrameSink, handle: F)
+    where
+        F: FnOnce(Arc<D>, FrameSink) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let Some(permit) = self.permit().await else { return };
+        let driver = self.driver.clone();
+        let sink = sink.clone();
+        self.tracker.spawn(async move {
+            let Some(_permits) = permit.run().await else { return };
+            handle(driver, sink).await;
+        });
+    }
+
     async fn spawn_post(
         &self,
         kind: PostKind,
@@ -406,12 +422,8 @@ impl<D: Driver> Session<D> {
                 return;
             }
         }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
         let recent = self.recent.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
+        self.spawn_handler(sink, move |driver, sink| async move {
             let result = driver.post(Post { kind, message: delivery.message }).await;
             let answer = match result {
                 Ok(receipt) => {
@@ -431,7 +443,8 @@ impl<D: Driver> Session<D> {
             if answers {
                 let _ = sink.send(&answer).await;
             }
-        });
+        })
+        .await;
     }
 
     async fn spawn_effect(&self, frame: EffectFrame, sink: &FrameSink) {
@@ -445,11 +458,7 @@ impl<D: Driver> Session<D> {
             ));
             return;
         }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
+        self.spawn_handler(sink, move |driver, sink| async move {
             let request_id = frame.request_id.clone();
             let request = EffectRequest {
                 request_id: frame.request_id,
@@ -464,7 +473,8 @@ impl<D: Driver> Session<D> {
                 let _ =
                     sink.send(&Frame::error(Some(request_id), code, err.to_string(), false)).await;
             }
-        });
+        })
+        .await;
     }
 
     async fn spawn_command(&self, frame: CommandFrame, sink: &FrameSink, ext: Extensions) {
@@ -480,11 +490,7 @@ impl<D: Driver> Session<D> {
             let _ = sink.try_send(&answer);
             return;
         }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
+        self.spawn_handler(sink, move |driver, sink| async move {
             let request = CommandRequest {
                 request_id: frame.request_id.clone(),
                 session: frame.session.clone(),
@@ -495,11 +501,10 @@ impl<D: Driver> Session<D> {
             let answer = driver.command(request).await;
             let responder = if ext.responder { answer.responder } else { None };
             let _ = sink.send(&command_result(&frame, answer.result, responder)).await;
-        });
+        })
+        .await;
     }
-}
 
-impl<D: Driver> Session<D> {
     /// Answers an operator action: `unsupported` for a name the driver did not declare,
     /// otherwise the driver's result.
     async fn spawn_operator_action(&self, frame: OperatorActionFrame, sink: &FrameSink) {
@@ -509,11 +514,7 @@ impl<D: Driver> Session<D> {
             let _ = sink.try_send(&answer);
             return;
         }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
+        self.spawn_handler(sink, move |driver, sink| async move {
             let name = frame.name.clone();
             let result = driver.operator_action(OperatorAction { name, args: frame.args }).await;
             match &result {
@@ -521,7 +522,8 @@ impl<D: Driver> Session<D> {
                 Err(err) => warn!(%request_id, action = %frame.name, code = err.code(), error = %err, "operator action failed"),
             }
             let _ = sink.send(&operator_action_result(request_id, result)).await;
-        });
+        })
+        .await;
     }
 }
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::MAX_LINE_BYTES;
 use channeld_driver_sdk::protocol::types::{Capabilities, DeliveryReceipt};
 use channeld_driver_sdk::{
@@ -332,56 +333,9 @@ fn mqtt_options(config: &MqttConfig) -> Result<MqttOptions, DriverError> {
         options.set_credentials(username.clone(), password);
     }
     if config.broker.tls {
-        let tls = tls_config(config)?;
+        let tls = channeld_driver_sdk::tls::client_config(config.ca_file.as_deref())
+            .map_err(|err| ConfigError::invalid(setting_var(VAR_CA_FILE), err.to_string()))?;
         options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(Arc::new(tls))));
     }
     Ok(options)
-}
-
-/// rustls with the ring provider (the one every channeld binary uses), trusting the
-/// configured CA file or the system's roots.
-fn tls_config(config: &MqttConfig) -> Result<rustls::ClientConfig, DriverError> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-
-    let ca_var = channeld_driver_sdk::launch::setting_var(VAR_CA_FILE);
-    let mut roots = rustls::RootCertStore::empty();
-    match &config.ca_file {
-        Some(path) => {
-            let certs = CertificateDer::pem_file_iter(path)
-                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                .map_err(|err| {
-                    ConfigError::invalid(&ca_var, format!("{}: {err}", path.display()))
-                })?;
-            let (added, _) = roots.add_parsable_certificates(certs);
-            if added == 0 {
-                return Err(ConfigError::invalid(
-                    &ca_var,
-                    format!("{} holds no usable certificate", path.display()),
-                )
-                .into());
-            }
-        }
-        None => {
-            let native = rustls_native_certs::load_native_certs();
-            for err in &native.errors {
-                warn!(error = %err, "could not load some system CA certificates");
-            }
-            let (added, _) = roots.add_parsable_certificates(native.certs);
-            if added == 0 {
-                return Err(ConfigError::invalid(
-                    &ca_var,
-                    "is not set and the system has no CA certificates",
-                )
-                .into());
-            }
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|err| DriverError::Platform(format!("TLS setup: {err}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(tls)
 }
