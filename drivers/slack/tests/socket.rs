@@ -1,5 +1,6 @@
 //! The Socket Mode loop in-process, through the SDK's fake hub and the fake Slack: how each
-//! way a socket ends shows in health, and how the driver replaces it.
+//! way a socket ends shows in health, how the driver replaces it, and the `resume` operator
+//! action (the frame `channelctl resume` sends once the hub side is wired) ending a slow retry.
 
 use std::time::{Duration, Instant};
 
@@ -31,12 +32,15 @@ async fn setup_with(fake: FakeSlack) -> Setup {
         .with_var("SLACK_API_URL", fake.api_url())
         .with_var("SLACK_APP_TOKEN", fake.options().app_token.clone())
         .with_var("SLACK_BOT_TOKEN", fake.options().bot_token.clone())
-        .with_var("SLACK_RECONNECT_MAX_SECONDS", "1");
+        .with_var("SLACK_RECONNECT_MAX_SECONDS", "1")
+        // A slow retry would be an hour away: only `resume` brings the link back sooner.
+        .with_var("SLACK_SLOW_RETRY_SECONDS", "3600");
     let config = SlackConfig::from_launch(&launch).unwrap();
     let client = http::client(&HttpOptions::for_driver("slack")).unwrap();
     let task = DriverTask::spawn(SlackDriver::new(config, client), launch);
     let mut conn = hub.accept().await;
-    conn.handshake(AckMode::Extensions).await;
+    let hello = conn.handshake(AckMode::Extensions).await;
+    assert!(hello.operator_actions.iter().any(|name| name == "resume"), "resume is declared");
     Setup { fake, _hub: hub, conn, task, probes: 0 }
 }
 
@@ -163,5 +167,22 @@ async fn a_rate_limited_connection_open_waits_retry_after() {
         opens[1].at.duration_since(opens[0].at) >= Duration::from_secs(2),
         "Retry-After honoured"
     );
+    s.task.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_retries_a_refused_link_at_once() {
+    let fake = FakeSlack::start().await;
+    fake.revoke_tokens(true);
+    let mut s = setup_with(fake).await;
+    let refused = s.health("Unavailable", |h| h.state == HealthState::Unavailable).await;
+    assert_eq!(reason(&refused), Some("auth_rejected"));
+
+    s.fake.revoke_tokens(false);
+    s.conn.operator_action("resume-1", "resume", serde_json::json!({})).await;
+    let result = s.conn.expect_operator_action_result("resume-1").await;
+    assert!(result.ok, "{result:?}");
+    s.ready().await;
+    assert_eq!(s.fake.record().hello_sockets().len(), 1, "connected after resume");
     s.task.stop().await.unwrap();
 }
