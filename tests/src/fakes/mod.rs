@@ -1,4 +1,5 @@
 //! Protocol-faithful fake platform servers for tests: each binds 127.0.0.1:0, speaks the
 //! platform's real wire format, records everything it sees and is steered through a handle.
 
+pub mod slack;
 pub mod wecom;
