@@ -2,6 +2,7 @@
 //! config in a temp dir, talk to it as a raw driver or through `channelctl`.
 
 pub mod control;
+pub mod fakes;
 pub mod mosquitto;
 pub mod peer;
 pub mod process;

@@ -1,0 +1,3 @@
+//! Protocol-faithful fake platform servers for the platforms that have no local server.
+
+pub mod wechat;
