@@ -523,6 +523,24 @@ mod tests {
     }
 
     #[test]
+    fn recorded_refusals_read_as_failures() {
+        let expired: GetUpdatesResponse =
+            serde_json::from_str(include_str!("../tests/fixtures/expired.json")).unwrap();
+        assert!(expired.status.failure().is_some_and(|f| f.session_expired()));
+        assert!(expired.msgs.is_empty() && expired.get_updates_buf.is_none());
+        let refused: Status =
+            serde_json::from_str(include_str!("../tests/fixtures/sendmessage-refused.json"))
+                .unwrap();
+        assert_eq!(refused.failure(), Some(Failure { code: CONTEXT_REFUSED, message: "".into() }));
+        let confirmed: QrStatusResponse =
+            serde_json::from_str(include_str!("../tests/fixtures/qrcode-confirmed.json")).unwrap();
+        assert_eq!(confirmed.status.as_deref().map(QrStatus::parse), Some(QrStatus::Confirmed));
+        assert_eq!(confirmed.ilink_bot_id.as_deref(), Some("a1b2c3d4e5f6@im.bot"));
+        assert_eq!(confirmed.baseurl.as_deref(), Some("https://ilinkai.weixin.qq.com"));
+        assert!(confirmed.bot_token.is_some());
+    }
+
+    #[test]
     fn a_login_answer_keeps_its_token_out_of_debug_output() {
         let answer: QrStatusResponse = serde_json::from_value(json!({
             "status": "confirmed", "bot_token": "tok-secret", "ilink_bot_id": "b", "baseurl": "https://x"

@@ -4,9 +4,12 @@
 //! * [`config`]: `CHANNELD_WECHAT_*` settings, validated.
 //! * [`ilink`]: the iLink wire types (requests, responses, messages) and their constants.
 //! * [`convert`]: pure mapping between iLink messages and channeld frames.
+//! * [`state`]: the state directory (cursor, replay set, context tokens, login), written
+//!   atomically.
 
 pub mod config;
 pub mod convert;
 pub mod ilink;
+pub mod state;
 
 pub use config::{ConfigError, WechatConfig};
