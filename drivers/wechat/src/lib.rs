@@ -4,12 +4,17 @@
 //! * [`config`]: `CHANNELD_WECHAT_*` settings, validated.
 //! * [`ilink`]: the iLink wire types (requests, responses, messages) and their constants.
 //! * [`convert`]: pure mapping between iLink messages and channeld frames.
+//! * [`client`]: the iLink HTTP client (headers, timeouts, errors that say whether the
+//!   server may have acted).
+//! * [`login`]: `channeld-wechat login`, the QR login.
 //! * [`state`]: the state directory (cursor, replay set, context tokens, login), written
 //!   atomically.
 
+pub mod client;
 pub mod config;
 pub mod convert;
 pub mod ilink;
+pub mod login;
 pub mod state;
 
 pub use config::{ConfigError, WechatConfig};
