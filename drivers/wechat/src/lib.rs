@@ -7,6 +7,8 @@
 //! * [`client`]: the iLink HTTP client (headers, timeouts, errors that say whether the
 //!   server may have acted).
 //! * [`login`]: `channeld-wechat login`, the QR login.
+//! * [`session`]: the bot token and base URL in use; the wait for a new token after `-14`.
+//! * [`store`]: the in-memory cursor, replay set and context tokens, written through.
 //! * [`state`]: the state directory (cursor, replay set, context tokens, login), written
 //!   atomically.
 
@@ -15,6 +17,8 @@ pub mod config;
 pub mod convert;
 pub mod ilink;
 pub mod login;
+pub mod session;
 pub mod state;
+pub mod store;
 
 pub use config::{ConfigError, WechatConfig};

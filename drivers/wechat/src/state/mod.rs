@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-pub use contexts::{ContextToken, ContextTokens};
+pub use contexts::{ContextToken, ContextTokens, Usable};
 pub use seen::{ReplyProgress, Seen, SeenSet};
 
 /// The format version every file carries; a newer one is refused rather than misread.
