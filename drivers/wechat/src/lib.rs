@@ -7,6 +7,8 @@
 //! * [`client`]: the iLink HTTP client (headers, timeouts, errors that say whether the
 //!   server may have acted).
 //! * [`login`]: `channeld-wechat login`, the QR login.
+//! * [`platform`]: the [`WechatDriver`]; [`poll`] (the inbound loop), [`outbound`] (posts),
+//!   [`typing`] (indicators) and [`health`] are its parts.
 //! * [`session`]: the bot token and base URL in use; the wait for a new token after `-14`.
 //! * [`store`]: the in-memory cursor, replay set and context tokens, written through.
 //! * [`state`]: the state directory (cursor, replay set, context tokens, login), written
@@ -15,10 +17,16 @@
 pub mod client;
 pub mod config;
 pub mod convert;
+pub mod health;
 pub mod ilink;
 pub mod login;
+pub mod outbound;
+pub mod platform;
+pub mod poll;
 pub mod session;
 pub mod state;
 pub mod store;
+pub mod typing;
 
 pub use config::{ConfigError, WechatConfig};
+pub use platform::WechatDriver;

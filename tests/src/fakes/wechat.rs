@@ -381,6 +381,12 @@ impl FakeIlink {
         self.push(UserMessage::text(from, text))
     }
 
+    /// A valid context token for `user` without a message on the update stream: the user
+    /// wrote before the test began (seed it into the driver's state to send proactively).
+    pub fn issue_context_token(&self, user: &str) -> String {
+        self.shared.update(|world| world.issue_context_token(user))
+    }
+
     /// Offers a pushed message again, as the real server does seconds or an hour later.
     pub fn replay(&self, message_id: u64) {
         let known = self.shared.update(|world| world.replay(message_id));

@@ -196,6 +196,14 @@ impl World {
         Pushed { message_id, seq, context_token }
     }
 
+    /// A context token for `user` as if they had written before the test began.
+    pub fn issue_context_token(&mut self, user: &str) -> String {
+        let token = format!("ctx-earlier-{:016x}", fastrand::u64(..));
+        self.context_tokens
+            .insert(token.clone(), ContextToken { user: user.to_owned(), uses: 0, revoked: false });
+        token
+    }
+
     /// Offers a pushed message again, exactly as first sent.
     pub fn replay(&mut self, message_id: u64) -> bool {
         match self.messages.get(&message_id) {
