@@ -1,20 +1,26 @@
-//! `channeld demo`: a hub with the echo runtime and one console driver it supervises, in a
-//! private runtime directory, with no config file and no credentials.
+//! `channeld demo`: a hub with the echo runtime and one console driver on the hub's terminal,
+//! in a private runtime directory, with no config file and no credentials. The demo starts
+//! the console itself, once the hub is ready; the console's exit ends the demo.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::Duration;
 
 use channeld_protocol::ChannelId;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Allowlist, DEFAULT_RUNTIME, HubConfig, InstanceConfig, RuntimeConfig};
+use crate::config::{
+    Allowlist, DEFAULT_RUNTIME, HubConfig, InstanceConfig, PeerRule, RuntimeConfig,
+};
+use crate::hub::Hub;
+use crate::ledger::Ledger;
 
 /// The demo's one channel instance.
 pub const DEMO_INSTANCE: &str = "console.demo";
 
 /// The demo configuration with sockets under `runtime_dir`.
-pub fn config(runtime_dir: &Path, console: PathBuf) -> HubConfig {
+pub fn config(runtime_dir: &Path) -> HubConfig {
     let id = ChannelId::new(DEMO_INSTANCE).expect("static id is valid");
     let mut runtimes = BTreeMap::new();
     runtimes.insert(DEFAULT_RUNTIME.to_owned(), RuntimeConfig::echo());
@@ -25,6 +31,7 @@ pub fn config(runtime_dir: &Path, console: PathBuf) -> HubConfig {
         retention: Duration::from_secs(7 * 86_400),
         outbox_ttl: Duration::from_secs(86_400),
         control_socket: runtime_dir.join("control.sock"),
+        control_peers: PeerRule::SocketMode,
         receipt_timeout: Duration::from_secs(30),
         command_timeout: Duration::from_secs(300),
         health_probe_interval: Duration::from_secs(30),
@@ -33,17 +40,8 @@ pub fn config(runtime_dir: &Path, console: PathBuf) -> HubConfig {
         drain_timeout: Duration::from_secs(10),
         runtimes,
         instances: vec![InstanceConfig {
-            socket: runtime_dir.join(format!("{id}.sock")),
-            id,
-            spawn: vec![console.display().to_string()],
-            spawn_env: BTreeMap::new(),
-            runtime: DEFAULT_RUNTIME.to_owned(),
             allow: Allowlist::All,
-            identity_isolation: false,
-            max_inflight: 4,
-            deny_notice: None,
-            peers: crate::config::PeerRule::SocketMode,
-            interactive_child: true,
+            ..InstanceConfig::new(id.clone(), runtime_dir.join(format!("{id}.sock")))
         }],
     }
 }
@@ -70,14 +68,45 @@ pub fn runtime_dir() -> std::io::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Runs the demo until the console exits; returns its exit status.
+/// Runs the demo until the console exits; returns its exit status (0 when the demo was
+/// interrupted).
 pub async fn run(console: PathBuf, shutdown: CancellationToken) -> anyhow::Result<i32> {
     let dir = runtime_dir()?;
-    let config = config(&dir, console);
-    let listeners = crate::hub::bind(&config)?;
-    let hub = crate::hub::Hub::new(config, crate::ledger::Ledger::off(), shutdown);
-    let result = crate::hub::run_hub(hub.clone(), listeners).await;
+    let result = serve(&dir, console, shutdown).await;
     let _ = std::fs::remove_dir_all(&dir);
-    result?;
-    Ok(crate::instance::lock(&hub.child_exit).unwrap_or(0))
+    result
+}
+
+async fn serve(dir: &Path, console: PathBuf, shutdown: CancellationToken) -> anyhow::Result<i32> {
+    let config = config(dir);
+    let instance = InstanceConfig {
+        spawn: vec![console.display().to_string()],
+        ..config.instances[0].clone()
+    };
+    let grace = config.drain_timeout + Duration::from_secs(2);
+    let listeners = crate::listen::bind(&config)?;
+    let hub = Hub::new(config, Ledger::off(), shutdown.clone());
+    let serving = tokio::spawn(crate::lifecycle::run_hub(hub.clone(), listeners));
+    tokio::select! {
+        () = hub.ready.cancelled() => {}
+        () = shutdown.cancelled() => {}
+    }
+    let code = match crate::supervisor::spawn(&instance, Stdio::inherit()) {
+        Ok(mut console) => tokio::select! {
+            status = console.wait() => status.ok().and_then(|s| s.code()).unwrap_or(1),
+            // Interrupted: the console hears `stop` with the other connections, then goes.
+            () = hub.close_connections.cancelled() => {
+                crate::supervisor::terminate(&mut console, grace).await;
+                0
+            }
+        },
+        Err(err) => {
+            shutdown.cancel();
+            serving.await??;
+            return Err(anyhow::anyhow!("cannot start {}: {err}", instance.spawn[0]));
+        }
+    };
+    shutdown.cancel();
+    serving.await??;
+    Ok(code)
 }

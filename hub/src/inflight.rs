@@ -16,6 +16,17 @@ pub enum Admission {
     Duplicate,
 }
 
+/// Where an event stands against a connection's in-flight limit (asking changes nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// A run may start: there is room.
+    Free,
+    /// The connection already has `max` runs.
+    Full { max: usize },
+    /// A run for this event id is already active on this connection.
+    Taken,
+}
+
 /// At most `max` active event ids.
 #[derive(Debug)]
 pub struct InflightTable {
@@ -28,15 +39,27 @@ impl InflightTable {
         Self { max, active: HashSet::new() }
     }
 
-    pub fn admit(&mut self, event_id: &Id) -> Admission {
+    /// Where `event_id` stands, without taking a slot.
+    pub fn slot(&self, event_id: &Id) -> Slot {
         if self.active.contains(event_id) {
-            return Admission::Duplicate;
+            Slot::Taken
+        } else if self.active.len() >= self.max {
+            Slot::Full { max: self.max }
+        } else {
+            Slot::Free
         }
-        if self.active.len() >= self.max {
-            return Admission::Busy { max: self.max };
+    }
+
+    /// Takes a slot for `event_id` if it is free.
+    pub fn admit(&mut self, event_id: &Id) -> Admission {
+        match self.slot(event_id) {
+            Slot::Taken => Admission::Duplicate,
+            Slot::Full { max } => Admission::Busy { max },
+            Slot::Free => {
+                self.active.insert(event_id.clone());
+                Admission::Admitted
+            }
         }
-        self.active.insert(event_id.clone());
-        Admission::Admitted
     }
 
     pub fn finish(&mut self, event_id: &Id) {
@@ -66,6 +89,8 @@ mod tests {
         for n in 0..4 {
             assert_eq!(table.admit(&id(&format!("e{n}"))), Admission::Admitted);
         }
+        assert_eq!(table.slot(&id("e4")), Slot::Full { max: 4 });
+        assert_eq!(table.slot(&id("e0")), Slot::Taken);
         assert_eq!(table.admit(&id("e4")), Admission::Busy { max: 4 });
         assert_eq!(table.admit(&id("e0")), Admission::Duplicate);
         table.finish(&id("e0"));

@@ -1,25 +1,16 @@
-//! Per-instance state: the one live driver connection, health, counters and session
-//! generations; and per-connection state: what the peer declared and who waits for its answers.
+//! Per-instance state: the one live driver connection, health, counters, session
+//! generations, the replies being handed over, and the supervised driver process.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use channeld_link::FrameSink;
 use channeld_protocol::Id;
-use channeld_protocol::ext::PeerDeclaration;
-use channeld_protocol::frame::{CommandResultFrame, ErrorFrame};
-use channeld_protocol::types::{DeliveryReceipt, Health, HealthState};
-use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
+use channeld_protocol::types::{Health, HealthState};
 
 use crate::config::{InstanceConfig, RuntimeConfig};
-use crate::inflight::InflightTable;
-
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+use crate::connection::{Connection, lock};
 
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms(time: SystemTime) -> u64 {
@@ -45,187 +36,33 @@ impl Counters {
     }
 }
 
-/// What kind of peer a connection is.
+/// Where a supervised driver process stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PeerKind {
-    /// Sent `hello`: the instance's live driver.
-    Driver,
-    /// Never sent `hello`: a one-shot reference driver; its replies go back on it.
-    Legacy,
-    /// Sent `control_hello`: a tool.
-    Controller,
+pub enum ProcessState {
+    Running,
+    /// Exited; started again after its backoff.
+    Restarting,
+    /// Not restarted: it exited with 78 (invalid configuration) or the hub is stopping.
+    Stopped,
 }
 
-/// How a proactive send ended once handed to a driver.
+impl ProcessState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProcessState::Running => "running",
+            ProcessState::Restarting => "restarting",
+            ProcessState::Stopped => "stopped",
+        }
+    }
+}
+
+/// A supervised driver process, as `channelctl status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReceiptOutcome {
-    Receipted(DeliveryReceipt),
-    /// The driver reported that posting failed; nothing was posted.
-    Failed {
-        code: String,
-        message: String,
-    },
-    /// It may or may not have been posted (the driver said so, or disconnected, or the
-    /// receipt timed out).
-    Unknown {
-        reason: String,
-    },
-}
-
-#[derive(Debug, Default)]
-struct Waits {
-    receipts: HashMap<Id, oneshot::Sender<ReceiptOutcome>>,
-    commands: HashMap<Id, oneshot::Sender<CommandResultFrame>>,
-    health: HashMap<Id, oneshot::Sender<Health>>,
-}
-
-/// One accepted socket connection.
-#[derive(Debug)]
-pub struct Connection {
-    pub id: u64,
-    pub kind: PeerKind,
-    pub sink: FrameSink,
-    pub declaration: PeerDeclaration,
-    pub connected_at: SystemTime,
-    pub peer_pid: Option<i32>,
-    pub inflight: Mutex<InflightTable>,
-    /// Cancelled when the connection ends.
-    pub closed: CancellationToken,
-    last_seen: Mutex<Instant>,
-    waits: Mutex<Waits>,
-}
-
-impl Connection {
-    pub fn new(
-        id: u64,
-        kind: PeerKind,
-        sink: FrameSink,
-        declaration: PeerDeclaration,
-        peer_pid: Option<i32>,
-        max_inflight: usize,
-    ) -> Self {
-        Self {
-            id,
-            kind,
-            sink,
-            declaration,
-            connected_at: SystemTime::now(),
-            peer_pid,
-            inflight: Mutex::new(InflightTable::new(max_inflight)),
-            closed: CancellationToken::new(),
-            last_seen: Mutex::new(Instant::now()),
-            waits: Mutex::new(Waits::default()),
-        }
-    }
-
-    pub fn touch(&self) {
-        *lock(&self.last_seen) = Instant::now();
-    }
-
-    pub fn idle_for(&self) -> Duration {
-        lock(&self.last_seen).elapsed()
-    }
-
-    pub fn inflight_len(&self) -> usize {
-        lock(&self.inflight).len()
-    }
-
-    /// Registers interest in the receipt for `request_id`. Fails if the connection is closed.
-    pub fn expect_receipt(&self, request_id: Id) -> Option<oneshot::Receiver<ReceiptOutcome>> {
-        let (tx, rx) = oneshot::channel();
-        let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
-            return None;
-        }
-        waits.receipts.insert(request_id, tx);
-        Some(rx)
-    }
-
-    pub fn forget_receipt(&self, request_id: &Id) {
-        lock(&self.waits).receipts.remove(request_id);
-    }
-
-    /// Completes a receipt wait; false when nobody waited for it.
-    pub fn complete_receipt(&self, request_id: &Id, outcome: ReceiptOutcome) -> bool {
-        match lock(&self.waits).receipts.remove(request_id) {
-            Some(tx) => {
-                let _ = tx.send(outcome);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// An `error` frame for a pending outbound ends its wait.
-    pub fn fail_receipt(&self, err: &ErrorFrame) -> bool {
-        let Some(request_id) = &err.request_id else { return false };
-        let outcome = if err.code == "send_unknown" {
-            ReceiptOutcome::Unknown { reason: err.message.clone() }
-        } else {
-            ReceiptOutcome::Failed { code: err.code.clone(), message: err.message.clone() }
-        };
-        self.complete_receipt(request_id, outcome)
-    }
-
-    pub fn expect_command(&self, request_id: Id) -> Option<oneshot::Receiver<CommandResultFrame>> {
-        let (tx, rx) = oneshot::channel();
-        let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
-            return None;
-        }
-        waits.commands.insert(request_id, tx);
-        Some(rx)
-    }
-
-    pub fn forget_command(&self, request_id: &Id) {
-        lock(&self.waits).commands.remove(request_id);
-    }
-
-    /// Completes a command wait when request id, session and command id all match.
-    /// Completes the wait for `frame.request_id`; false when nobody waits for it.
-    pub fn complete_command(&self, frame: CommandResultFrame) -> bool {
-        let waiter = lock(&self.waits).commands.remove(&frame.request_id);
-        match waiter {
-            Some(tx) => {
-                let _ = tx.send(frame);
-                true
-            }
-            None => false,
-        }
-    }
-
-    pub fn expect_health(&self, request_id: Id) -> Option<oneshot::Receiver<Health>> {
-        let (tx, rx) = oneshot::channel();
-        let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
-            return None;
-        }
-        waits.health.insert(request_id, tx);
-        Some(rx)
-    }
-
-    pub fn forget_health(&self, request_id: &Id) {
-        lock(&self.waits).health.remove(request_id);
-    }
-
-    pub fn complete_health(&self, request_id: &Id, health: Health) {
-        if let Some(tx) = lock(&self.waits).health.remove(request_id) {
-            let _ = tx.send(health);
-        }
-    }
-
-    /// Marks the connection closed and fails every wait at once: receipts become unknown,
-    /// commands are dropped (their waiters answer `rejected`), probes get nothing.
-    pub fn close(&self) {
-        let waits = {
-            let mut waits = lock(&self.waits);
-            self.closed.cancel();
-            std::mem::take(&mut *waits)
-        };
-        for (_, tx) in waits.receipts {
-            let _ = tx.send(ReceiptOutcome::Unknown { reason: "driver disconnected".into() });
-        }
-    }
+pub struct ProcessView {
+    pub state: ProcessState,
+    pub pid: Option<u32>,
+    pub starts: u64,
+    pub last_exit: Option<String>,
 }
 
 /// The health the hub believes, and when it learnt it.
@@ -247,7 +84,8 @@ pub struct Instance {
     generations: Mutex<HashMap<String, u64>>,
     /// Events whose reply a finishing run is handing over right now; the reconnect sweep of
     /// undelivered replies leaves them alone, so a reply is not sent twice.
-    replying: Mutex<std::collections::HashSet<Id>>,
+    replying: Mutex<HashSet<Id>>,
+    process: Mutex<Option<ProcessView>>,
 }
 
 impl Instance {
@@ -263,7 +101,8 @@ impl Instance {
             }),
             last_error: Mutex::new(None),
             generations: Mutex::new(HashMap::new()),
-            replying: Mutex::new(std::collections::HashSet::new()),
+            replying: Mutex::new(HashSet::new()),
+            process: Mutex::new(None),
         }
     }
 
@@ -349,4 +188,16 @@ impl Instance {
     pub fn load_generations(&self, loaded: HashMap<String, u64>) {
         *lock(&self.generations) = loaded;
     }
+
+    /// The supervised driver process, if the hub spawns one.
+    pub fn process(&self) -> Option<ProcessView> {
+        lock(&self.process).clone()
+    }
+
+    pub fn set_process(&self, view: ProcessView) {
+        *lock(&self.process) = Some(view);
+    }
 }
+
+/// Every configured instance, by id.
+pub type Instances = std::collections::BTreeMap<channeld_protocol::ChannelId, Arc<Instance>>;

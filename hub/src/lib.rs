@@ -2,25 +2,37 @@
 //! runs routed to a runtime and back, proactive sends with receipts, gated effects and
 //! commands, a control socket for `channelctl`, and supervision of spawned drivers.
 //!
-//! `main` binds ([`hub::bind`]) and runs ([`hub::run`]); tests do the same in a temp dir.
+//! `main` binds ([`bind`]) and runs ([`run`]); tests do the same in a temp dir, or serve a
+//! single connection in memory ([`serve::serve`]). ARCHITECTURE.md has the module map; the
+//! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
+pub mod command;
 pub mod config;
-mod conn;
+pub mod connection;
 pub mod control;
-mod delivery;
 pub mod demo;
 mod health;
 pub mod hub;
-mod inflight;
+pub mod ids;
+pub mod inbound;
+pub mod inflight;
 pub mod instance;
 pub mod ledger;
-pub mod notify;
+pub mod lifecycle;
+pub mod listen;
+pub mod liveness;
 pub mod outbox;
 pub mod peer;
 mod recovery;
 pub mod route;
 pub mod runtime;
+pub mod send;
+pub mod serve;
 mod supervisor;
+mod systemd;
 
 pub use config::{HubConfig, Overrides};
-pub use hub::{Hub, Listeners, SendError, SendOutcome, SendState, bind, open_ledger, run};
+pub use hub::Hub;
+pub use lifecycle::{open_ledger, run, run_hub};
+pub use listen::{Listeners, bind};
+pub use send::{SendError, SendOutcome, SendState};

@@ -1,14 +1,36 @@
-//! Who may connect to an instance socket: the connecting process's credentials
-//! (`SO_PEERCRED`, plus its supplementary groups from `SO_PEERGROUPS`) checked against the
-//! instance's policy before the hub reads a single frame.
+//! Who may connect to a socket (an instance socket or the control socket): the connecting
+//! process's credentials (`SO_PEERCRED`, plus its supplementary groups from `SO_PEERGROUPS`)
+//! checked against the socket's policy before the hub reads a single byte.
 //!
 //! The default admits exactly whom the socket's mode 0660 already admits: the hub's own user,
 //! root, and members of the socket's group (`channeld` under systemd, where drivers run as
 //! dynamic users with `SupplementaryGroups=channeld`). `allow_uids` / `allow_gids` in an
-//! instance's config replace the default with explicit lists.
+//! instance's config (`control_allow_uids` / `control_allow_gids` in `[hub]`) replace the
+//! default with explicit lists.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::Path;
+
+use serde::Deserialize;
+use tokio::net::UnixStream;
+use tracing::debug;
+
+/// A user or group in `allow_uids` / `allow_gids`: a number or a name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Principal {
+    Id(u32),
+    Name(String),
+}
+
+/// Why configured peer lists are unusable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerListError {
+    /// The error is about the group list (else the user list).
+    pub in_gids: bool,
+    pub message: String,
+}
 
 /// An instance's configured peer rule (from `allow_uids` / `allow_gids`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -39,6 +61,51 @@ pub struct PeerCreds {
     /// Supplementary groups; empty when the kernel could not say.
     pub groups: Vec<u32>,
     pub pid: Option<i32>,
+}
+
+impl PeerRule {
+    /// The rule for configured lists: none, the socket's mode; otherwise only the listed
+    /// users and members of the listed groups. Names are resolved now.
+    pub fn from_lists(
+        uids: Option<Vec<Principal>>,
+        gids: Option<Vec<Principal>>,
+    ) -> Result<Self, PeerListError> {
+        if uids.is_none() && gids.is_none() {
+            return Ok(PeerRule::SocketMode);
+        }
+        let uids = resolve(uids.unwrap_or_default(), "user", |name| {
+            uzers::get_user_by_name(name).map(|user| user.uid())
+        })
+        .map_err(|message| PeerListError { in_gids: false, message })?;
+        let gids = resolve(gids.unwrap_or_default(), "group", |name| {
+            uzers::get_group_by_name(name).map(|group| group.gid())
+        })
+        .map_err(|message| PeerListError { in_gids: true, message })?;
+        if uids.is_empty() && gids.is_empty() {
+            return Err(PeerListError {
+                in_gids: false,
+                message: "empty lists would refuse every peer; remove both lists to admit whom \
+                          the socket's mode admits"
+                    .into(),
+            });
+        }
+        Ok(PeerRule::Listed { uids, gids })
+    }
+}
+
+fn resolve(
+    list: Vec<Principal>,
+    what: &str,
+    lookup: impl Fn(&str) -> Option<u32>,
+) -> Result<Vec<u32>, String> {
+    list.into_iter()
+        .map(|principal| match principal {
+            Principal::Id(id) => Ok(id),
+            Principal::Name(name) => {
+                lookup(&name).ok_or_else(|| format!("no {what} named {name:?}"))
+            }
+        })
+        .collect()
 }
 
 impl PeerCreds {
@@ -75,16 +142,33 @@ impl PeerPolicy {
     }
 }
 
-/// The hub's effective uid.
-pub fn effective_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+impl PeerPolicy {
+    /// `rule` resolved against this hub: its effective uid, and the group owning the socket
+    /// file at `socket` (the hub's effective gid if the file cannot be read).
+    pub fn for_socket(rule: PeerRule, socket: &Path) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let socket_gid = std::fs::metadata(socket)
+            .map_or_else(|_| uzers::get_effective_gid(), |meta| meta.gid());
+        PeerPolicy { rule, hub_uid: uzers::get_effective_uid(), socket_gid }
+    }
 }
 
-/// The hub's effective gid.
-pub fn effective_gid() -> u32 {
-    // SAFETY: getegid has no preconditions and cannot fail.
-    unsafe { libc::getegid() }
+/// The connecting process's credentials, or `None` when the kernel cannot say.
+pub fn peer_creds(stream: &UnixStream) -> Option<PeerCreds> {
+    let cred = stream.peer_cred().ok()?;
+    let groups = peer_groups(std::os::fd::AsFd::as_fd(stream)).unwrap_or_else(|err| {
+        debug!(error = %err, "supplementary groups of the peer unknown; checking its primary group only");
+        Vec::new()
+    });
+    Some(PeerCreds { uid: cred.uid(), gid: cred.gid(), groups, pid: cred.pid() })
+}
+
+/// Who a refused peer is, for logs and its error message.
+pub fn describe_peer(creds: Option<&PeerCreds>) -> String {
+    match creds {
+        Some(cred) => format!("uid {} gid {}", cred.uid, cred.gid),
+        None => "a peer with unknown credentials".to_owned(),
+    }
 }
 
 /// `SO_PEERGROUPS` (Linux 4.13): not exported by every libc build, and the same on every
@@ -132,52 +216,6 @@ pub fn peer_groups(fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
 #[cfg(not(target_os = "linux"))]
 pub fn peer_groups(_fd: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
     Err(io::Error::new(io::ErrorKind::Unsupported, "SO_PEERGROUPS is Linux-only"))
-}
-
-/// Resolves a user name to its uid (`Ok(None)`: no such user).
-pub fn lookup_user(name: &str) -> io::Result<Option<u32>> {
-    let name = std::ffi::CString::new(name)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"))?;
-    let mut buf = vec![0 as libc::c_char; 4096];
-    loop {
-        // SAFETY: passwd is plain old data, so all-zero is a valid value.
-        let mut entry: libc::passwd = unsafe { std::mem::zeroed() };
-        let mut found: *mut libc::passwd = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call; `buf` outlives the use of `entry`.
-        let rc = unsafe {
-            libc::getpwnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr(), buf.len(), &mut found)
-        };
-        match rc {
-            0 if found.is_null() => return Ok(None),
-            0 => return Ok(Some(entry.pw_uid)),
-            libc::ERANGE if buf.len() < 1 << 20 => buf.resize(buf.len() * 2, 0),
-            libc::ENOENT | libc::ESRCH => return Ok(None),
-            errno => return Err(io::Error::from_raw_os_error(errno)),
-        }
-    }
-}
-
-/// Resolves a group name to its gid (`Ok(None)`: no such group).
-pub fn lookup_group(name: &str) -> io::Result<Option<u32>> {
-    let name = std::ffi::CString::new(name)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"))?;
-    let mut buf = vec![0 as libc::c_char; 4096];
-    loop {
-        // SAFETY: group is plain old data, so all-zero is a valid value.
-        let mut entry: libc::group = unsafe { std::mem::zeroed() };
-        let mut found: *mut libc::group = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call; `buf` outlives the use of `entry`.
-        let rc = unsafe {
-            libc::getgrnam_r(name.as_ptr(), &mut entry, buf.as_mut_ptr(), buf.len(), &mut found)
-        };
-        match rc {
-            0 if found.is_null() => return Ok(None),
-            0 => return Ok(Some(entry.gr_gid)),
-            libc::ERANGE if buf.len() < 1 << 20 => buf.resize(buf.len() * 2, 0),
-            libc::ENOENT | libc::ESRCH => return Ok(None),
-            errno => return Err(io::Error::from_raw_os_error(errno)),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -236,10 +274,21 @@ mod tests {
     }
 
     #[test]
-    fn names_resolve_and_unknown_names_are_none() {
-        assert_eq!(lookup_user("root").unwrap(), Some(0));
-        assert_eq!(lookup_group("root").unwrap(), Some(0));
-        assert_eq!(lookup_user("no-such-user-channeld-test").unwrap(), None);
-        assert_eq!(lookup_group("no-such-group-channeld-test").unwrap(), None);
+    fn names_resolve_and_unknown_names_are_errors_naming_the_list() {
+        let rule = PeerRule::from_lists(
+            Some(vec![Principal::Id(12_345), Principal::Name("root".into())]),
+            Some(vec![Principal::Name("root".into())]),
+        );
+        assert_eq!(rule, Ok(PeerRule::Listed { uids: vec![12_345, 0], gids: vec![0] }));
+        assert_eq!(PeerRule::from_lists(None, None), Ok(PeerRule::SocketMode));
+        let err = PeerRule::from_lists(None, Some(vec![Principal::Name("no-such-group-x".into())]))
+            .unwrap_err();
+        assert!(err.in_gids);
+        assert_eq!(err.message, "no group named \"no-such-group-x\"");
+        let err = PeerRule::from_lists(Some(vec![Principal::Name("no-such-user-x".into())]), None)
+            .unwrap_err();
+        assert!(!err.in_gids);
+        let err = PeerRule::from_lists(Some(vec![]), None).unwrap_err();
+        assert!(err.message.starts_with("empty lists"), "{}", err.message);
     }
 }

@@ -9,6 +9,7 @@ use channeld_protocol::{Frame, decode};
 use tracing::{info, warn};
 
 use crate::hub::Hub;
+use crate::inbound::{self, run::Admitted};
 use crate::instance::unix_ms;
 
 /// How often retention pruning and outbox expiry run.
@@ -51,12 +52,13 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
             warn!(instance = %run.instance, event_id = %run.event_id, "interrupted run for an instance no longer configured; left as is");
             continue;
         };
+        let isolation = inst.config.identity_isolation;
         match decode(&run.frame) {
             Ok(Frame::Inbound(inbound)) => {
-                crate::delivery::rerun_message(hub, &inst, inbound, run.run_id);
+                inbound::rerun(hub, &inst, Admitted::message(inbound, isolation), run.run_id);
             }
             Ok(Frame::InboundEvent(event)) => {
-                crate::delivery::rerun_event(hub, &inst, event, run.run_id);
+                inbound::rerun(hub, &inst, Admitted::event(event, isolation), run.run_id);
             }
             Ok(other) => {
                 warn!(event_id = %run.event_id, frame = other.type_name(), "ledger entry holds an unexpected frame")
@@ -86,8 +88,10 @@ pub(crate) async fn housekeeping(hub: Arc<Hub>) {
             Ok(rows) => info!(rows, "pruned ledger entries past the retention window"),
             Err(err) => warn!(error = %err, "ledger pruning failed"),
         }
-        if let Err(err) = hub.ledger.outbox_expire(now).await {
-            warn!(error = %err, "outbox expiry failed");
+        match hub.outbox.expire().await {
+            Ok(0) => {}
+            Ok(sends) => info!(sends, "queued sends expired"),
+            Err(err) => warn!(error = %err, "outbox expiry failed"),
         }
     }
 }

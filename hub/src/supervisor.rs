@@ -1,5 +1,7 @@
 //! Supervises a driver the hub spawns itself (`spawn = [...]`): restarts it with backoff
-//! (1 s doubling to 60 s, reset after 60 s up) and stops it with SIGTERM on shutdown.
+//! (1 s doubling to 60 s, reset after 60 s up), stops it with SIGTERM on shutdown, and leaves
+//! it stopped when it exits with 78 (`EX_CONFIG`: its configuration is invalid, so a restart
+//! cannot help — as the systemd units' `RestartPreventExitStatus=78`).
 
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
@@ -9,50 +11,73 @@ use channeld_link::Backoff;
 use tokio::process::{Child, Command};
 use tracing::{error, info, warn};
 
+use crate::config::InstanceConfig;
 use crate::hub::Hub;
-use crate::instance::Instance;
+use crate::instance::{Instance, ProcessState, ProcessView};
+
+/// The exit status that means "invalid configuration" (`EX_CONFIG` from sysexits.h).
+pub const EXIT_CONFIG: i32 = 78;
 
 pub(crate) async fn supervise(hub: Arc<Hub>, inst: Arc<Instance>) {
     let mut backoff = Backoff::supervisor();
     let id = inst.config.id.clone();
+    let mut view =
+        ProcessView { state: ProcessState::Running, pid: None, starts: 0, last_exit: None };
     loop {
         if hub.shutdown.is_cancelled() {
-            return;
+            break;
         }
-        match spawn(&inst) {
+        match spawn(&inst.config, Stdio::null()) {
             Ok(mut child) => {
                 let started = Instant::now();
+                view = ProcessView {
+                    state: ProcessState::Running,
+                    pid: child.id(),
+                    starts: view.starts + 1,
+                    ..view
+                };
+                inst.set_process(view.clone());
                 info!(instance = %id, pid = ?child.id(), "driver process started");
                 let status = tokio::select! {
                     status = child.wait() => status,
                     () = hub.close_connections.cancelled() => {
                         terminate(&mut child, hub.config.drain_timeout + Duration::from_secs(2)).await;
-                        return;
+                        break;
                     }
                 };
                 backoff.record_uptime(started.elapsed());
-                let code = describe(&status);
-                if inst.config.interactive_child {
-                    let exit = status.as_ref().ok().and_then(ExitStatus::code).unwrap_or(1);
-                    *crate::instance::lock(&hub.child_exit) = Some(exit);
-                    hub.shutdown.cancel();
+                let described = describe(&status);
+                view = ProcessView { pid: None, last_exit: Some(described.clone()), ..view };
+                if status.as_ref().ok().and_then(ExitStatus::code) == Some(EXIT_CONFIG) {
+                    inst.record_error(format!(
+                        "driver process exited with {EXIT_CONFIG} (invalid configuration); not restarted"
+                    ));
+                    error!(instance = %id, status = %described, "driver rejected its configuration; not restarting it: fix its settings, then restart the hub");
+                    inst.set_process(ProcessView { state: ProcessState::Stopped, ..view });
                     return;
                 }
-                inst.record_error(format!("driver process exited: {code}"));
-                warn!(instance = %id, status = %code, "driver process exited");
+                inst.record_error(format!("driver process exited: {described}"));
+                warn!(instance = %id, status = %described, "driver process exited");
             }
             Err(err) => {
+                view = ProcessView {
+                    pid: None,
+                    last_exit: Some(format!("not started: {err}")),
+                    ..view
+                };
                 inst.record_error(format!("cannot start driver: {err}"));
                 error!(instance = %id, command = ?inst.config.spawn.first(), error = %err, "cannot start driver process");
             }
         }
+        inst.set_process(ProcessView { state: ProcessState::Restarting, ..view.clone() });
         let delay = backoff.next_delay();
         info!(instance = %id, delay_ms = delay.as_millis() as u64, attempt = backoff.attempt(), "restarting driver after backoff");
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = hub.shutdown.cancelled() => return,
+            () = hub.shutdown.cancelled() => break,
         }
     }
+    inst.set_process(ProcessView { state: ProcessState::Stopped, pid: None, ..view });
 }
 
 fn describe(status: &std::io::Result<ExitStatus>) -> String {
@@ -62,17 +87,19 @@ fn describe(status: &std::io::Result<ExitStatus>) -> String {
     }
 }
 
-fn spawn(inst: &Instance) -> std::io::Result<Child> {
-    let (program, args) = inst.config.spawn.split_first().ok_or_else(|| {
+/// Starts the driver of `instance` with its launch environment (`CHANNELD_CHANNEL_ID`,
+/// `CHANNELD_SOCKET`); it gets SIGTERM if the hub dies.
+pub fn spawn(instance: &InstanceConfig, stdin: Stdio) -> std::io::Result<Child> {
+    let (program, args) = instance.spawn.split_first().ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty spawn command")
     })?;
     let mut command = Command::new(program);
     command
         .args(args)
-        .envs(&inst.config.spawn_env)
-        .env("CHANNELD_CHANNEL_ID", inst.config.id.as_str())
-        .env("CHANNELD_SOCKET", &inst.config.socket)
-        .stdin(if inst.config.interactive_child { Stdio::inherit() } else { Stdio::null() })
+        .envs(&instance.spawn_env)
+        .env("CHANNELD_CHANNEL_ID", instance.id.as_str())
+        .env("CHANNELD_SOCKET", &instance.socket)
+        .stdin(stdin)
         .kill_on_drop(true);
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {
@@ -88,7 +115,7 @@ fn spawn(inst: &Instance) -> std::io::Result<Child> {
 }
 
 /// SIGTERM, then SIGKILL if the driver has not drained within `grace`.
-async fn terminate(child: &mut Child, grace: Duration) {
+pub async fn terminate(child: &mut Child, grace: Duration) {
     if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
         // SAFETY: plain syscall on our own child.
         unsafe {

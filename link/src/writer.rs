@@ -74,6 +74,21 @@ impl Writer {
         let _ = self.close.send(());
         self.task.await.unwrap_or_else(|err| Err(io::Error::other(err)))
     }
+
+    /// [`close`](Self::close), but a peer that does not read within `limit` does not keep
+    /// the task alive: it is aborted, and what was queued is lost.
+    pub async fn close_within(self, limit: Duration) -> io::Result<()> {
+        let _ = self.close.send(());
+        let mut task = self.task;
+        match tokio::time::timeout(limit, &mut task).await {
+            Ok(done) => done.unwrap_or_else(|err| Err(io::Error::other(err))),
+            Err(_) => {
+                task.abort();
+                let _ = task.await;
+                Err(io::Error::new(io::ErrorKind::TimedOut, "the peer did not read in time"))
+            }
+        }
+    }
 }
 
 /// Spawns the writer task for `writer` with a queue of `capacity` frames.
@@ -94,6 +109,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
 ) -> io::Result<()> {
     let mut batch = Vec::with_capacity(4096);
     let mut pace = Pace::default();
+    // The close signal completes once, and polling a finished oneshot again panics: the
+    // branch is off from then on. Closing the receiver refuses new frames but still yields
+    // the queued ones and those of senders that reserved room before, then ends the loop.
+    let mut close_heard = false;
     loop {
         let first = tokio::select! {
             biased;
@@ -101,12 +120,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 Some(line) => line,
                 None => break,
             },
-            _ = &mut closing => {
+            _ = &mut closing, if !close_heard => {
+                close_heard = true;
                 rx.close();
-                match rx.try_recv() {
-                    Ok(line) => line,
-                    Err(_) => break,
-                }
+                continue;
             }
         };
         let busy = pace.busy(Instant::now());
@@ -256,6 +273,42 @@ mod tests {
         assert_eq!(received.iter().filter(|b| **b == b'\n').count(), 53);
         let writes = writes.load(std::sync::atomic::Ordering::Relaxed);
         assert!(writes <= 5, "53 frames took {writes} writes");
+    }
+
+    /// A sender that reserved a slot before the close may still send; the writer waits for
+    /// it without polling the finished close signal again (which would panic).
+    #[tokio::test]
+    async fn a_frame_sent_through_a_permit_reserved_before_close_is_still_written() {
+        let (client, mut server) = tokio::io::duplex(64 * 1024);
+        let (sink, writer) = spawn_writer(client, 8);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        sink.send(&frame).await.unwrap();
+        let permit = sink.tx.clone().reserve_owned().await.unwrap();
+        let closing = tokio::spawn(writer.close());
+        // Let the writer write the first frame and hear the close, then use the permit.
+        let mut first = vec![0u8; encode(&frame).unwrap().len()];
+        tokio::io::AsyncReadExt::read_exact(&mut server, &mut first).await.unwrap();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        permit.send(encode(&frame).unwrap());
+        drop(sink);
+        closing.await.unwrap().unwrap();
+        let mut rest = Vec::new();
+        server.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, encode(&frame).unwrap());
+    }
+
+    #[tokio::test]
+    async fn close_within_gives_up_on_a_peer_that_does_not_read() {
+        // A 16-byte pipe nobody reads: the queued frame can never be written out.
+        let (client, _server) = tokio::io::duplex(16);
+        let (sink, writer) = spawn_writer(client, 8);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        sink.send(&frame).await.unwrap();
+        drop(sink);
+        let err = writer.close_within(Duration::from_millis(50)).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
     }
 
     #[tokio::test]

@@ -99,7 +99,7 @@ async fn extensions_are_negotiated_and_accepted_precedes_the_reply() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_error_frame_does_not_end_the_session() {
+async fn an_error_frame_does_not_end_the_connection() {
     let hub = echo_hub();
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive"]), &[]).await;
@@ -108,7 +108,7 @@ async fn an_error_frame_does_not_end_the_session() {
     assert_eq!(denied.code, "sender_denied");
     assert_eq!(denied.request_id.as_ref().map(|r| r.as_str()), Some("m-1"));
     assert!(!denied.retryable);
-    // A garbage line is answered too, and the session goes on.
+    // A garbage line is answered too, and the connection goes on.
     driver.sink.send_encoded(b"this is not json\n".to_vec()).await.unwrap();
     assert_eq!(driver.error().await.code, "invalid_json");
     driver.inbound(ONE, "m-2", "alice", "c1", "still here").await;
@@ -674,4 +674,40 @@ async fn a_spawned_driver_that_keeps_dying_is_restarted_with_growing_backoff() {
     assert!(
         status["instances"][0]["last_error"].as_str().unwrap().contains("driver process exited")
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spawned_driver_that_exits_78_is_not_restarted_and_status_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let starts = dir.path().join("starts");
+    let driver = write_script(
+        dir.path(),
+        "driver.sh",
+        &format!(
+            "echo started >> '{}'\necho 'CHANNELD_X: not a URL' >&2\nexit 78\n",
+            starts.display()
+        ),
+    );
+    let hub = HubProcess::start(&format!(
+        "[instance.\"test.one\"]\nallow = [\"alice\"]\nspawn = [\"{}\"]\n",
+        driver.display()
+    ));
+    // "stopped" is set as the supervisor gives up: from then on no restart is scheduled.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let row = loop {
+        let row = hub.instance_status(ONE);
+        if row["driver_process"]["state"] == "stopped" {
+            break row;
+        }
+        assert!(Instant::now() < deadline, "the driver was not stopped: {row}\n{}", hub.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let started = std::fs::read_to_string(&starts).unwrap();
+    assert_eq!(started.lines().count(), 1, "the driver was restarted: {started:?}");
+    assert_eq!(row["driver_process"]["starts"], 1);
+    assert!(row["driver_process"]["last_exit"].as_str().unwrap().contains("78"), "{row}");
+    assert!(row["last_error"].as_str().unwrap().contains("invalid configuration"), "{row}");
+    assert!(hub.log().contains("not restarting it"), "{}", hub.log());
+    let text = String::from_utf8_lossy(&hub.ctl(&["status"]).stdout).into_owned();
+    assert!(text.contains("driver process stopped (exit status: 78)"), "{text}");
 }

@@ -254,12 +254,13 @@ impl FakeSystemd {
         Self { socket, path }
     }
 
-    /// The next notification, waiting up to `limit`.
+    /// The next notification, waiting up to `limit`, without the newline that may end its
+    /// last assignment (systemd reads newline-separated assignments either way).
     fn next(&self, limit: Duration) -> Option<String> {
         self.socket.set_read_timeout(Some(limit)).expect("timeout");
         let mut buf = [0u8; 4096];
         let n = self.socket.recv(&mut buf).ok()?;
-        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+        Some(String::from_utf8_lossy(&buf[..n]).trim_end_matches('\n').to_owned())
     }
 }
 

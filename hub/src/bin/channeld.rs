@@ -4,10 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use channeld_hub::config::{HubConfig, Overrides};
-use channeld_hub::notify::{self, Notifier};
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::error;
 
 /// Default configuration file.
 const DEFAULT_CONFIG: &str = "/etc/channeld/channeld.toml";
@@ -106,62 +105,12 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
     };
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
-    let hub = channeld_hub::Hub::new(config, ledger, shutdown);
-    let systemd = tokio::spawn(tell_systemd(hub.clone()));
-    let result = channeld_hub::hub::run_hub(hub, listeners).await;
-    systemd.abort();
-    match result {
+    match channeld_hub::run(config, ledger, listeners, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             error!(error = %err, "hub failed");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Under systemd (`Type=notify`): `READY=1` once the hub serves every socket, `WATCHDOG=1`
-/// at half of `WatchdogSec=` while it runs, `STOPPING=1` when shutdown begins. Does nothing
-/// when `$NOTIFY_SOCKET` is unset.
-async fn tell_systemd(hub: std::sync::Arc<channeld_hub::Hub>) {
-    let notifier = match Notifier::from_env() {
-        None => return,
-        Some(Ok(notifier)) => notifier,
-        Some(Err(err)) => {
-            warn!(error = %err, "cannot use $NOTIFY_SOCKET; systemd will not hear from the hub");
-            return;
-        }
-    };
-    let send = |state: &str| {
-        if let Err(err) = notifier.notify(state) {
-            warn!(error = %err, state, "systemd notification failed");
-        }
-    };
-    tokio::select! {
-        () = hub.ready.cancelled() => {
-            send(&format!("READY=1\nSTATUS=serving {} instance(s)", hub.instances.len()));
-        }
-        () = hub.shutdown.cancelled() => {}
-    }
-    // Pings go on while the hub drains: it is alive until it exits.
-    let mut watchdog = notify::watchdog_interval_from_env().map(tokio::time::interval);
-    let mut stopping = false;
-    while !(stopping && watchdog.is_none()) {
-        tokio::select! {
-            () = hub.shutdown.cancelled(), if !stopping => {
-                stopping = true;
-                send("STOPPING=1\nSTATUS=draining runs");
-            }
-            () = tick(&mut watchdog) => send("WATCHDOG=1"),
-        }
-    }
-}
-
-async fn tick(interval: &mut Option<tokio::time::Interval>) {
-    match interval {
-        Some(interval) => {
-            interval.tick().await;
-        }
-        None => std::future::pending().await,
     }
 }
 

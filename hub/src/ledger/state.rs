@@ -1,4 +1,8 @@
 //! The ledger's state machines, free of I/O: inbound entries and outbox records.
+//!
+//! These are the transitions the SQL performs: every function in `inbound.rs` and
+//! `outbox.rs` that changes a state reads the current one, asks this module whether (and to
+//! what) it may move, and only then writes. A transition this module refuses never happens.
 
 use std::fmt;
 
@@ -38,6 +42,12 @@ impl InboundState {
     /// A run that finished (its outcome is recorded and will never be run again).
     pub fn is_final(self) -> bool {
         !matches!(self, InboundState::Running)
+    }
+
+    /// Nothing is left to do for the entry: it only serves dedupe, and may be pruned once it
+    /// is older than the retention window. (`Replied` still owes the driver its reply.)
+    pub fn is_settled(self) -> bool {
+        matches!(self, InboundState::Delivered | InboundState::Failed)
     }
 
     /// Whether an entry may move from `self` to `next`.
@@ -94,6 +104,10 @@ pub fn recover(attempts: u32) -> Recovery {
         Recovery::Rerun { attempt: attempts + 1 }
     }
 }
+
+/// Every inbound state, for queries that select by a property of the state.
+pub const INBOUND_STATES: [InboundState; 4] =
+    [InboundState::Running, InboundState::Replied, InboundState::Delivered, InboundState::Failed];
 
 /// Where a proactive send stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -160,6 +174,39 @@ impl OutboxState {
             other => other,
         }
     }
+
+    /// What a record in this state becomes once its expiry passed: only a queued send
+    /// expires (it fails); one handed to a driver waits for its receipt.
+    pub fn after_expiry(self) -> OutboxState {
+        match self {
+            OutboxState::Queued => OutboxState::Failed,
+            other => other,
+        }
+    }
+}
+
+/// Every outbox state, for queries that select by a property of the state.
+pub const OUTBOX_STATES: [OutboxState; 5] = [
+    OutboxState::Queued,
+    OutboxState::Sent,
+    OutboxState::Receipted,
+    OutboxState::Failed,
+    OutboxState::Unknown,
+];
+
+/// `'a', 'b'` for an SQL `IN (...)` list of the states that satisfy `keep`.
+pub fn sql_list<S: Copy>(
+    states: &[S],
+    keep: impl Fn(S) -> bool,
+    name: impl Fn(S) -> &'static str,
+) -> String {
+    states
+        .iter()
+        .copied()
+        .filter(|s| keep(*s))
+        .map(|s| format!("'{}'", name(s)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl fmt::Display for OutboxState {
@@ -194,6 +241,23 @@ mod tests {
     fn an_interrupted_run_is_retried_once() {
         assert_eq!(recover(1), Recovery::Rerun { attempt: 2 });
         assert_eq!(recover(2), Recovery::GiveUp);
+    }
+
+    #[test]
+    fn only_settled_entries_and_final_records_are_prunable() {
+        let settled = sql_list(&INBOUND_STATES, InboundState::is_settled, InboundState::as_str);
+        assert_eq!(settled, "'delivered', 'failed'");
+        let finals = sql_list(&OUTBOX_STATES, OutboxState::is_final, OutboxState::as_str);
+        assert_eq!(finals, "'receipted', 'failed', 'unknown'");
+    }
+
+    #[test]
+    fn only_a_queued_send_expires() {
+        assert_eq!(OutboxState::Queued.after_expiry(), OutboxState::Failed);
+        assert!(OutboxState::Queued.may_become(OutboxState::Queued.after_expiry()));
+        for state in [OutboxState::Sent, OutboxState::Receipted, OutboxState::Unknown] {
+            assert_eq!(state.after_expiry(), state);
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use channeld_protocol::types::{Choice, Command, Effect, Participant};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin};
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
 use super::{CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
@@ -178,7 +179,9 @@ async fn converse(
     let mut stdin = child.stdin.take();
     let stdout = child.stdout.take().ok_or_else(|| RunError::Io(missing("stdout")))?;
     let stderr = child.stderr.take().ok_or_else(|| RunError::Io(missing("stderr")))?;
-    let stderr_task = tokio::spawn(read_tail(stderr, STDERR_TAIL));
+    // Read concurrently (a full stderr pipe would stall the agent); aborted if the run ends
+    // early, so the reader never outlives its run.
+    let stderr_task = AbortOnDropHandle::new(tokio::spawn(read_tail(stderr, STDERR_TAIL)));
 
     let envelope = Envelope {
         version: AGENT_ENVELOPE_VERSION,

@@ -1,17 +1,21 @@
 //! `channelctl`: talks to a running hub over its control socket.
 //!
-//! Exit status: 0 success; 1 unexpected error; 2 usage; 3 hub unreachable; 4 refused
+//! Exit status: 0 success; 1 unexpected error; 2 usage; 3 hub unreachable (no socket, or the
+//! hub refused this process or has no room for another control connection); 4 refused
 //! (unknown instance, driver offline, capability not declared, invalid input); 5 outcome
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
 //! 7 queued (the driver is offline; the hub sends it when the driver connects).
+//!
+//! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
+//! no SQLite.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use channeld_hub::control::proto::{
-    CatalogResult, HealthResult, Op, OutboxEntry, OutboxResult, Request, Response, SendResult,
-    StatusResult,
+use channeld_control::{
+    CatalogResult, HealthResult, InstanceStatus, Op, OutboxEntry, OutboxResult, Request, Response,
+    SendResult, StatusResult, code,
 };
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use channeld_protocol::types::Health;
@@ -133,7 +137,7 @@ fn main() -> ExitCode {
         }
     };
     if !response.ok {
-        let error = response.error.unwrap_or_else(|| channeld_hub::control::proto::ErrorBody {
+        let error = response.error.unwrap_or_else(|| channeld_control::ErrorBody {
             code: "unknown".into(),
             message: "the hub gave no reason".into(),
             request_id: None,
@@ -143,13 +147,7 @@ fn main() -> ExitCode {
         } else {
             eprintln!("channelctl: {} ({})", error.message, error.code);
         }
-        return ExitCode::from(match error.code.as_str() {
-            "outcome_unknown" => EXIT_UNKNOWN,
-            "send_failed" => EXIT_FAILED,
-            "unknown_instance" | "driver_offline" | "not_declared" | "invalid_target"
-            | "invalid_request" | "too_large" => EXIT_REFUSED,
-            _ => EXIT_UNEXPECTED,
-        });
+        return ExitCode::from(exit_code(&error.code));
     }
     let result = response.result.unwrap_or(serde_json::Value::Null);
     let queued = matches!(cli.command, Cmd::Send { .. })
@@ -165,6 +163,24 @@ fn main() -> ExitCode {
             eprintln!("channelctl: unexpected answer from the hub: {err}");
             ExitCode::from(EXIT_UNEXPECTED)
         }
+    }
+}
+
+/// The exit status for a hub's error code.
+fn exit_code(error_code: &str) -> u8 {
+    match error_code {
+        code::OUTCOME_UNKNOWN => EXIT_UNKNOWN,
+        code::SEND_FAILED => EXIT_FAILED,
+        code::UNKNOWN_INSTANCE
+        | code::DRIVER_OFFLINE
+        | code::NOT_DECLARED
+        | code::INVALID_TARGET
+        | code::INVALID_REQUEST
+        | code::TOO_LARGE => EXIT_REFUSED,
+        // The hub is there but will not serve this process (now): as unreachable as a socket
+        // whose file mode refuses it.
+        code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
+        _ => EXIT_UNEXPECTED,
     }
 }
 
@@ -209,9 +225,11 @@ async fn call(
     let mut line =
         serde_json::to_vec(&request).map_err(|err| CallError::Decode(err.to_string()))?;
     line.push(b'\n');
-    stream.write_all(&line).await?;
+    // A hub that refuses this process answers before reading and closes, so the write may
+    // fail with a broken pipe: the refusal is still there to read, and it says more.
+    let written = stream.write_all(&line).await;
     let read = async {
-        let mut framer = LineFramer::new(channeld_hub::control::proto::MAX_CONTROL_LINE);
+        let mut framer = LineFramer::new(channeld_control::MAX_CONTROL_LINE);
         loop {
             if let Some(event) = framer.next_line() {
                 return match event {
@@ -225,7 +243,14 @@ async fn call(
             }
         }
     };
-    tokio::time::timeout(budget, read).await.map_err(|_| CallError::Timeout(budget.as_secs()))?
+    let answer = tokio::time::timeout(budget, read)
+        .await
+        .map_err(|_| CallError::Timeout(budget.as_secs()))?;
+    match (answer, written) {
+        (Ok(response), _) => Ok(response),
+        (Err(_), Err(err)) => Err(CallError::Io(err)),
+        (Err(err), Ok(())) => Err(err),
+    }
 }
 
 fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json::Error> {
@@ -307,7 +332,10 @@ fn print_status(status: &StatusResult) {
     for row in &status.instances {
         let connected =
             row.connected_since_ms.map_or_else(|| "-".to_owned(), |since| ago(now, since));
-        let reason = health_reason(&row.health);
+        let reason = match process_note(row) {
+            Some(note) => format!("{note}; {}", health_reason(&row.health)),
+            None => health_reason(&row.health),
+        };
         let last =
             row.last_error.as_deref().map(|e| format!(" | last error: {e}")).unwrap_or_default();
         println!(
@@ -324,6 +352,18 @@ fn print_status(status: &StatusResult) {
             reason,
             last
         );
+    }
+}
+
+/// What an operator must know about a supervised driver process that is not running.
+fn process_note(row: &InstanceStatus) -> Option<String> {
+    let process = row.driver_process.as_ref()?;
+    match process.state.as_str() {
+        "running" => None,
+        state => Some(match &process.last_exit {
+            Some(exit) => format!("driver process {state} ({exit})"),
+            None => format!("driver process {state}"),
+        }),
     }
 }
 
@@ -391,5 +431,32 @@ mod tests {
             health_reason(&health),
             "[transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
         );
+    }
+
+    #[test]
+    fn refused_peers_and_a_full_hub_exit_as_unreachable_and_known_codes_keep_their_status() {
+        assert_eq!(exit_code("peer_not_allowed"), EXIT_UNREACHABLE);
+        assert_eq!(exit_code("too_many_connections"), EXIT_UNREACHABLE);
+        assert_eq!(exit_code("outcome_unknown"), EXIT_UNKNOWN);
+        assert_eq!(exit_code("send_failed"), EXIT_FAILED);
+        for refused in ["unknown_instance", "driver_offline", "not_declared", "invalid_target"] {
+            assert_eq!(exit_code(refused), EXIT_REFUSED, "{refused}");
+        }
+        assert_eq!(exit_code("invalid_request"), EXIT_REFUSED);
+        assert_eq!(exit_code("too_large"), EXIT_REFUSED);
+        assert_eq!(exit_code("ledger_unavailable"), EXIT_UNEXPECTED);
+    }
+
+    #[test]
+    fn a_stopped_driver_process_is_named_in_the_status_reason() {
+        let row: InstanceStatus = serde_json::from_value(serde_json::json!({
+            "instance": "a.b", "family": "a", "socket": "/s", "runtime": "default",
+            "connected": false, "health": {"state": "Unavailable"}, "health_updated_ms": 0,
+            "in_flight": 0, "counters": {"inbound": 0, "denied": 0, "busy": 0, "replies": 0,
+            "runs_failed": 0, "outbound": 0, "receipts": 0, "errors": 0},
+            "driver_process": {"state": "stopped", "starts": 1, "last_exit": "exit status: 78"}
+        }))
+        .unwrap();
+        assert_eq!(process_note(&row).as_deref(), Some("driver process stopped (exit status: 78)"));
     }
 }

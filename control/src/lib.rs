@@ -1,6 +1,9 @@
 //! The `channeld.control/v1` JSONL protocol spoken on the hub's control socket (by
 //! `channelctl` and applications): one request object per line, one response per request,
 //! matched by `id`, possibly out of order.
+//!
+//! Types only: this crate does no I/O and links neither the hub nor SQLite, so a client
+//! depends on it alone (plus `channeld-protocol` for the payload types it shares).
 
 use std::collections::BTreeMap;
 
@@ -10,8 +13,30 @@ use serde::{Deserialize, Serialize};
 /// The protocol name (documented in PROTOCOL.md).
 pub const CONTROL_PROTOCOL: &str = "channeld.control/v1";
 
-/// Largest request or response line.
+/// Largest request or response line (newline included).
 pub const MAX_CONTROL_LINE: usize = 1024 * 1024;
+
+/// Machine-readable `error.code` values (PROTOCOL.md lists what each means).
+pub mod code {
+    pub const INVALID_REQUEST: &str = "invalid_request";
+    pub const UNKNOWN_INSTANCE: &str = "unknown_instance";
+    pub const INVALID_TARGET: &str = "invalid_target";
+    pub const DRIVER_OFFLINE: &str = "driver_offline";
+    pub const NOT_DECLARED: &str = "not_declared";
+    pub const TOO_LARGE: &str = "too_large";
+    pub const SEND_FAILED: &str = "send_failed";
+    pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
+    pub const LEDGER_OFF: &str = "ledger_off";
+    pub const LEDGER_UNAVAILABLE: &str = "ledger_unavailable";
+    pub const NOT_FOUND: &str = "not_found";
+    pub const NOT_RETRYABLE: &str = "not_retryable";
+    pub const INTERNAL: &str = "internal";
+    /// The connecting process's credentials are not admitted (`control_allow_uids` /
+    /// `control_allow_gids`); sent with `id` 0 before the hub closes the connection.
+    pub const PEER_NOT_ALLOWED: &str = "peer_not_allowed";
+    /// The hub serves its limit of control connections; sent with `id` 0, then closed. Retry.
+    pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
+}
 
 /// One request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -166,6 +191,24 @@ pub struct InstanceStatus {
     pub last_error: Option<String>,
     #[serde(default)]
     pub last_error_ms: Option<u64>,
+    /// The driver process the hub supervises (`spawn = [...]`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_process: Option<DriverProcess>,
+}
+
+/// A supervised driver process, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverProcess {
+    /// `running`, `restarting` (waiting out its backoff) or `stopped` (not restarted: it
+    /// exited with 78, invalid configuration, or could not be started).
+    pub state: String,
+    #[serde(default)]
+    pub pid: Option<u32>,
+    /// How many times it was started.
+    pub starts: u64,
+    /// How the last run ended, e.g. `exit status: 78`.
+    #[serde(default)]
+    pub last_exit: Option<String>,
 }
 
 /// The result of `status`.

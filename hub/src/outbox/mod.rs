@@ -1,6 +1,12 @@
 //! Proactive sends: persisted before they are acknowledged, idempotent by key, queued while
 //! the driver is offline and dispatched in order when it reconnects, and settled as
 //! receipted, failed or unknown. A send handed to a driver is never resent automatically.
+//!
+//! `receipts.rs` takes the driver's answers (`receipt` and `error` frames) to what was
+//! handed over; `waiters.rs` holds the callers waiting for a record to settle.
+
+pub mod receipts;
+mod waiters;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -8,11 +14,16 @@ use std::time::{Duration, SystemTime};
 use channeld_protocol::Id;
 use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
 use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::hub::{Hub, SendError, SendOutcome};
-use crate::instance::{Connection, Instance, lock, unix_ms};
-use crate::ledger::{Added, LedgerError, NewSend, OutboxRecord, OutboxState};
+pub use waiters::{OutboxOutcome, Waiters, Watch};
+
+use crate::connection::{Connection, ReceiptOutcome};
+use crate::ids::Ids;
+use crate::instance::{Instance, Instances, unix_ms};
+use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
+use crate::send::{self, SendError, SendOutcome};
 
 /// Metadata key carrying the caller's idempotency key to the driver (as the reference does).
 pub const IDEMPOTENCY_METADATA: &str = "idempotency_key";
@@ -34,24 +45,46 @@ pub struct SendRequest {
     pub idempotency_key: Option<String>,
 }
 
-/// How an outbox record settled.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxOutcome {
-    pub state: OutboxState,
-    pub receipt: Option<DeliveryReceipt>,
-    pub error: Option<String>,
+/// The outbox of one hub. Cheap to clone: background settle tasks hold a copy.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    ledger: Ledger,
+    instances: Arc<Instances>,
+    ids: Arc<Ids>,
+    /// Where receipt waits run; the hub drains it at shutdown.
+    tasks: TaskTracker,
+    waiters: Arc<Waiters>,
+    ttl: Duration,
+    receipt_timeout: Duration,
 }
 
 fn now_ms() -> u64 {
     unix_ms(SystemTime::now())
 }
 
-impl Hub {
+impl Outbox {
+    pub fn new(
+        ledger: Ledger,
+        instances: Arc<Instances>,
+        ids: Arc<Ids>,
+        tasks: TaskTracker,
+        ttl: Duration,
+        receipt_timeout: Duration,
+    ) -> Self {
+        Self { ledger, instances, ids, tasks, waiters: Arc::default(), ttl, receipt_timeout }
+    }
+
+    /// Callers waiting for a record to settle (for tests and status).
+    pub fn waiters(&self) -> &Waiters {
+        &self.waiters
+    }
+
     /// Sends through the outbox when the ledger is on, directly otherwise.
     pub async fn submit(&self, request: SendRequest) -> Result<SendOutcome, SendError> {
         let SendRequest { instance, mut message, wait, idempotency_key } = request;
         let inst = self
-            .instance(&instance)
+            .instances
+            .get(instance.as_str())
             .ok_or_else(|| SendError::UnknownInstance(instance.clone()))?
             .clone();
         if message.target.channel != inst.config.id {
@@ -74,7 +107,7 @@ impl Hub {
                 return Err(SendError::NeedsLedger);
             }
             let conn = live.ok_or_else(|| SendError::Offline(instance.clone()))?;
-            return self.send_on(&inst, &conn, self.request_id("out"), message, wait).await;
+            return send::send_on(&inst, &conn, self.ids.request("out"), message, wait).await;
         }
 
         let now = now_ms();
@@ -89,19 +122,19 @@ impl Hub {
                 message: encoded,
                 state,
                 now_ms: now,
-                expires_ms: now + self.config.outbox_ttl.as_millis() as u64,
+                expires_ms: now + self.ttl.as_millis() as u64,
             })
             .await?;
         let id = match added {
             Added::New(id) => id,
             Added::Existing(record) => return self.existing(record, wait).await,
         };
-        let request_id = self.outbox_request_id(id);
-        let settled = self.watch(id);
+        let request_id = self.request_id(id);
+        let mut settled = self.waiters.watch(id);
         match live {
             Some(conn) => {
-                let timeout = wait.unwrap_or(self.config.receipt_timeout);
-                match self.handover(&inst, &conn, &request_id, message).await {
+                let timeout = wait.unwrap_or(self.receipt_timeout);
+                match send::handover(&inst, &conn, &request_id, message).await {
                     Ok(waiter) => {
                         self.spawn_settle(
                             inst.clone(),
@@ -118,13 +151,8 @@ impl Hub {
                         self.record_outcome(id, OutboxState::Queued, None, None).await;
                     }
                     Err(err) => {
-                        self.record_outcome(
-                            id,
-                            OutboxState::Failed,
-                            None,
-                            Some(format!("{}: {err}", err.code())),
-                        )
-                        .await;
+                        let error = format!("{}: {err}", err.code());
+                        self.record_outcome(id, OutboxState::Failed, None, Some(error)).await;
                         return Err(err);
                     }
                 }
@@ -140,18 +168,19 @@ impl Hub {
             });
         };
         // The settle task decides at `wait`; give it a moment to record the outcome.
-        match tokio::time::timeout(wait + SETTLE_MARGIN, settled).await {
-            Ok(Ok(outcome)) => outcome_result(request_id, id, outcome),
-            _ => match self.ledger.outbox_get(id).await? {
-                Some(record) if record.state == OutboxState::Queued => {
-                    Ok(SendOutcome::queued(request_id, Some(id)))
-                }
-                Some(record) if record.state == OutboxState::Sent => {
-                    Ok(SendOutcome::handed(request_id, Some(id)))
-                }
-                Some(record) => outcome_result(request_id, id, record_outcome(&record)),
-                None => Err(SendError::Ledger(LedgerError::NoSuchRecord(id))),
-            },
+        if let Some(outcome) = settled.outcome(wait + SETTLE_MARGIN).await {
+            return outcome_result(request_id, id, outcome);
+        }
+        drop(settled);
+        match self.ledger.outbox_get(id).await? {
+            Some(record) if record.state == OutboxState::Queued => {
+                Ok(SendOutcome::queued(request_id, Some(id)))
+            }
+            Some(record) if record.state == OutboxState::Sent => {
+                Ok(SendOutcome::handed(request_id, Some(id)))
+            }
+            Some(record) => outcome_result(request_id, id, record_outcome(&record)),
+            None => Err(SendError::Ledger(LedgerError::NoSuchRecord(id))),
         }
     }
 
@@ -161,12 +190,12 @@ impl Hub {
         record: OutboxRecord,
         wait: Option<Duration>,
     ) -> Result<SendOutcome, SendError> {
-        let request_id = self.outbox_request_id(record.id);
+        let request_id = self.request_id(record.id);
         let pending = matches!(record.state, OutboxState::Queued | OutboxState::Sent);
         if pending {
             if let Some(wait) = wait {
-                let settled = self.watch(record.id);
-                if let Ok(Ok(outcome)) = tokio::time::timeout(wait, settled).await {
+                let mut settled = self.waiters.watch(record.id);
+                if let Some(outcome) = settled.outcome(wait).await {
                     return outcome_result(request_id, record.id, outcome);
                 }
             }
@@ -178,28 +207,24 @@ impl Hub {
         outcome_result(request_id, record.id, record_outcome(&record))
     }
 
-    pub(crate) fn outbox_request_id(&self, id: i64) -> Id {
+    /// The wire request id of outbox record `id`.
+    pub fn request_id(&self, id: i64) -> Id {
         Id::new(self.ledger.outbox_request_id(id)).expect("outbox request ids are short")
     }
 
-    fn watch(&self, id: i64) -> oneshot::Receiver<OutboxOutcome> {
-        let (tx, rx) = oneshot::channel();
-        lock(&self.outbox_waiters).entry(id).or_default().push(tx);
-        rx
-    }
-
+    /// Waits for the receipt of a handed-over record in the background, then records it.
     fn spawn_settle(
         &self,
         inst: Arc<Instance>,
         conn: Arc<Connection>,
         id: i64,
         request_id: Id,
-        waiter: oneshot::Receiver<crate::instance::ReceiptOutcome>,
+        waiter: oneshot::Receiver<ReceiptOutcome>,
         timeout: Duration,
     ) {
-        let hub = inst_hub(self);
-        tokio::spawn(async move {
-            let outcome = Hub::settle(&conn, request_id, waiter, timeout).await;
+        let outbox = self.clone();
+        self.tasks.spawn(async move {
+            let outcome = send::await_receipt(&conn, request_id, waiter, timeout).await;
             let (state, receipt, error) = match outcome {
                 Ok(receipt) => (OutboxState::Receipted, Some(receipt), None),
                 Err(SendError::Failed { code, message, .. }) => {
@@ -211,9 +236,7 @@ impl Hub {
                 inst.record_error(format!("send {id}: outcome unknown"));
                 warn!(instance = %inst.config.id, id, error = ?error, "send outcome unknown; it will not be resent automatically");
             }
-            if let Some(hub) = hub.upgrade() {
-                hub.record_outcome(id, state, receipt, error).await;
-            }
+            outbox.record_outcome(id, state, receipt, error).await;
         });
     }
 
@@ -233,16 +256,31 @@ impl Hub {
         if state == OutboxState::Queued {
             return;
         }
-        let waiters = lock(&self.outbox_waiters).remove(&id).unwrap_or_default();
-        let outcome = OutboxOutcome { state, receipt, error };
-        for waiter in waiters {
-            let _ = waiter.send(outcome.clone());
+        self.waiters.settle(id, &OutboxOutcome { state, receipt, error });
+    }
+
+    /// Tells the callers of records that expired while queued.
+    fn expired(&self, ids: &[i64]) {
+        let outcome = OutboxOutcome {
+            state: OutboxState::Failed,
+            receipt: None,
+            error: Some(crate::ledger::outbox::EXPIRED.to_owned()),
+        };
+        for id in ids {
+            self.waiters.settle(*id, &outcome);
         }
+    }
+
+    /// Fails queued sends past their expiry (housekeeping) and answers their waiters.
+    pub async fn expire(&self) -> Result<usize, LedgerError> {
+        let expired = self.ledger.outbox_expire(now_ms()).await?;
+        self.expired(&expired);
+        Ok(expired.len())
     }
 
     /// Sends every queued record of `inst` on `conn`, oldest first: frames go out in order,
     /// receipts are awaited concurrently.
-    pub(crate) async fn dispatch_queued(&self, inst: &Arc<Instance>, conn: &Arc<Connection>) {
+    pub async fn dispatch_queued(&self, inst: &Arc<Instance>, conn: &Arc<Connection>) {
         if !self.ledger.is_on() || !conn.declaration.can_send() {
             return;
         }
@@ -258,35 +296,26 @@ impl Hub {
                     return;
                 }
             };
-            if claimed.is_empty() {
+            self.expired(&claimed.expired);
+            if claimed.records.is_empty() {
                 return;
             }
-            for record in claimed {
-                let request_id = self.outbox_request_id(record.id);
+            for record in claimed.records {
+                let request_id = self.request_id(record.id);
                 let message: OutboundMessage = match serde_json::from_slice(&record.message) {
                     Ok(message) => message,
                     Err(err) => {
-                        self.record_outcome(
-                            record.id,
-                            OutboxState::Failed,
-                            None,
-                            Some(format!("unreadable record: {err}")),
-                        )
-                        .await;
+                        let error = format!("unreadable record: {err}");
+                        self.record_outcome(record.id, OutboxState::Failed, None, Some(error))
+                            .await;
                         continue;
                     }
                 };
-                match self.handover(inst, conn, &request_id, message).await {
+                match send::handover(inst, conn, &request_id, message).await {
                     Ok(waiter) => {
-                        let timeout = self.config.receipt_timeout;
-                        self.spawn_settle(
-                            inst.clone(),
-                            conn.clone(),
-                            record.id,
-                            request_id,
-                            waiter,
-                            timeout,
-                        );
+                        let timeout = self.receipt_timeout;
+                        let (inst, conn) = (inst.clone(), conn.clone());
+                        self.spawn_settle(inst, conn, record.id, request_id, waiter, timeout);
                     }
                     Err(err) => {
                         self.record_outcome(record.id, OutboxState::Queued, None, None).await;
@@ -299,24 +328,16 @@ impl Hub {
     }
 
     /// An operator's explicit retry of an `unknown` or `failed` send.
-    pub async fn retry_send(&self, id: i64) -> Result<OutboxRecord, SendError> {
+    pub async fn retry(&self, id: i64) -> Result<OutboxRecord, SendError> {
         let now = now_ms();
-        let record = self
-            .ledger
-            .outbox_requeue(id, now, now + self.config.outbox_ttl.as_millis() as u64)
-            .await?;
-        if let Some(inst) = self.instance(&record.instance).cloned()
+        let record = self.ledger.outbox_requeue(id, now, now + self.ttl.as_millis() as u64).await?;
+        if let Some(inst) = self.instances.get(record.instance.as_str())
             && let Some(conn) = inst.live()
         {
-            self.dispatch_queued(&inst, &conn).await;
+            self.dispatch_queued(inst, &conn).await;
         }
         Ok(self.ledger.outbox_get(id).await?.unwrap_or(record))
     }
-}
-
-/// A weak handle for background tasks, so a settle task never keeps a stopped hub alive.
-fn inst_hub(hub: &Hub) -> std::sync::Weak<Hub> {
-    hub.self_ref.clone()
 }
 
 fn record_outcome(record: &OutboxRecord) -> OutboxOutcome {

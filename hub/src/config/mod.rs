@@ -10,11 +10,14 @@ use channeld_protocol::ChannelId;
 use serde::Deserialize;
 
 pub use crate::peer::PeerRule;
+use crate::peer::Principal;
 
 /// Runtime directory when neither the config nor `--runtime-dir` names one.
 pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
 /// The runtime every instance uses unless it names another.
 pub const DEFAULT_RUNTIME: &str = "default";
+/// Inbound runs per driver connection unless `max_inflight` says otherwise.
+pub const DEFAULT_MAX_INFLIGHT: usize = 4;
 
 /// Why a configuration is unusable.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +61,8 @@ struct RawHub {
     durability: Option<DurabilityMode>,
     retention_days: Option<u64>,
     outbox_ttl_secs: Option<u64>,
+    control_allow_uids: Option<Vec<Principal>>,
+    control_allow_gids: Option<Vec<Principal>>,
 }
 
 /// `hub.durability`: how hard each ledger commit pushes to disk.
@@ -104,14 +109,6 @@ struct RawInstance {
     deny_notice: Option<String>,
     allow_uids: Option<Vec<Principal>>,
     allow_gids: Option<Vec<Principal>>,
-}
-
-/// A user or group in `allow_uids` / `allow_gids`: a number or a name.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-enum Principal {
-    Id(u32),
-    Name(String),
 }
 
 /// Which runtime answers inbound messages.
@@ -199,9 +196,25 @@ pub struct InstanceConfig {
     pub deny_notice: Option<String>,
     /// Which local processes may connect to the socket (`allow_uids` / `allow_gids`).
     pub peers: PeerRule,
-    /// Set by `channeld demo` only: the spawned driver shares the hub's terminal, and its
-    /// exit ends the hub.
-    pub interactive_child: bool,
+}
+
+impl InstanceConfig {
+    /// An instance with every setting at its default: nobody allowed, the default runtime,
+    /// no spawned driver.
+    pub fn new(id: ChannelId, socket: PathBuf) -> Self {
+        Self {
+            id,
+            socket,
+            spawn: Vec::new(),
+            spawn_env: BTreeMap::new(),
+            runtime: DEFAULT_RUNTIME.to_owned(),
+            allow: Allowlist::Senders(Vec::new()),
+            identity_isolation: false,
+            max_inflight: DEFAULT_MAX_INFLIGHT,
+            deny_notice: None,
+            peers: PeerRule::SocketMode,
+        }
+    }
 }
 
 /// The whole, validated configuration.
@@ -216,6 +229,9 @@ pub struct HubConfig {
     /// How long a proactive send may wait in the outbox for an offline driver.
     pub outbox_ttl: Duration,
     pub control_socket: PathBuf,
+    /// Which local processes may use the control socket (`control_allow_uids` /
+    /// `control_allow_gids`); the default is the socket's mode, as for instance sockets.
+    pub control_peers: PeerRule,
     pub receipt_timeout: Duration,
     pub command_timeout: Duration,
     pub health_probe_interval: Duration,
@@ -260,7 +276,8 @@ impl HubConfig {
             .unwrap_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR));
         let state_dir = overrides.state_dir.clone().or(hub.state_dir);
         let control_socket = hub.control_socket.unwrap_or_else(|| runtime_dir.join("control.sock"));
-        let max_inflight = positive("hub.max_inflight", hub.max_inflight.unwrap_or(4))?;
+        let max_inflight =
+            positive("hub.max_inflight", hub.max_inflight.unwrap_or(DEFAULT_MAX_INFLIGHT))?;
         let secs = |key: &str, value: Option<u64>, default: u64| -> Result<Duration, ConfigError> {
             let value = value.unwrap_or(default);
             if value == 0 {
@@ -344,8 +361,13 @@ impl HubConfig {
                     inst.max_inflight.unwrap_or(max_inflight),
                 )?,
                 deny_notice: inst.deny_notice,
-                peers: peer_rule(&key, inst.allow_uids, inst.allow_gids)?,
-                interactive_child: false,
+                peers: peer_rule(
+                    &key,
+                    "allow_uids",
+                    inst.allow_uids,
+                    "allow_gids",
+                    inst.allow_gids,
+                )?,
             });
         }
 
@@ -360,6 +382,13 @@ impl HubConfig {
             ),
             outbox_ttl: secs("hub.outbox_ttl_secs", hub.outbox_ttl_secs, 86_400)?,
             control_socket,
+            control_peers: peer_rule(
+                "hub",
+                "control_allow_uids",
+                hub.control_allow_uids,
+                "control_allow_gids",
+                hub.control_allow_gids,
+            )?,
             receipt_timeout: secs("hub.receipt_timeout_secs", hub.receipt_timeout_secs, 30)?,
             command_timeout: secs("hub.command_timeout_secs", hub.command_timeout_secs, 300)?,
             health_probe_interval: secs(
@@ -385,50 +414,20 @@ impl HubConfig {
     }
 }
 
-/// `allow_uids` / `allow_gids`: absent, the socket's mode decides; present, only the listed
-/// users and group members may connect. Names are resolved now, so a typo fails the start.
+/// `allow_uids` / `allow_gids` (or the control socket's): absent, the socket's mode decides;
+/// present, only the listed users and group members may connect. Names are resolved now, so
+/// a typo fails the start.
 fn peer_rule(
     key: &str,
+    uids_key: &str,
     uids: Option<Vec<Principal>>,
+    gids_key: &str,
     gids: Option<Vec<Principal>>,
 ) -> Result<PeerRule, ConfigError> {
-    if uids.is_none() && gids.is_none() {
-        return Ok(PeerRule::SocketMode);
-    }
-    let resolve = |field: &str,
-                   list: Option<Vec<Principal>>,
-                   lookup: fn(&str) -> std::io::Result<Option<u32>>,
-                   what: &str|
-     -> Result<Vec<u32>, ConfigError> {
-        let key = format!("{key}.{field}");
-        let list = list.unwrap_or_default();
-        let mut ids = Vec::with_capacity(list.len());
-        for principal in list {
-            match principal {
-                Principal::Id(id) => ids.push(id),
-                Principal::Name(name) => match lookup(&name) {
-                    Ok(Some(id)) => ids.push(id),
-                    Ok(None) => return Err(invalid(&key, format!("no {what} named {name:?}"))),
-                    Err(err) => {
-                        return Err(invalid(
-                            &key,
-                            format!("cannot look up {what} {name:?}: {err}"),
-                        ));
-                    }
-                },
-            }
-        }
-        Ok(ids)
-    };
-    let uids = resolve("allow_uids", uids, crate::peer::lookup_user, "user")?;
-    let gids = resolve("allow_gids", gids, crate::peer::lookup_group, "group")?;
-    if uids.is_empty() && gids.is_empty() {
-        return Err(invalid(
-            format!("{key}.allow_uids"),
-            "empty lists would refuse every driver; remove allow_uids and allow_gids to admit whom the socket's mode admits",
-        ));
-    }
-    Ok(PeerRule::Listed { uids, gids })
+    PeerRule::from_lists(uids, gids).map_err(|err| {
+        let field = if err.in_gids { gids_key } else { uids_key };
+        invalid(format!("{key}.{field}"), err.message)
+    })
 }
 
 fn positive(key: &str, value: usize) -> Result<usize, ConfigError> {
@@ -439,81 +438,4 @@ fn positive(key: &str, value: usize) -> Result<usize, ConfigError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parse(text: &str) -> Result<HubConfig, ConfigError> {
-        HubConfig::parse(text, Path::new("test.toml"), &Overrides::default())
-    }
-
-    #[test]
-    fn minimal_config_has_defaults() {
-        let config = parse("[instance.\"console.demo\"]\nallow_all = true\n").unwrap();
-        assert_eq!(config.runtime_dir, PathBuf::from("/run/channeld"));
-        assert_eq!(config.control_socket, PathBuf::from("/run/channeld/control.sock"));
-        let instance = &config.instances[0];
-        assert_eq!(instance.socket, PathBuf::from("/run/channeld/console.demo.sock"));
-        assert_eq!(instance.max_inflight, 4);
-        assert_eq!(instance.allow, Allowlist::All);
-        assert_eq!(config.runtime_for(instance).kind, RuntimeKind::Echo);
-    }
-
-    #[test]
-    fn runtime_dir_flag_overrides_the_file() {
-        let overrides = Overrides { runtime_dir: Some("/tmp/x".into()), state_dir: None };
-        let text = "[hub]\nruntime_dir = \"/run/y\"\n[instance.\"mqtt.lab\"]\n";
-        let config = HubConfig::parse(text, Path::new("t"), &overrides).unwrap();
-        assert_eq!(config.instances[0].socket, PathBuf::from("/tmp/x/mqtt.lab.sock"));
-        assert!(config.instances[0].allow.denies_everyone());
-    }
-
-    #[test]
-    fn unknown_keys_are_errors_that_name_the_key() {
-        let err = parse("[instance.\"a.b\"]\nalow = [\"x\"]\n").unwrap_err().to_string();
-        assert!(err.contains("alow"), "{err}");
-        let err = parse("[hub]\nmax_inflight = 0\n").unwrap_err().to_string();
-        assert_eq!(err, "hub.max_inflight: must be at least 1");
-        let err = parse("[instance.\"Bad Name\"]\n").unwrap_err().to_string();
-        assert!(err.starts_with("instance.\"Bad Name\""), "{err}");
-        let err = parse("[instance.\"a.b\"]\nruntime = \"nope\"\n").unwrap_err().to_string();
-        assert!(err.starts_with("instance.\"a.b\".runtime"), "{err}");
-        let err = parse("[runtime.agent]\nkind = \"exec\"\n").unwrap_err().to_string();
-        assert_eq!(err, "runtime.agent.command: an exec runtime needs a command");
-    }
-
-    #[test]
-    fn two_instances_cannot_share_a_socket() {
-        let text =
-            "[instance.\"a.x\"]\nsocket = \"/tmp/s\"\n[instance.\"a.y\"]\nsocket = \"/tmp/s\"\n";
-        let err = parse(text).unwrap_err().to_string();
-        assert!(err.contains("already used"), "{err}");
-    }
-
-    #[test]
-    fn peer_lists_take_numbers_and_names_and_default_to_the_socket_mode() {
-        let config = parse("[instance.\"a.b\"]\n").unwrap();
-        assert_eq!(config.instances[0].peers, PeerRule::SocketMode);
-        let text = "[instance.\"a.b\"]\nallow_uids = [12345, \"root\"]\nallow_gids = [\"root\"]\n";
-        let config = parse(text).unwrap();
-        assert_eq!(
-            config.instances[0].peers,
-            PeerRule::Listed { uids: vec![12345, 0], gids: vec![0] }
-        );
-        let err = parse("[instance.\"a.b\"]\nallow_gids = [\"no-such-group-x\"]\n")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(err, "instance.\"a.b\".allow_gids: no group named \"no-such-group-x\"");
-        let err = parse("[instance.\"a.b\"]\nallow_uids = []\n").unwrap_err().to_string();
-        assert!(err.starts_with("instance.\"a.b\".allow_uids: empty lists"), "{err}");
-        let err = parse("[instance.\"a.b\"]\nallow_uids = [-1]\n").unwrap_err().to_string();
-        assert!(err.contains("allow_uids"), "{err}");
-    }
-
-    #[test]
-    fn allowlist_semantics() {
-        assert!(!Allowlist::Senders(vec![]).permits("u1"));
-        assert!(Allowlist::Senders(vec!["u1".into()]).permits("u1"));
-        assert!(!Allowlist::Senders(vec!["u1".into()]).permits("u2"));
-        assert!(Allowlist::All.permits("anyone"));
-    }
-}
+mod tests;

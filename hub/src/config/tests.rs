@@ -1,0 +1,85 @@
+//! Configuration parsing: defaults, overrides, errors that name the key, peer lists.
+use super::*;
+
+fn parse(text: &str) -> Result<HubConfig, ConfigError> {
+    HubConfig::parse(text, Path::new("test.toml"), &Overrides::default())
+}
+
+#[test]
+fn minimal_config_has_defaults() {
+    let config = parse("[instance.\"console.demo\"]\nallow_all = true\n").unwrap();
+    assert_eq!(config.runtime_dir, PathBuf::from("/run/channeld"));
+    assert_eq!(config.control_socket, PathBuf::from("/run/channeld/control.sock"));
+    let instance = &config.instances[0];
+    assert_eq!(instance.socket, PathBuf::from("/run/channeld/console.demo.sock"));
+    assert_eq!(instance.max_inflight, 4);
+    assert_eq!(instance.allow, Allowlist::All);
+    assert_eq!(config.runtime_for(instance).kind, RuntimeKind::Echo);
+}
+
+#[test]
+fn runtime_dir_flag_overrides_the_file() {
+    let overrides = Overrides { runtime_dir: Some("/tmp/x".into()), state_dir: None };
+    let text = "[hub]\nruntime_dir = \"/run/y\"\n[instance.\"mqtt.lab\"]\n";
+    let config = HubConfig::parse(text, Path::new("t"), &overrides).unwrap();
+    assert_eq!(config.instances[0].socket, PathBuf::from("/tmp/x/mqtt.lab.sock"));
+    assert!(config.instances[0].allow.denies_everyone());
+}
+
+#[test]
+fn unknown_keys_are_errors_that_name_the_key() {
+    let err = parse("[instance.\"a.b\"]\nalow = [\"x\"]\n").unwrap_err().to_string();
+    assert!(err.contains("alow"), "{err}");
+    let err = parse("[hub]\nmax_inflight = 0\n").unwrap_err().to_string();
+    assert_eq!(err, "hub.max_inflight: must be at least 1");
+    let err = parse("[instance.\"Bad Name\"]\n").unwrap_err().to_string();
+    assert!(err.starts_with("instance.\"Bad Name\""), "{err}");
+    let err = parse("[instance.\"a.b\"]\nruntime = \"nope\"\n").unwrap_err().to_string();
+    assert!(err.starts_with("instance.\"a.b\".runtime"), "{err}");
+    let err = parse("[runtime.agent]\nkind = \"exec\"\n").unwrap_err().to_string();
+    assert_eq!(err, "runtime.agent.command: an exec runtime needs a command");
+}
+
+#[test]
+fn two_instances_cannot_share_a_socket() {
+    let text = "[instance.\"a.x\"]\nsocket = \"/tmp/s\"\n[instance.\"a.y\"]\nsocket = \"/tmp/s\"\n";
+    let err = parse(text).unwrap_err().to_string();
+    assert!(err.contains("already used"), "{err}");
+}
+
+#[test]
+fn peer_lists_take_numbers_and_names_and_default_to_the_socket_mode() {
+    let config = parse("[instance.\"a.b\"]\n").unwrap();
+    assert_eq!(config.instances[0].peers, PeerRule::SocketMode);
+    let text = "[instance.\"a.b\"]\nallow_uids = [12345, \"root\"]\nallow_gids = [\"root\"]\n";
+    let config = parse(text).unwrap();
+    assert_eq!(config.instances[0].peers, PeerRule::Listed { uids: vec![12345, 0], gids: vec![0] });
+    let err =
+        parse("[instance.\"a.b\"]\nallow_gids = [\"no-such-group-x\"]\n").unwrap_err().to_string();
+    assert_eq!(err, "instance.\"a.b\".allow_gids: no group named \"no-such-group-x\"");
+    let err = parse("[instance.\"a.b\"]\nallow_uids = []\n").unwrap_err().to_string();
+    assert!(err.starts_with("instance.\"a.b\".allow_uids: empty lists"), "{err}");
+    let err = parse("[instance.\"a.b\"]\nallow_uids = [-1]\n").unwrap_err().to_string();
+    assert!(err.contains("allow_uids"), "{err}");
+}
+
+#[test]
+fn the_control_socket_defaults_to_the_socket_mode_and_takes_its_own_lists() {
+    let config = parse("[instance.\"a.b\"]\n").unwrap();
+    assert_eq!(config.control_peers, PeerRule::SocketMode);
+    let config =
+        parse("[hub]\ncontrol_allow_uids = [4242]\ncontrol_allow_gids = [\"root\"]\n").unwrap();
+    assert_eq!(config.control_peers, PeerRule::Listed { uids: vec![4242], gids: vec![0] });
+    let err = parse("[hub]\ncontrol_allow_gids = [\"no-such-group-x\"]\n").unwrap_err().to_string();
+    assert_eq!(err, "hub.control_allow_gids: no group named \"no-such-group-x\"");
+    let err = parse("[hub]\ncontrol_allow_uids = []\n").unwrap_err().to_string();
+    assert!(err.starts_with("hub.control_allow_uids: empty lists"), "{err}");
+}
+
+#[test]
+fn allowlist_semantics() {
+    assert!(!Allowlist::Senders(vec![]).permits("u1"));
+    assert!(Allowlist::Senders(vec!["u1".into()]).permits("u1"));
+    assert!(!Allowlist::Senders(vec!["u1".into()]).permits("u2"));
+    assert!(Allowlist::All.permits("anyone"));
+}

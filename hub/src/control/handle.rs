@@ -1,0 +1,235 @@
+//! Answers control requests: `send` through the outbox, `health` by probing, `status` and
+//! `catalog` from the hub's state, `outbox` and `outbox_retry` from the ledger.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use channeld_control::{
+    CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus, Op,
+    OutboxEntry, OutboxResult, Request, SendResult, StatusResult, code,
+};
+use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
+use channeld_protocol::{ChannelId, Id};
+use tracing::debug;
+
+use super::server::{failure, success};
+use crate::hub::{HUB_NAME, Hub};
+use crate::instance::unix_ms;
+use crate::ledger::{LedgerError, OutboxRecord, OutboxState};
+use crate::outbox::SendRequest;
+use crate::send::{SendError, SendOutcome};
+
+/// The response line for one request.
+pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
+    let id = request.id;
+    match request.op {
+        Op::Send {
+            instance,
+            conversation,
+            thread,
+            text,
+            metadata,
+            wait,
+            timeout_ms,
+            idempotency_key,
+        } => {
+            let message = match outbound(&instance, &conversation, thread, text, metadata) {
+                Ok(message) => message,
+                Err(message) => return failure(id, code::INVALID_REQUEST, message, None),
+            };
+            if let Some(key) = &idempotency_key
+                && (key.is_empty() || key.len() > 256)
+            {
+                let message = "idempotency_key must be 1-256 bytes".to_owned();
+                return failure(id, code::INVALID_REQUEST, message, None);
+            }
+            let timeout = timeout_ms.map_or(hub.config.receipt_timeout, Duration::from_millis);
+            let request = SendRequest {
+                instance: instance.clone(),
+                message,
+                wait: wait.then_some(timeout),
+                idempotency_key,
+            };
+            match hub.outbox.submit(request).await {
+                Ok(SendOutcome { request_id, outbox_id, state, receipt }) => success(
+                    id,
+                    SendResult {
+                        request_id: request_id.into_string(),
+                        state: state.as_str().into(),
+                        receipt,
+                        outbox_id,
+                    },
+                ),
+                Err(err) => {
+                    let request_id = match &err {
+                        SendError::Failed { request_id, .. }
+                        | SendError::Unknown { request_id, .. } => Some(request_id.to_string()),
+                        _ => None,
+                    };
+                    debug!(%instance, code = err.code(), error = %err, "control send failed");
+                    failure(id, err.code(), err.to_string(), request_id)
+                }
+            }
+        }
+        Op::Health { instance } => match hub.instance(&instance) {
+            Some(inst) => {
+                let health = crate::health::probe(hub, inst).await;
+                success(id, HealthResult { instance, health })
+            }
+            None => {
+                let message = format!("no instance named {instance}");
+                failure(id, code::UNKNOWN_INSTANCE, message, None)
+            }
+        },
+        Op::Status => success(id, status(hub)),
+        Op::Catalog => success(id, catalog(std::env::current_exe().ok().as_deref())),
+        Op::Outbox { instance, state, limit } => {
+            let state = match state.as_deref().map(|s| OutboxState::parse(s).ok_or(s)) {
+                None => None,
+                Some(Ok(state)) => Some(state),
+                Some(Err(bad)) => {
+                    let message =
+                        format!("unknown state {bad:?} (queued, sent, receipted, failed, unknown)");
+                    return failure(id, code::INVALID_REQUEST, message, None);
+                }
+            };
+            match hub.ledger.outbox_list(instance, state, limit.unwrap_or(100).min(10_000)).await {
+                Ok(records) => success(
+                    id,
+                    OutboxResult { records: records.iter().map(|r| entry(hub, r)).collect() },
+                ),
+                Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
+            }
+        }
+        Op::OutboxRetry { id: record } => match hub.outbox.retry(record).await {
+            Ok(record) => success(id, entry(hub, &record)),
+            Err(SendError::Ledger(LedgerError::NoSuchRecord(_))) => {
+                failure(id, code::NOT_FOUND, format!("no outbox record {record}"), None)
+            }
+            Err(err @ SendError::Ledger(LedgerError::NotRetryable { .. })) => {
+                failure(id, code::NOT_RETRYABLE, err.to_string(), None)
+            }
+            Err(err) => failure(id, err.code(), err.to_string(), None),
+        },
+    }
+}
+
+fn ledger_code(err: &LedgerError) -> &'static str {
+    match err {
+        LedgerError::Off => code::LEDGER_OFF,
+        _ => code::LEDGER_UNAVAILABLE,
+    }
+}
+
+fn entry(hub: &Hub, record: &OutboxRecord) -> OutboxEntry {
+    let message: Option<OutboundMessage> = serde_json::from_slice(&record.message).ok();
+    OutboxEntry {
+        id: record.id,
+        request_id: hub.ledger.outbox_request_id(record.id),
+        instance: record.instance.clone(),
+        state: record.state.as_str().to_owned(),
+        idempotency_key: record.idempotency_key.clone(),
+        conversation: message
+            .as_ref()
+            .map(|m| m.target.conversation.to_string())
+            .unwrap_or_default(),
+        text: message.as_ref().map(|m| m.body.text_str().to_owned()).unwrap_or_default(),
+        receipt: record.receipt.as_ref().and_then(|r| serde_json::from_slice(r).ok()),
+        error: record.error.clone(),
+        attempts: record.attempts,
+        created_ms: record.created_ms,
+        updated_ms: record.updated_ms,
+    }
+}
+
+fn outbound(
+    instance: &str,
+    conversation: &str,
+    thread: Option<String>,
+    text: String,
+    metadata: std::collections::BTreeMap<String, String>,
+) -> Result<OutboundMessage, String> {
+    let channel = ChannelId::new(instance).map_err(|err| format!("instance: {err}"))?;
+    let conversation = Id::new(conversation).map_err(|err| format!("conversation: {err}"))?;
+    let thread = thread.map(Id::new).transpose().map_err(|err| format!("thread: {err}"))?;
+    let body = MessageBody::text(text).map_err(|err| format!("text: {err}"))?;
+    Ok(OutboundMessage {
+        target: MessageTarget { channel, conversation, thread, reply_to: None },
+        body,
+        metadata,
+    })
+}
+
+fn status(hub: &Hub) -> StatusResult {
+    use std::sync::atomic::Ordering::Relaxed;
+    let instances = hub
+        .instances
+        .values()
+        .map(|inst| {
+            let live = inst.live();
+            let health = inst.health();
+            let c = &inst.counters;
+            let last_error = inst.last_error();
+            InstanceStatus {
+                instance: inst.config.id.to_string(),
+                family: inst.config.id.family().to_owned(),
+                socket: inst.config.socket.display().to_string(),
+                runtime: inst.runtime.name.clone(),
+                connected: live.is_some(),
+                connected_since_ms: live.as_ref().map(|conn| unix_ms(conn.connected_at)),
+                driver_pid: live.as_ref().and_then(|conn| conn.peer_pid),
+                health: health.health,
+                health_updated_ms: unix_ms(health.updated),
+                in_flight: live.as_ref().map_or(0, |conn| conn.inflight_len()),
+                counters: CountersView {
+                    inbound: c.inbound.load(Relaxed),
+                    denied: c.denied.load(Relaxed),
+                    busy: c.busy.load(Relaxed),
+                    replies: c.replies.load(Relaxed),
+                    runs_failed: c.runs_failed.load(Relaxed),
+                    outbound: c.outbound.load(Relaxed),
+                    receipts: c.receipts.load(Relaxed),
+                    errors: c.errors.load(Relaxed),
+                },
+                last_error_ms: last_error.as_ref().map(|(at, _)| unix_ms(*at)),
+                last_error: last_error.map(|(_, message)| message),
+                driver_process: inst.process().map(|process| DriverProcess {
+                    state: process.state.as_str().to_owned(),
+                    pid: process.pid,
+                    starts: process.starts,
+                    last_exit: process.last_exit,
+                }),
+            }
+        })
+        .collect();
+    StatusResult {
+        hub: HUB_NAME.to_owned(),
+        pid: std::process::id(),
+        started_ms: unix_ms(hub.started),
+        instances,
+    }
+}
+
+/// Driver families this build knows, and whether each binary sits next to `exe`.
+pub fn catalog(exe: Option<&Path>) -> CatalogResult {
+    const FAMILIES: &[(&str, &str)] = &[
+        ("console", "terminal stdin/stdout"),
+        ("mqtt", "MQTT 3.1.1 broker (rumqttc)"),
+        ("amqp", "AMQP 0-9-1 broker (lapin)"),
+        ("slack", "Slack Socket Mode WebSocket + Web API"),
+        ("wechat", "WeChat iLink HTTP long-poll"),
+        ("wecom", "WeCom AI Bot WebSocket"),
+        ("nostr", "Nostr relays, NIP-04/NIP-17 DMs"),
+    ];
+    let dir: Option<PathBuf> = exe.and_then(Path::parent).map(Path::to_path_buf);
+    let families = FAMILIES
+        .iter()
+        .map(|(family, transport)| {
+            let binary = format!("channeld-{family}");
+            let installed = dir.as_ref().is_some_and(|d| d.join(&binary).is_file());
+            Family { family: (*family).into(), binary, transport: (*transport).into(), installed }
+        })
+        .collect();
+    CatalogResult { families }
+}

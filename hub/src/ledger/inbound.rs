@@ -1,0 +1,460 @@
+//! Inbound runs in the ledger: record an event once (dedupe by id and content), record how
+//! its run ended and whether the reply reached the driver, find the replies still owed, and
+//! recover the runs a crash interrupted. Synchronous functions over one transaction.
+
+use rusqlite::{OptionalExtension, Transaction, params};
+
+use super::LedgerError;
+use super::state::{self, INBOUND_STATES, InboundState, RecordDecision, Recovery};
+use super::store::Cached;
+
+/// A new inbound to record.
+#[derive(Debug, Clone)]
+pub struct NewInbound {
+    pub instance: String,
+    pub event_id: String,
+    /// The content fingerprint: what makes two deliveries of this id "the same message".
+    pub content_hash: [u8; 32],
+    /// Which version of the fingerprint `content_hash` is.
+    pub hash_version: u32,
+    /// The encoded `inbound`/`inbound_event` line, to run it again after a crash.
+    pub frame: Vec<u8>,
+    pub run_id: String,
+    pub now_ms: u64,
+}
+
+/// Computes the current fingerprint from a stored frame, for entries written with another
+/// fingerprint version; `None` when the frame no longer decodes.
+pub type Rehash = fn(&[u8]) -> Option<[u8; 32]>;
+
+/// What the ledger holds for an event id seen before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRun {
+    pub run_id: String,
+    pub state: InboundState,
+    pub reply: Option<String>,
+    pub error: Option<(String, String)>,
+}
+
+/// The answer to [`record`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    New,
+    Replay(StoredRun),
+    Conflict,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunEnd {
+    Reply(String),
+    NoReply,
+    Failed { code: String, message: String },
+}
+
+impl RunEnd {
+    /// The state an entry takes when its run ends this way: a reply is still to be handed
+    /// over, no reply means nothing is owed.
+    pub fn state(&self) -> InboundState {
+        match self {
+            RunEnd::Reply(_) => InboundState::Replied,
+            RunEnd::NoReply => InboundState::Delivered,
+            RunEnd::Failed { .. } => InboundState::Failed,
+        }
+    }
+}
+
+/// A finished run whose reply has not been confirmed as handed to the driver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingReply {
+    pub event_id: String,
+    pub frame: Vec<u8>,
+    pub reply: String,
+}
+
+/// A run that was in progress when the hub died and is started again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveredRun {
+    pub instance: String,
+    pub event_id: String,
+    pub run_id: String,
+    pub frame: Vec<u8>,
+    pub attempt: u32,
+}
+
+/// Records an inbound unless its event id is known; see [`Recorded`]. An entry written with
+/// another fingerprint version is compared (and rewritten) by its `rehash`ed stored frame, so
+/// a hub upgrade never turns a redelivery into a conflict.
+pub fn record(
+    txn: &Transaction<'_>,
+    new: &NewInbound,
+    rehash: Rehash,
+) -> Result<Recorded, LedgerError> {
+    let existing = txn
+        .query_row_cached(
+            "SELECT content_hash, hash_version, run_id, state, reply, error_code, error_message
+             FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            params![new.instance, new.event_id],
+            |row| {
+                Ok((
+                    row.get::<_, Vec<u8>>(0)?,
+                    row.get::<_, u32>(1)?,
+                    StoredRow {
+                        run_id: row.get(2)?,
+                        state: row.get(3)?,
+                        reply: row.get(4)?,
+                        code: row.get(5)?,
+                        message: row.get(6)?,
+                    },
+                ))
+            },
+        )
+        .optional()?;
+    let Some((mut stored_hash, version, stored)) = existing else {
+        txn.exec_cached(
+            "INSERT INTO inbound (instance, event_id, content_hash, hash_version, run_id, state,
+                 frame, attempts, received_ms, updated_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 1, ?8, ?8)",
+            params![
+                new.instance,
+                new.event_id,
+                new.content_hash.as_slice(),
+                new.hash_version,
+                new.run_id,
+                InboundState::Running.as_str(),
+                new.frame,
+                new.now_ms as i64
+            ],
+        )?;
+        return Ok(Recorded::New);
+    };
+    if version != new.hash_version
+        && let Some(current) = stored_frame(txn, new)?.as_deref().and_then(rehash)
+    {
+        txn.exec_cached(
+            "UPDATE inbound SET content_hash = ?3, hash_version = ?4
+             WHERE instance = ?1 AND event_id = ?2",
+            params![new.instance, new.event_id, current.as_slice(), new.hash_version],
+        )?;
+        stored_hash = current.to_vec();
+    }
+    match state::decide(Some(&stored_hash), &new.content_hash) {
+        RecordDecision::Replay => Ok(Recorded::Replay(stored.into_run()?)),
+        RecordDecision::Conflict | RecordDecision::Insert => Ok(Recorded::Conflict),
+    }
+}
+
+struct StoredRow {
+    run_id: String,
+    state: String,
+    reply: Option<String>,
+    code: Option<String>,
+    message: Option<String>,
+}
+
+impl StoredRow {
+    fn into_run(self) -> Result<StoredRun, LedgerError> {
+        Ok(StoredRun {
+            run_id: self.run_id,
+            state: parse_state(&self.state)?,
+            reply: self.reply,
+            error: self.code.map(|code| (code, self.message.unwrap_or_default())),
+        })
+    }
+}
+
+fn stored_frame(txn: &Transaction<'_>, new: &NewInbound) -> Result<Option<Vec<u8>>, LedgerError> {
+    Ok(txn
+        .query_row_cached(
+            "SELECT frame FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            params![new.instance, new.event_id],
+            |row| row.get(0),
+        )
+        .optional()?)
+}
+
+fn current_state(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+) -> Result<Option<InboundState>, LedgerError> {
+    let state: Option<String> = txn
+        .query_row_cached(
+            "SELECT state FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id],
+            |row| row.get(0),
+        )
+        .optional()?;
+    state.as_deref().map(parse_state).transpose()
+}
+
+/// Records how a run ended (see [`RunEnd::state`]). False when the entry is not running.
+pub fn finish(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+    end: &RunEnd,
+    now_ms: u64,
+) -> Result<bool, LedgerError> {
+    let next = end.state();
+    let Some(current) = current_state(txn, instance, event_id)? else { return Ok(false) };
+    if !current.may_become(next) {
+        return Ok(false);
+    }
+    let (reply, code, message) = match end {
+        RunEnd::Reply(text) => (Some(text.as_str()), None, None),
+        RunEnd::NoReply => (None, None, None),
+        RunEnd::Failed { code, message } => (None, Some(code.as_str()), Some(message.as_str())),
+    };
+    txn.exec_cached(
+        "UPDATE inbound SET state = ?3, reply = ?4, error_code = ?5, error_message = ?6,
+             updated_ms = ?7
+         WHERE instance = ?1 AND event_id = ?2",
+        params![instance, event_id, next.as_str(), reply, code, message, now_ms as i64],
+    )?;
+    Ok(true)
+}
+
+/// Marks a reply as handed to the driver. False when there was no reply waiting.
+pub fn mark_delivered(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+    now_ms: u64,
+) -> Result<bool, LedgerError> {
+    let next = InboundState::Delivered;
+    let Some(current) = current_state(txn, instance, event_id)? else { return Ok(false) };
+    // `Running → Delivered` is a run that ended without a reply: not this transition.
+    if current != InboundState::Replied || !current.may_become(next) {
+        return Ok(false);
+    }
+    txn.exec_cached(
+        "UPDATE inbound SET state = ?3, updated_ms = ?4 WHERE instance = ?1 AND event_id = ?2",
+        params![instance, event_id, next.as_str(), now_ms as i64],
+    )?;
+    Ok(true)
+}
+
+/// Finished runs of `instance` whose reply is not confirmed as handed over, oldest first.
+pub fn pending_replies(
+    txn: &Transaction<'_>,
+    instance: &str,
+) -> Result<Vec<PendingReply>, LedgerError> {
+    let mut stmt = txn.prepare_cached(
+        "SELECT event_id, frame, reply FROM inbound
+         WHERE state = ?1 AND instance = ?2 ORDER BY updated_ms, event_id",
+    )?;
+    let rows = stmt.query_map(params![InboundState::Replied.as_str(), instance], |row| {
+        Ok(PendingReply { event_id: row.get(0)?, frame: row.get(1)?, reply: row.get(2)? })
+    })?;
+    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Runs that were in progress when the hub stopped: each is started again once (attempt
+/// counted), or recorded as failed if it already was.
+pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, LedgerError> {
+    let running: Vec<(String, String, String, Vec<u8>, u32)> = {
+        let mut stmt = txn.prepare(
+            "SELECT instance, event_id, run_id, frame, attempts FROM inbound
+             WHERE state = ?1 ORDER BY received_ms, event_id",
+        )?;
+        let rows = stmt.query_map(params![InboundState::Running.as_str()], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?))
+        })?;
+        rows.collect::<Result<Vec<_>, _>>()?
+    };
+    let mut rerun = Vec::new();
+    for (instance, event_id, run_id, frame, attempts) in running {
+        match state::recover(attempts) {
+            Recovery::Rerun { attempt } => {
+                txn.exec_cached(
+                    "UPDATE inbound SET attempts = ?3, updated_ms = ?4
+                     WHERE instance = ?1 AND event_id = ?2",
+                    params![instance, event_id, attempt, now_ms as i64],
+                )?;
+                rerun.push(RecoveredRun { instance, event_id, run_id, frame, attempt });
+            }
+            Recovery::GiveUp => {
+                let end = RunEnd::Failed {
+                    code: "interrupted".into(),
+                    message: "run was interrupted twice by a hub restart".into(),
+                };
+                finish(txn, &instance, &event_id, &end, now_ms)?;
+            }
+        }
+    }
+    Ok(rerun)
+}
+
+/// Deletes settled entries last touched before `before_ms`; returns how many went.
+pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+    let settled = state::sql_list(&INBOUND_STATES, InboundState::is_settled, InboundState::as_str);
+    Ok(txn.execute(
+        &format!("DELETE FROM inbound WHERE state IN ({settled}) AND updated_ms < ?1"),
+        params![before_ms as i64],
+    )?)
+}
+
+fn parse_state(value: &str) -> Result<InboundState, LedgerError> {
+    InboundState::parse(value)
+        .ok_or_else(|| LedgerError::Sql(format!("unknown inbound state {value:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use rusqlite::Connection;
+
+    use super::*;
+    use crate::ledger::schema;
+
+    const VERSION: u32 = 2;
+
+    fn db() -> Connection {
+        schema::open_in_memory().unwrap()
+    }
+
+    fn inbound(event_id: &str, hash: u8) -> NewInbound {
+        NewInbound {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            content_hash: [hash; 32],
+            hash_version: VERSION,
+            frame: vec![hash],
+            run_id: format!("run-{event_id}"),
+            now_ms: 1,
+        }
+    }
+
+    /// The "current fingerprint" of a stored frame in these tests: its one byte, repeated.
+    fn rehash(frame: &[u8]) -> Option<[u8; 32]> {
+        frame.first().map(|b| [*b; 32])
+    }
+
+    #[test]
+    fn a_completed_run_is_replayed_not_repeated() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        assert_eq!(record(&txn, &inbound("e1", 1), rehash).unwrap(), Recorded::New);
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap());
+        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+            Recorded::Replay(run) => {
+                assert_eq!(run.state, InboundState::Replied);
+                assert_eq!(run.reply.as_deref(), Some("hi"));
+                assert_eq!(run.run_id, "run-e1");
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+        assert_eq!(record(&txn, &inbound("e1", 2), rehash).unwrap(), Recorded::Conflict);
+        assert_eq!(pending_replies(&txn, "a.b").unwrap().len(), 1);
+        assert!(mark_delivered(&txn, "a.b", "e1", 3).unwrap());
+        assert!(pending_replies(&txn, "a.b").unwrap().is_empty());
+        assert!(!mark_delivered(&txn, "a.b", "e1", 4).unwrap(), "delivered only once");
+    }
+
+    #[test]
+    fn a_run_ends_once_and_a_run_without_reply_owes_nothing() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        record(&txn, &inbound("e1", 1), rehash).unwrap();
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, 2).unwrap());
+        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
+        assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
+        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
+        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+            Recorded::Replay(run) => {
+                assert_eq!(run.state, InboundState::Delivered);
+                assert_eq!(run.reply, None);
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_failed_run_replays_its_error() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        record(&txn, &inbound("e1", 1), rehash).unwrap();
+        let end = RunEnd::Failed { code: "agent_failed".into(), message: "exit 3".into() };
+        assert!(finish(&txn, "a.b", "e1", &end, 2).unwrap());
+        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+            Recorded::Replay(run) => {
+                assert_eq!(run.state, InboundState::Failed);
+                assert_eq!(run.error, Some(("agent_failed".into(), "exit 3".into())));
+            }
+            other => panic!("expected a replay, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn interrupted_runs_are_recovered_once_then_failed() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        record(&txn, &inbound("e1", 1), rehash).unwrap();
+        let first = recover(&txn, 5).unwrap();
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].attempt, 2);
+        assert_eq!(first[0].frame, vec![1]);
+        let second = recover(&txn, 6).unwrap();
+        assert!(second.is_empty());
+        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+            Recorded::Replay(run) => {
+                assert_eq!(run.state, InboundState::Failed);
+                assert_eq!(run.error.map(|e| e.0).as_deref(), Some("interrupted"));
+            }
+            other => panic!("expected failed replay, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn pruning_removes_only_settled_entries_past_the_window() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        record(&txn, &inbound("old-done", 1), rehash).unwrap();
+        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, 10).unwrap();
+        record(&txn, &inbound("old-running", 1), rehash).unwrap();
+        record(&txn, &inbound("old-replied", 1), rehash).unwrap();
+        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), 10).unwrap();
+        record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash).unwrap();
+        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, 500).unwrap();
+        assert_eq!(prune(&txn, 100).unwrap(), 1);
+        // The pruned id is forgotten; the others still dedupe.
+        assert_eq!(record(&txn, &inbound("old-done", 2), rehash).unwrap(), Recorded::New);
+        for kept in ["old-running", "old-replied", "new-done"] {
+            assert!(
+                matches!(record(&txn, &inbound(kept, 1), rehash).unwrap(), Recorded::Replay(_)),
+                "{kept}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_entry_with_an_older_fingerprint_version_is_compared_by_its_stored_frame() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        // Written by an older hub: version 1, a hash this build cannot reproduce.
+        let old = NewInbound { content_hash: [0xee; 32], hash_version: 1, ..inbound("e1", 7) };
+        record(&txn, &old, rehash).unwrap();
+        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap();
+        // The same message redelivered after the upgrade replays; it does not conflict.
+        assert!(matches!(record(&txn, &inbound("e1", 7), rehash).unwrap(), Recorded::Replay(_)));
+        let (hash, version): (Vec<u8>, u32) = txn
+            .query_row(
+                "SELECT content_hash, hash_version FROM inbound WHERE event_id = 'e1'",
+                [],
+                |row| Ok((row.get(0)?, row.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!((hash, version), (vec![7; 32], VERSION), "the entry is rewritten");
+        // Different content still conflicts.
+        assert_eq!(record(&txn, &inbound("e1", 8), rehash).unwrap(), Recorded::Conflict);
+    }
+
+    #[test]
+    fn an_older_entry_whose_frame_no_longer_decodes_conflicts_rather_than_runs_again() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        let old = NewInbound { hash_version: 1, frame: Vec::new(), ..inbound("e1", 7) };
+        record(&txn, &old, rehash).unwrap();
+        assert_eq!(record(&txn, &inbound("e1", 8), rehash).unwrap(), Recorded::Conflict);
+    }
+}

@@ -1,0 +1,84 @@
+//! Binding the sockets before the hub runs (bind outside, run inside): one per instance and
+//! the control socket, mode 0660, stale files of a dead hub removed, and removed again at
+//! shutdown.
+
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use channeld_protocol::ChannelId;
+use tokio::net::UnixListener;
+
+use crate::config::HubConfig;
+
+/// Why the hub could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("cannot bind {path}: {source}")]
+    Bind { path: PathBuf, source: io::Error },
+    #[error("another hub is already listening on {0}")]
+    InUse(PathBuf),
+}
+
+/// Sockets bound before the hub runs (bind outside, run inside).
+#[derive(Debug)]
+pub struct Listeners {
+    pub control: UnixListener,
+    pub instances: Vec<(ChannelId, UnixListener)>,
+    pub(crate) paths: Vec<PathBuf>,
+}
+
+/// Binds the control socket and one socket per instance (mode 0660), removing stale socket
+/// files left by a hub that died. Fails if another hub is listening on any of them.
+///
+/// The control socket is bound last, so a client that can connect to it knows every instance
+/// socket is there too.
+pub fn bind(config: &HubConfig) -> Result<Listeners, HubError> {
+    let mut paths = Vec::new();
+    let mut instances = Vec::new();
+    for instance in &config.instances {
+        let listener = match bind_one(&instance.socket) {
+            Ok(listener) => listener,
+            Err(err) => {
+                remove_sockets(&paths);
+                return Err(err);
+            }
+        };
+        paths.push(instance.socket.clone());
+        instances.push((instance.id.clone(), listener));
+    }
+    let control = match bind_one(&config.control_socket) {
+        Ok(control) => control,
+        Err(err) => {
+            remove_sockets(&paths);
+            return Err(err);
+        }
+    };
+    paths.push(config.control_socket.clone());
+    Ok(Listeners { control, instances, paths })
+}
+
+fn bind_one(path: &Path) -> Result<UnixListener, HubError> {
+    let bind_err = |source| HubError::Bind { path: path.to_owned(), source };
+    if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir).map_err(bind_err)?;
+    }
+    if path.exists() {
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => return Err(HubError::InUse(path.to_owned())),
+            Err(_) => std::fs::remove_file(path).map_err(bind_err)?,
+        }
+    }
+    let listener = UnixListener::bind(path).map_err(bind_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(bind_err)?;
+    Ok(listener)
+}
+
+/// Removes the socket files (the hub's last step of a shutdown).
+pub(crate) fn remove_sockets(paths: &[PathBuf]) {
+    for path in paths {
+        let _ = std::fs::remove_file(path);
+    }
+}

@@ -1,0 +1,181 @@
+//! Handing an `outbound` to a driver connection and waiting for its receipt: the send types
+//! every caller (control socket, controller connections, the outbox) shares.
+
+use std::time::Duration;
+
+use channeld_protocol::frame::Delivery;
+use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
+use channeld_protocol::{Frame, Id};
+use tokio::sync::oneshot;
+
+use crate::connection::{Connection, ReceiptOutcome};
+use crate::instance::{Counters, Instance};
+use crate::ledger::LedgerError;
+
+/// Where a proactive send stands when the caller gets its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendState {
+    /// The driver posted it (the receipt is attached).
+    Receipted,
+    /// Handed to the driver; the caller did not wait for the receipt.
+    Handed,
+    /// In the outbox, waiting for the driver to connect.
+    Queued,
+}
+
+impl SendState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SendState::Receipted => "receipted",
+            SendState::Handed => "handed",
+            SendState::Queued => "queued",
+        }
+    }
+}
+
+/// How a proactive send went, from the caller's point of view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendOutcome {
+    pub request_id: Id,
+    /// The outbox record, when the ledger is on.
+    pub outbox_id: Option<i64>,
+    pub state: SendState,
+    pub receipt: Option<DeliveryReceipt>,
+}
+
+impl SendOutcome {
+    pub fn receipted(request_id: Id, outbox_id: Option<i64>, receipt: DeliveryReceipt) -> Self {
+        Self { request_id, outbox_id, state: SendState::Receipted, receipt: Some(receipt) }
+    }
+
+    pub fn handed(request_id: Id, outbox_id: Option<i64>) -> Self {
+        Self { request_id, outbox_id, state: SendState::Handed, receipt: None }
+    }
+
+    pub fn queued(request_id: Id, outbox_id: Option<i64>) -> Self {
+        Self { request_id, outbox_id, state: SendState::Queued, receipt: None }
+    }
+}
+
+/// Why a proactive send did not produce a receipt.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SendError {
+    #[error("no instance named {0}")]
+    UnknownInstance(String),
+    #[error("target channel {found} does not match instance {expected}")]
+    WrongChannel { expected: String, found: String },
+    #[error("driver for {0} is not connected")]
+    Offline(String),
+    #[error("driver did not declare {0}")]
+    NotDeclared(&'static str),
+    #[error("message does not fit in a frame: {0}")]
+    TooLarge(String),
+    #[error("driver reported failure: {code}: {message}")]
+    Failed { request_id: Id, code: String, message: String },
+    #[error("delivery outcome unknown: {reason}")]
+    Unknown { request_id: Id, reason: String },
+    #[error("idempotency keys need the ledger: configure hub.state_dir")]
+    NeedsLedger,
+    #[error("ledger: {0}")]
+    Ledger(#[from] LedgerError),
+}
+
+impl SendError {
+    /// The machine-readable code used by the control protocol.
+    pub fn code(&self) -> &'static str {
+        use channeld_control::code;
+        match self {
+            SendError::UnknownInstance(_) => code::UNKNOWN_INSTANCE,
+            SendError::WrongChannel { .. } => code::INVALID_TARGET,
+            SendError::Offline(_) => code::DRIVER_OFFLINE,
+            SendError::NotDeclared(_) => code::NOT_DECLARED,
+            SendError::TooLarge(_) => code::TOO_LARGE,
+            SendError::Failed { .. } => code::SEND_FAILED,
+            SendError::Unknown { .. } => code::OUTCOME_UNKNOWN,
+            SendError::NeedsLedger => code::INVALID_REQUEST,
+            SendError::Ledger(_) => code::LEDGER_UNAVAILABLE,
+        }
+    }
+}
+
+/// Hands an `outbound` to `conn` and registers for its receipt. Fails without sending when
+/// the driver did not declare `send` or the connection is gone.
+pub async fn handover(
+    inst: &Instance,
+    conn: &Connection,
+    request_id: &Id,
+    message: OutboundMessage,
+) -> Result<oneshot::Receiver<ReceiptOutcome>, SendError> {
+    if !conn.declaration.can_send() {
+        return Err(SendError::NotDeclared("send"));
+    }
+    let waiter = conn
+        .expect_receipt(request_id.clone())
+        .ok_or_else(|| SendError::Offline(inst.config.id.to_string()))?;
+    let frame = Frame::Outbound(Delivery { request_id: request_id.clone(), message });
+    if let Err(err) = conn.sink.send(&frame).await {
+        conn.forget_receipt(request_id);
+        return Err(match err {
+            channeld_link::SinkError::Encode(err) => SendError::TooLarge(err.to_string()),
+            _ => SendError::Offline(inst.config.id.to_string()),
+        });
+    }
+    Counters::bump(&inst.counters.outbound);
+    Ok(waiter)
+}
+
+/// Waits up to `timeout` for the receipt of a handed-over `outbound`.
+pub async fn await_receipt(
+    conn: &Connection,
+    request_id: Id,
+    waiter: oneshot::Receiver<ReceiptOutcome>,
+    timeout: Duration,
+) -> Result<DeliveryReceipt, SendError> {
+    match tokio::time::timeout(timeout, waiter).await {
+        Ok(Ok(ReceiptOutcome::Receipted(receipt))) => Ok(receipt),
+        Ok(Ok(ReceiptOutcome::Failed { code, message })) => {
+            Err(SendError::Failed { request_id, code, message })
+        }
+        Ok(Ok(ReceiptOutcome::Unknown { reason })) => {
+            Err(SendError::Unknown { request_id, reason })
+        }
+        Ok(Err(_)) => Err(SendError::Unknown { request_id, reason: "driver disconnected".into() }),
+        Err(_) => {
+            conn.forget_receipt(&request_id);
+            Err(SendError::Unknown {
+                request_id,
+                reason: format!("no receipt within {} s", timeout.as_secs()),
+            })
+        }
+    }
+}
+
+/// Sends an `outbound` with a given request id on a given connection; with `wait`, waits up
+/// to that long for the receipt. Without, the receipt is still counted when it arrives.
+pub async fn send_on(
+    inst: &Instance,
+    conn: &Connection,
+    request_id: Id,
+    message: OutboundMessage,
+    wait: Option<Duration>,
+) -> Result<SendOutcome, SendError> {
+    let waiter = handover(inst, conn, &request_id, message).await?;
+    let Some(timeout) = wait else {
+        return Ok(SendOutcome::handed(request_id, None));
+    };
+    let receipt = await_receipt(conn, request_id.clone(), waiter, timeout).await?;
+    Ok(SendOutcome::receipted(request_id, None, receipt))
+}
+
+/// Counts a receipt and completes its wait; false when nobody waits for it on `conn`.
+pub fn complete(
+    inst: &Instance,
+    conn: &Connection,
+    request_id: &Id,
+    outcome: ReceiptOutcome,
+) -> bool {
+    if matches!(outcome, ReceiptOutcome::Receipted(_)) {
+        Counters::bump(&inst.counters.receipts);
+    }
+    conn.complete_receipt(request_id, outcome)
+}

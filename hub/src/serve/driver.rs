@@ -1,0 +1,198 @@
+//! A driver connection: the handshake (`hello` for this instance, one driver per instance,
+//! `hello_ack` with the negotiated extensions), then its frames — inbound to the inbound
+//! path, receipts and errors to the outbox, command results and health to their waits.
+//! Legacy connections (no `hello`) use the same frame loop.
+
+use std::sync::Arc;
+
+use channeld_link::{FrameReader, FrameSink};
+use channeld_protocol::Frame;
+use channeld_protocol::ext::PeerDeclaration;
+use channeld_protocol::frame::{Hello, HelloAck, Lifecycle};
+use channeld_protocol::types::{Health, HealthState};
+use tokio::io::AsyncRead;
+use tracing::{debug, info, warn};
+
+use super::answer_decode_error;
+use crate::connection::{Connection, PeerKind};
+use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
+use crate::inbound;
+use crate::instance::Instance;
+use crate::outbox::receipts;
+
+/// Serves a connection that said `hello`, until it leaves or the hub closes connections.
+pub(super) async fn run<R: AsyncRead + Unpin>(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    hello: Hello,
+    sink: &FrameSink,
+    reader: &mut FrameReader<R>,
+    peer_pid: Option<i32>,
+) {
+    let Some(conn) = handshake(hub, inst, hello, sink, peer_pid).await else { return };
+    frames(hub, inst, &conn, reader, None).await;
+    conn.close();
+    inst.release(&conn);
+    info!(instance = %inst.config.id, conn = conn.id, "driver disconnected");
+}
+
+async fn handshake(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    hello: Hello,
+    sink: &FrameSink,
+    peer_pid: Option<i32>,
+) -> Option<Arc<Connection>> {
+    if hello.channel != inst.config.id {
+        let message =
+            format!("this socket serves {}, the hello names {}", inst.config.id, hello.channel);
+        warn!(instance = %inst.config.id, channel = %hello.channel, "hello for the wrong channel");
+        let _ = sink
+            .send(&Frame::error(Some(hello.request_id), "channel_mismatch", message, false))
+            .await;
+        return None;
+    }
+    let declaration = PeerDeclaration::from_hello(&hello, HUB_EXTENSIONS);
+    let conn = Arc::new(Connection::new(
+        hub.ids.connection(),
+        PeerKind::Driver,
+        sink.clone(),
+        declaration,
+        peer_pid,
+        inst.config.max_inflight,
+    ));
+    if let Err(existing) = inst.claim(&conn) {
+        warn!(
+            instance = %inst.config.id,
+            live = existing.id,
+            live_pid = ?existing.peer_pid,
+            new_pid = ?peer_pid,
+            "a second driver said hello while one is connected; refused"
+        );
+        let message = format!("{} already has a connected driver", inst.config.id);
+        let _ = sink
+            .send(&Frame::error(Some(hello.request_id), "already_connected", message, true))
+            .await;
+        return None;
+    }
+    if !hello.extensions.is_empty() {
+        let ack = Frame::HelloAck(HelloAck {
+            request_id: hello.request_id.clone(),
+            extensions: declaration.extensions.names(),
+            hub: HUB_NAME.to_owned(),
+        });
+        let _ = sink.send(&ack).await;
+    }
+    info!(
+        instance = %inst.config.id,
+        conn = conn.id,
+        pid = ?peer_pid,
+        capabilities = ?hello.capabilities.enabled(),
+        actions = ?hello.actions.enabled(),
+        extensions = ?declaration.extensions.names(),
+        "driver connected"
+    );
+    inst.set_health(Health::new(HealthState::Ready, Some("driver connected".into())));
+    if hub.ledger.is_on() {
+        // Hand the new driver the replies it missed and the sends queued for it.
+        let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+        hub.clone().tasks.spawn(async move {
+            inbound::reply::deliver_missed(&hub, &inst, &conn).await;
+            hub.outbox.dispatch_queued(&inst, &conn).await;
+        });
+    }
+    Some(conn)
+}
+
+/// Reads a driver's frames until it leaves or the hub closes connections (then it says
+/// `stop` first).
+pub(super) async fn frames<R: AsyncRead + Unpin>(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    conn: &Arc<Connection>,
+    reader: &mut FrameReader<R>,
+    mut first: Option<Frame>,
+) {
+    loop {
+        let item = match first.take() {
+            Some(frame) => Ok(Some(Ok(frame))),
+            None => tokio::select! {
+                biased;
+                () = hub.close_connections.cancelled() => {
+                    let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
+                    let _ = conn.sink.send(&stop).await;
+                    return;
+                }
+                item = reader.next() => item,
+                () = conn.sink.closed() => return,
+            },
+        };
+        let frame = match item {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(err))) => {
+                conn.touch();
+                inst.record_error(format!("bad line from driver: {err}"));
+                answer_decode_error(&conn.sink, &err);
+                continue;
+            }
+            Ok(None) => return,
+            Err(err) => {
+                debug!(instance = %inst.config.id, error = %err, "read failed");
+                return;
+            }
+        };
+        conn.touch();
+        match frame {
+            Frame::Start(_) => debug!(instance = %inst.config.id, "driver started"),
+            Frame::Stop(_) => {
+                info!(instance = %inst.config.id, conn = conn.id, "driver said stop");
+                return;
+            }
+            Frame::Inbound(inbound) => inbound::on_message(hub, inst, conn, inbound).await,
+            Frame::InboundEvent(event) => inbound::on_event(hub, inst, conn, event).await,
+            Frame::Receipt(receipt) => {
+                if let Some(event_id) = receipts::on_receipt(inst, conn, receipt) {
+                    inbound::reply::on_receipt(hub, inst, conn, event_id);
+                }
+            }
+            Frame::Error(err) => receipts::on_error(inst, conn, err),
+            Frame::CommandResult(result) => {
+                let request_id = result.request_id.clone();
+                if !conn.complete_command(result) {
+                    debug!(%request_id, "command_result nobody waits for");
+                }
+            }
+            Frame::Health(report) => inst.set_health(report.health),
+            Frame::HealthResponse(response) => {
+                conn.complete_health(&response.request_id, response.health)
+            }
+            Frame::HealthRequest(request) => {
+                let answer = Frame::HealthResponse(channeld_protocol::frame::HealthResponse {
+                    request_id: request.request_id,
+                    health: Health::new(HealthState::Ready, None),
+                });
+                let _ = conn.sink.try_send(&answer);
+            }
+            Frame::Event(_) => {}
+            Frame::Hello(hello) => {
+                let answer = Frame::error(
+                    Some(hello.request_id),
+                    "unexpected_frame",
+                    "hello was already received",
+                    false,
+                );
+                let _ = conn.sink.try_send(&answer);
+            }
+            other => {
+                let kind = other.type_name();
+                let answer = Frame::error(
+                    None,
+                    "unexpected_frame",
+                    format!("the hub does not accept {kind} frames from a driver"),
+                    false,
+                );
+                let _ = conn.sink.try_send(&answer);
+            }
+        }
+    }
+}

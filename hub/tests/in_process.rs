@@ -1,0 +1,253 @@
+//! The hub in process: connections served over in-memory pipes (`serve::serve`,
+//! `control::serve`) with the ledger in memory — the behaviour the cross-process tests check
+//! through real sockets, here without processes, files or sockets.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use channeld_hub::Hub;
+use channeld_hub::config::{HubConfig, Overrides};
+use channeld_hub::ledger::{DB_FILE, Durability, Ledger};
+use channeld_hub::outbox::SendRequest;
+use channeld_hub::send::SendState;
+use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
+use channeld_protocol::frame::{Hello, Inbound, Lifecycle};
+use channeld_protocol::types::{
+    Capabilities, InboundMessage, MessageBody, MessageTarget, OutboundMessage, Participant,
+};
+use channeld_protocol::{ChannelId, Frame, Id};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, DuplexStream, ReadHalf};
+use tokio_util::sync::CancellationToken;
+
+const ONE: &str = "test.one";
+const WAIT: Duration = Duration::from_secs(10);
+
+fn hub(extra: &str, ledger: Ledger) -> Arc<Hub> {
+    let text = format!("{extra}\n[instance.\"{ONE}\"]\nallow = [\"alice\"]\n");
+    let overrides =
+        Overrides { runtime_dir: Some("/nonexistent/in-process".into()), state_dir: None };
+    let config = HubConfig::parse(&text, Path::new("in-process.toml"), &overrides).unwrap();
+    Hub::new(config, ledger, CancellationToken::new())
+}
+
+fn id(value: &str) -> Id {
+    Id::new(value).unwrap()
+}
+
+/// The driver's end of an in-memory connection to the hub's instance `ONE`.
+struct Peer {
+    reader: FrameReader<ReadHalf<DuplexStream>>,
+    sink: FrameSink,
+    _writer: Writer,
+    served: tokio::task::JoinHandle<()>,
+}
+
+impl Peer {
+    fn connect(hub: &Arc<Hub>) -> Self {
+        let (ours, theirs) = tokio::io::duplex(256 * 1024);
+        let (read, write) = tokio::io::split(theirs);
+        let inst = hub.instance(ONE).unwrap().clone();
+        let served = tokio::spawn(channeld_hub::serve::serve(hub.clone(), inst, read, write, None));
+        let (read, write) = tokio::io::split(ours);
+        let (sink, writer) = spawn_writer(write, 64);
+        Self { reader: FrameReader::new(read), sink, _writer: writer, served }
+    }
+
+    async fn send(&self, frame: Frame) {
+        self.sink.send(&frame).await.unwrap();
+    }
+
+    async fn frame(&mut self) -> Frame {
+        match tokio::time::timeout(WAIT, self.reader.next()).await {
+            Ok(Ok(Some(Ok(frame)))) => frame,
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    async fn hello(&mut self, extensions: &[&str]) {
+        let mut capabilities = Capabilities::default();
+        capabilities.set("receive", true);
+        capabilities.set("send", true);
+        self.send(Frame::Hello(Hello {
+            request_id: id("hello"),
+            channel: ChannelId::new(ONE).unwrap(),
+            capabilities,
+            actions: Default::default(),
+            extensions: extensions.iter().map(|e| (*e).to_owned()).collect(),
+        }))
+        .await;
+        if !extensions.is_empty() {
+            assert!(matches!(self.frame().await, Frame::HelloAck(_)));
+        }
+    }
+
+    async fn inbound(&self, event_id: &str, sender: &str, text: &str) {
+        self.send(Frame::Inbound(Inbound {
+            event_id: id(event_id),
+            message: InboundMessage {
+                id: id(event_id),
+                target: MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1")),
+                sender: Participant::new(id(sender)),
+                body: MessageBody::text(text).unwrap(),
+                timestamp_ms: None,
+                metadata: Default::default(),
+            },
+        }))
+        .await;
+    }
+}
+
+fn reply_text(frame: Frame) -> String {
+    match frame {
+        Frame::Deliver(delivery) => delivery.message.body.text_str().to_owned(),
+        other => panic!("expected deliver, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_driver_in_memory_is_accepted_and_answered() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    driver.inbound("m-1", "alice", "ping").await;
+    match driver.frame().await {
+        Frame::Accepted(accepted) => assert!(accepted.event_id == "m-1" && !accepted.duplicate),
+        other => panic!("expected accepted, got {other:?}"),
+    }
+    assert_eq!(reply_text(driver.frame().await), "ping");
+    driver.inbound("m-2", "mallory", "let me in").await;
+    match driver.frame().await {
+        Frame::Error(err) => assert_eq!(err.code, "sender_denied"),
+        other => panic!("expected sender_denied, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_redelivery_replays_from_the_ledger_and_other_content_conflicts() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    driver.inbound("m-1", "alice", "first").await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(a) if !a.duplicate));
+    assert_eq!(reply_text(driver.frame().await), "first");
+    driver.inbound("m-1", "alice", "first").await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(a) if a.duplicate));
+    assert_eq!(reply_text(driver.frame().await), "first");
+    driver.inbound("m-1", "alice", "second").await;
+    match driver.frame().await {
+        Frame::Error(err) => assert!(err.code == "conflict" && !err.retryable),
+        other => panic!("expected conflict, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn help_is_answered_by_the_hub_without_a_ledger() {
+    let hub = hub("", Ledger::off());
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&[]).await;
+    driver.inbound("m-1", "alice", "/help").await;
+    assert!(reply_text(driver.frame().await).starts_with("Commands: /help"));
+}
+
+#[tokio::test]
+async fn closing_connections_says_stop_and_ends_the_connection() {
+    let hub = hub("", Ledger::off());
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    // The hub knows the driver once it answered something.
+    driver.inbound("m-1", "alice", "sync").await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+    assert_eq!(reply_text(driver.frame().await), "sync");
+    hub.close_connections.cancel();
+    assert!(matches!(driver.frame().await, Frame::Stop(Lifecycle { .. })));
+    tokio::time::timeout(WAIT, driver.served).await.expect("served ends").unwrap();
+    assert!(hub.instance(ONE).unwrap().live().is_none());
+}
+
+#[tokio::test]
+async fn repeated_idempotency_keys_leave_no_waiting_callers_behind() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    let message = OutboundMessage {
+        target: MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1")),
+        body: MessageBody::text("notice").unwrap(),
+        metadata: Default::default(),
+    };
+    let request = SendRequest {
+        instance: ONE.into(),
+        message,
+        wait: Some(Duration::from_millis(10)),
+        idempotency_key: Some("k-1".into()),
+    };
+    // No driver: the send waits in the outbox; every repeat waits briefly, then answers queued.
+    for _ in 0..20 {
+        let outcome = hub.outbox.submit(request.clone()).await.unwrap();
+        assert_eq!(outcome.state, SendState::Queued);
+    }
+    assert!(hub.outbox.waiters().is_empty(), "{} callers left waiting", hub.outbox.waiters().len());
+    // The queued send goes out when a driver connects, and its caller's wait is answered.
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&[]).await;
+    match driver.frame().await {
+        Frame::Outbound(outbound) => assert_eq!(outbound.message.body.text_str(), "notice"),
+        other => panic!("expected the queued send, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_control_protocol_is_served_in_memory() {
+    let hub = hub("", Ledger::off());
+    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+    let (read, write) = tokio::io::split(theirs);
+    tokio::spawn(channeld_hub::control::serve(hub.clone(), read, write));
+    let (read, mut write) = tokio::io::split(ours);
+    write.write_all(b"{\"id\":7,\"op\":\"status\"}\n{\"id\":8,\"op\":\"nope\"}\n").await.unwrap();
+    let mut lines = BufReader::new(read).lines();
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let line = tokio::time::timeout(WAIT, lines.next_line()).await.unwrap().unwrap().unwrap();
+        answers.push(serde_json::from_str::<serde_json::Value>(&line).unwrap());
+    }
+    answers.sort_by_key(|a| a["id"].as_u64());
+    assert_eq!(answers[0]["ok"], true);
+    assert_eq!(answers[0]["result"]["instances"][0]["instance"], ONE);
+    assert_eq!(answers[1]["ok"], false);
+    assert_eq!(answers[1]["error"]["code"], "invalid_request");
+}
+
+#[tokio::test]
+async fn an_entry_fingerprinted_by_an_older_hub_still_replays_after_the_upgrade() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let hub = hub("", Ledger::open(dir.path(), Durability::Normal).unwrap());
+        let mut driver = Peer::connect(&hub);
+        driver.hello(&["accepted"]).await;
+        driver.inbound("m-1", "alice", "before the upgrade").await;
+        assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+        assert_eq!(reply_text(driver.frame().await), "before the upgrade");
+        hub.ledger.close().await;
+    }
+    // What a hub of fingerprint version 1 left behind: a hash this build cannot reproduce.
+    let db = rusqlite::Connection::open(dir.path().join(DB_FILE)).unwrap();
+    let changed = db
+        .execute("UPDATE inbound SET hash_version = 1, content_hash = randomblob(32)", [])
+        .unwrap();
+    assert_eq!(changed, 1);
+    drop(db);
+
+    let hub = hub("", Ledger::open(dir.path(), Durability::Normal).unwrap());
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    driver.inbound("m-1", "alice", "before the upgrade").await;
+    match driver.frame().await {
+        Frame::Accepted(accepted) => assert!(accepted.duplicate, "ran again instead of replaying"),
+        other => panic!("expected a duplicate acceptance, got {other:?}"),
+    }
+    assert_eq!(reply_text(driver.frame().await), "before the upgrade");
+    driver.inbound("m-1", "alice", "other content").await;
+    match driver.frame().await {
+        Frame::Error(err) => assert_eq!(err.code, "conflict"),
+        other => panic!("expected conflict, got {other:?}"),
+    }
+    hub.ledger.close().await;
+}
