@@ -1,0 +1,329 @@
+//! The WeChat driver in-process between the SDK's fake hub and the fake iLink server: what it
+//! does with context tokens, replays, the cursor, long replies, typing, refusals, `-14`,
+//! server errors and a silent server, observed on both sides.
+
+use std::time::{Duration, Instant};
+
+use channeld_driver_sdk::protocol::types::{HealthState, MessageTarget};
+use channeld_driver_sdk::protocol::{ChannelId, Id};
+use channeld_driver_sdk::testing::{AckMode, FakeConnection, FakeHub};
+use channeld_driver_sdk::{CancellationToken, RunError, run_driver};
+use channeld_tests::fakes::wechat::{FakeIlink, FakeOptions, Mode};
+use channeld_wechat::state::{StateDir, StoredLogin};
+use channeld_wechat::{WechatConfig, WechatDriver};
+use tokio::task::JoinHandle;
+
+const CHANNEL: &str = "wechat.test";
+const ALICE: &str = "alice@im.wechat";
+/// How long a test waits for the driver to get somewhere.
+const WITHIN: Duration = Duration::from_secs(15);
+
+/// A driver wired to a fake hub and a fake iLink server.
+struct Rig {
+    fake: FakeIlink,
+    conn: FakeConnection,
+    state: tempfile::TempDir,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<(), RunError>>,
+    _hub: FakeHub,
+}
+
+impl Rig {
+    async fn start(options: FakeOptions, settings: &[(&str, &str)]) -> Self {
+        let fake = FakeIlink::start_with(options).await;
+        let hub = FakeHub::bind().await;
+        let state = tempfile::tempdir().unwrap();
+        let mut launch = hub
+            .launch_config(CHANNEL)
+            .with_var("WECHAT_BASE_URL", fake.base_url())
+            .with_var("WECHAT_BOT_TOKEN", fake.options().bot_token)
+            .with_var("WECHAT_STATE_DIR", state.path().display().to_string());
+        for (name, value) in settings {
+            launch = launch.with_var(name, *value);
+        }
+        let config = WechatConfig::from_launch(&launch, None).unwrap();
+        let driver = WechatDriver::new(config, reqwest::Client::new()).unwrap();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(run_driver(driver, launch, shutdown.clone()));
+        let mut conn = hub.accept().await;
+        conn.handshake(AckMode::Extensions).await;
+        Rig { fake, conn, state, shutdown, task, _hub: hub }
+    }
+
+    async fn quick(settings: &[(&str, &str)]) -> Self {
+        let options = FakeOptions {
+            hold: Duration::from_millis(500),
+            advertised_timeout: Duration::from_millis(500),
+            ..FakeOptions::default()
+        };
+        Self::start(options, settings).await
+    }
+
+    fn target(user: &str) -> MessageTarget {
+        MessageTarget::new(ChannelId::new(CHANNEL).unwrap(), Id::new(user).unwrap())
+    }
+
+    fn cursor(&self) -> String {
+        StateDir::open(self.state.path()).unwrap().load_cursor().unwrap()
+    }
+
+    /// Probes until the driver reports `state`; returns the report's detail.
+    async fn health(&mut self, state: HealthState, what: &str) -> String {
+        let deadline = Instant::now() + WITHIN;
+        for probe in 0.. {
+            let id = format!("probe-{probe}");
+            self.conn.health_request(&id).await;
+            let health = self.conn.expect_health_response(&id).await;
+            if health.state == state {
+                return health.detail.unwrap_or_default();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not {state:?} ({what}) within {WITHIN:?}: {health:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        unreachable!()
+    }
+
+    async fn stop(mut self) {
+        self.shutdown.cancel();
+        let (result, ()) = tokio::join!(self.task, async {
+            self.conn.expect_stop().await;
+        });
+        assert!(matches!(result, Ok(Ok(()))), "the driver did not stop cleanly: {result:?}");
+        self.fake.assert_no_violations();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_carries_the_context_token_and_the_cursor_moves_only_after_the_hub_accepted() {
+    let mut rig = Rig::quick(&[]).await;
+    let pushed = rig.fake.push_text(ALICE, "ping");
+    let inbound = rig.conn.expect_inbound().await;
+    assert_eq!(inbound.event_id.as_str(), format!("wx-{}", pushed.message_id));
+    assert_eq!(inbound.message.body.text_str(), "ping");
+    assert_eq!(inbound.message.target.conversation.as_str(), ALICE);
+    assert_eq!(rig.cursor(), "", "nothing is committed before the hub answered");
+
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    let deadline = Instant::now() + WITHIN;
+    while rig.cursor().is_empty() {
+        assert!(Instant::now() < deadline, "the cursor was never saved after the acceptance");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cursor = rig.cursor();
+    rig.fake
+        .wait_for(WITHIN, "a poll with the new cursor", |r| {
+            r.of("getupdates")
+                .iter()
+                .any(|p| p.body["get_updates_buf"] == cursor.as_str())
+                .then_some(())
+        })
+        .await;
+
+    rig.conn.deliver(&inbound.event_id, inbound.message.target.clone(), "pong").await;
+    let receipt = rig.conn.expect_receipt(&inbound.event_id).await;
+    let sent = rig.fake.records().sent;
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].text.as_deref(), Some("pong"));
+    assert_eq!(sent[0].context_token, pushed.context_token);
+    assert_eq!(receipt.message_id.as_str(), sent[0].client_id);
+    let start = rig.fake.records().notifications;
+    assert_eq!(start, ["msg/notifystart"]);
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_message_is_not_passed_on_again() {
+    let mut rig = Rig::quick(&[]).await;
+    let first = rig.fake.push_text(ALICE, "once");
+    let inbound = rig.conn.expect_inbound().await;
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    rig.fake
+        .wait_for(WITHIN, "the first batch", |r| (r.batches_handed_out == 1).then_some(()))
+        .await;
+    rig.fake.replay(first.message_id);
+    rig.fake.wait_for(WITHIN, "the replay", |r| (r.batches_handed_out == 2).then_some(())).await;
+    rig.fake.push_text(ALICE, "twice?");
+    let next = rig.conn.expect_inbound().await;
+    assert_eq!(next.message.body.text_str(), "twice?", "the replay was dropped");
+    rig.conn.accept_inbound(&next.event_id).await;
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_reply_is_posted_in_order_one_chunk_per_request() {
+    let mut rig = Rig::quick(&[]).await;
+    rig.fake.push_text(ALICE, "tell me a lot");
+    let inbound = rig.conn.expect_inbound().await;
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    let text: String = (0..1000).map(|n| format!("line {n:04}\n")).collect();
+    rig.conn.deliver(&inbound.event_id, inbound.message.target.clone(), &text).await;
+    rig.conn.expect_receipt(&inbound.event_id).await;
+    let parts = rig.fake.records().texts_to(ALICE);
+    assert_eq!(parts.len(), 3, "10,000 characters in 4,000-character requests");
+    assert!(parts.iter().all(|p| p.chars().count() <= 4000));
+    assert_eq!(parts.join("\n"), text.trim_end(), "in order, nothing lost");
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_without_a_usable_context_token_fails_and_is_not_retried() {
+    let mut rig = Rig::quick(&[]).await;
+    rig.conn.outbound("send-1", Rig::target("stranger@im.wechat"), "hello?").await;
+    let err = rig.conn.expect_error("send-1").await;
+    assert_eq!(err.code, "send_failed");
+    assert!(err.message.contains("no context token"), "{}", err.message);
+    assert_eq!(rig.fake.records().count("sendmessage"), 0, "nothing sent without a token");
+
+    rig.fake.push_text(ALICE, "hi");
+    let inbound = rig.conn.expect_inbound().await;
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    rig.fake.revoke_context_tokens(ALICE);
+    rig.conn.outbound("send-2", Rig::target(ALICE), "refused").await;
+    let err = rig.conn.expect_error("send-2").await;
+    assert_eq!(err.code, "send_failed");
+    assert!(
+        err.message.contains("code -2") && err.message.contains("write to the bot again"),
+        "{}",
+        err.message
+    );
+    rig.conn.outbound("send-3", Rig::target(ALICE), "again").await;
+    let err = rig.conn.expect_error("send-3").await;
+    assert!(err.message.contains("refused the last context token"), "{}", err.message);
+    assert_eq!(
+        rig.fake.records().count("sendmessage"),
+        1,
+        "the refused token is not presented again"
+    );
+
+    rig.fake.push_text(ALICE, "back");
+    let inbound = rig.conn.expect_inbound().await;
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    rig.conn.outbound("send-4", Rig::target(ALICE), "welcome back").await;
+    rig.conn.expect_receipt("send-4").await;
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typing_is_refreshed_while_the_run_goes_and_cancelled_after_the_reply() {
+    let mut rig = Rig::quick(&[("WECHAT_TYPING_INTERVAL_SECONDS", "0.2")]).await;
+    rig.fake.push_text(ALICE, "think hard");
+    let inbound = rig.conn.expect_inbound().await;
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    rig.fake
+        .wait_for(WITHIN, "three typing refreshes", |r| {
+            (r.typing.iter().filter(|t| t.status == 1).count() >= 3).then_some(())
+        })
+        .await;
+    rig.conn.deliver(&inbound.event_id, inbound.message.target.clone(), "done").await;
+    rig.conn.expect_receipt(&inbound.event_id).await;
+    let records = rig
+        .fake
+        .wait_for(WITHIN, "typing cancelled", |r| {
+            (r.typing.last().is_some_and(|t| t.status == 2)).then(|| r.clone())
+        })
+        .await;
+    assert_eq!(records.configs, [ALICE], "one ticket, cached");
+    let reply_at = records.sent[0].at;
+    assert!(records.typing.last().unwrap().at >= reply_at, "cancelled after the reply");
+    assert!(records.typing.iter().all(|t| t.user == ALICE));
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_pauses_polling_until_a_new_login_appears() {
+    let mut rig = Rig::quick(&[("WECHAT_AUTH_RETRY_SECONDS", "0")]).await;
+    rig.health(HealthState::Ready, "polling").await;
+    rig.fake.expire_bot_token();
+    let detail = rig.health(HealthState::Unavailable, "after -14").await;
+    assert!(detail.starts_with("auth_expired"), "{detail}");
+    let old = format!("Bearer {}", rig.fake.options().bot_token);
+    let polls_with_old = |r: &channeld_tests::fakes::wechat::Records| {
+        r.of("getupdates")
+            .iter()
+            .filter(|p| p.header("authorization") == Some(old.as_str()))
+            .count()
+    };
+    let paused_at = polls_with_old(&rig.fake.records());
+
+    rig.conn.outbound("send-1", Rig::target(ALICE), "while expired").await;
+    let err = rig.conn.expect_error("send-1").await;
+    assert!(err.message.contains("auth_expired"), "{}", err.message);
+
+    rig.fake.set_bot_token("renewed");
+    StateDir::open(rig.state.path())
+        .unwrap()
+        .save_login(&StoredLogin {
+            bot_token: "renewed".into(),
+            bot_id: "bot@im.bot".into(),
+            user_id: None,
+            base_url: None,
+            saved_at_ms: 0,
+            previous_tokens: Vec::new(),
+        })
+        .unwrap();
+    rig.health(HealthState::Ready, "after the new login").await;
+    let records = rig
+        .fake
+        .wait_for(WITHIN, "a poll with the new token", |r| {
+            r.of("getupdates")
+                .iter()
+                .any(|p| p.header("authorization") == Some("Bearer renewed"))
+                .then(|| r.clone())
+        })
+        .await;
+    assert_eq!(polls_with_old(&records), paused_at, "no poll with the expired token while paused");
+    assert_eq!(records.notifications, ["msg/notifystart", "msg/notifystart"], "a new session");
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_are_retried_then_backed_off_with_the_attempt_in_the_health() {
+    let settings = [
+        ("WECHAT_RETRY_SECONDS", "0.05"),
+        ("WECHAT_BACKOFF_SECONDS", "0.6"),
+        ("WECHAT_BACKOFF_AFTER", "3"),
+    ];
+    let mut rig = Rig::quick(&settings).await;
+    rig.fake.set_op_mode("getupdates", Mode::Http(502));
+    let records = rig
+        .fake
+        .wait_for(WITHIN, "five failing polls", |r| (r.count("getupdates") >= 5).then(|| r.clone()))
+        .await;
+    let detail = rig.health(HealthState::Degraded, "HTTP 502").await;
+    assert!(detail.contains("HTTP 502") && detail.contains("attempt"), "{detail}");
+    let at: Vec<Instant> = records.of("getupdates").iter().map(|p| p.at).collect();
+    // Polls 1-3 fail with the short retry in between; from the third failure on, the backoff.
+    assert!(at[3] - at[2] >= Duration::from_millis(550), "backed off after three failures");
+    assert!(at[2] - at[1] < Duration::from_millis(550), "retried quickly before that");
+    rig.fake.set_op_mode("getupdates", Mode::Normal);
+    rig.health(HealthState::Ready, "after the server recovered").await;
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_is_an_empty_poll_with_the_servers_timeout_not_an_error() {
+    let options = FakeOptions {
+        hold: Duration::from_millis(200),
+        advertised_timeout: Duration::from_millis(1000),
+        ..FakeOptions::default()
+    };
+    let mut rig = Rig::start(options, &[]).await;
+    rig.fake
+        .wait_for(WITHIN, "an answered poll", |r| (r.count("getupdates") >= 2).then_some(()))
+        .await;
+    rig.fake.set_op_mode("getupdates", Mode::Silent);
+    let detail = rig.health(HealthState::Degraded, "three unanswered polls").await;
+    assert!(detail.contains("has not answered 3 long polls"), "{detail}");
+    let records = rig.fake.records();
+    let silent: Vec<Instant> =
+        records.of("getupdates").iter().rev().take(3).map(|p| p.at).collect();
+    // 1 s from the server plus the 2 s grace, with no retry delay after a client timeout.
+    assert!(silent[0] - silent[1] >= Duration::from_millis(2900));
+    assert!(silent[0] - silent[1] < Duration::from_millis(4500));
+    rig.fake.set_op_mode("getupdates", Mode::Normal);
+    rig.health(HealthState::Ready, "the server answers again").await;
+    rig.stop().await;
+}
