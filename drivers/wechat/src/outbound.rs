@@ -4,9 +4,11 @@
 //! No context token, `ret: -2` or any other refusal is a failed send with the code and what
 //! to do; a token the server refused is not presented again until the user writes anew, and
 //! nothing is retried here. A request that may have reached the server without an answer is
-//! reported as unknown. A reply's progress is persisted after every part, so a reply the hub
-//! delivers again (after a crash, or a duplicate inbound) resumes after the last part posted
-//! instead of repeating it, and a finished one is answered with its receipt.
+//! reported as unknown. A reply's progress is persisted around every part: before a part
+//! leaves it is marked in doubt, after the answer it counts as posted. A reply the hub delivers
+//! again (after a crash, or for a duplicate inbound) is answered with its receipt when it was
+//! posted, resumes after the last part posted when it was cut short, and is reported unknown
+//! — never sent again — when the driver died while a part was on its way.
 
 use std::sync::Arc;
 
@@ -79,10 +81,18 @@ impl Outbound {
             posted: 0,
             total: parts.len() as u32,
             last_client_id: String::new(),
+            in_doubt: None,
         };
         if let Some(event_id) = event_id
             && let Some(earlier) = self.store.reply(event_id).filter(|p| p.digest == digest)
         {
+            if let Some(client_id) = &earlier.in_doubt {
+                return Err(PostError::unknown(format!(
+                    "an earlier attempt to post part {} of {} (client id {client_id}) ended without an answer; it may or may not have been posted, so it is not sent again",
+                    earlier.posted + 1,
+                    earlier.total
+                )));
+            }
             if earlier.done() {
                 debug!(event_id, "reply already posted; answering with its receipt");
                 return Ok(earlier.last_client_id);
@@ -121,6 +131,17 @@ impl Outbound {
         };
         for (index, part) in parts.iter().enumerate().skip(progress.posted as usize) {
             let client_id = client_id();
+            // A reply's part is marked in doubt on disk before it leaves: if the driver dies
+            // before the answer, the redelivered reply is reported unknown, not posted twice.
+            if let Some(event_id) = event_id {
+                progress.in_doubt = Some(client_id.clone());
+                self.store.record_reply(event_id, progress.clone()).await.map_err(|err| {
+                    PostError::failed(
+                        format!("cannot record the reply before posting it: {err}"),
+                        true,
+                    )
+                })?;
+            }
             let message = OutgoingMessage::text(user, &client_id, &context, part);
             let sent = self
                 .client
@@ -131,20 +152,36 @@ impl Outbound {
                     self.config.send_timeout,
                 )
                 .await;
-            if let Err(err) = sent {
-                return Err(self
-                    .failure(err, user, &context, &credentials.token, index, &progress)
-                    .await);
+            match sent {
+                Ok(()) => {
+                    progress.posted += 1;
+                    progress.last_client_id = client_id;
+                    progress.in_doubt = None;
+                }
+                Err(err) => {
+                    if !err.may_have_acted() {
+                        progress.in_doubt = None;
+                    }
+                    let failure = self
+                        .failure(err, user, &context, &credentials.token, index, &progress)
+                        .await;
+                    self.save_progress(event_id, &progress).await;
+                    return Err(failure);
+                }
             }
-            progress.posted += 1;
-            progress.last_client_id = client_id;
-            if let Some(event_id) = event_id
-                && let Err(err) = self.store.record_reply(event_id, progress.clone()).await
-            {
-                warn!(event_id, error = %err, "reply progress not saved; a redelivery could repeat parts");
-            }
+            self.save_progress(event_id, &progress).await;
         }
         Ok(progress.last_client_id)
+    }
+
+    /// Persists a reply's progress; a failure leaves the older record (more conservative:
+    /// a part recorded in doubt stays in doubt).
+    async fn save_progress(&self, event_id: Option<&str>, progress: &ReplyProgress) {
+        if let Some(event_id) = event_id
+            && let Err(err) = self.store.record_reply(event_id, progress.clone()).await
+        {
+            warn!(event_id, error = %err, "reply progress not saved");
+        }
     }
 
     /// The post error for a part that failed, after updating what the failure teaches.

@@ -82,15 +82,19 @@ impl Poller<'_> {
                 Ok(response) => {
                     failures = 0;
                     silent = 0;
-                    self.report.link(Link::Polling);
                     if let Some(ms) = response.longpolling_timeout_ms.filter(|ms| *ms > 0) {
                         server_timeout = Some(
                             Duration::from_millis(ms).clamp(MIN_POLL_TIMEOUT, MAX_POLL_TIMEOUT),
                         );
                     }
+                    // Ready once the batch is handed over: by then its context tokens are
+                    // on disk, so a send right after the report finds them.
                     match self.batch(hub, response, shutdown).await {
                         Ok(Batch::Stopping) => break,
-                        Ok(Batch::Done | Batch::Incomplete) => continue,
+                        Ok(Batch::Done | Batch::Incomplete) => {
+                            self.report.link(Link::Polling);
+                            continue;
+                        }
                         Err(err) => format!("cannot save the state: {err}"),
                     }
                 }

@@ -165,8 +165,13 @@ mod tests {
         store.save_contexts().await.unwrap();
         store.save_seen().await.unwrap();
         store.save_cursor("c-2".into()).await.unwrap();
-        let progress =
-            ReplyProgress { digest: "d".into(), posted: 1, total: 2, last_client_id: "k".into() };
+        let progress = ReplyProgress {
+            digest: "d".into(),
+            posted: 1,
+            total: 2,
+            last_client_id: "k".into(),
+            in_doubt: None,
+        };
         store.record_reply("wx-1", progress.clone()).await.unwrap();
 
         let again = Store::load(StateDir::open(dir.path()).unwrap(), ttl).unwrap();

@@ -327,3 +327,24 @@ async fn a_silent_server_is_an_empty_poll_with_the_servers_timeout_not_an_error(
     rig.health(HealthState::Ready, "the server answers again").await;
     rig.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_without_an_answer_is_unknown_and_never_sent_again() {
+    let mut rig = Rig::quick(&[("WECHAT_SEND_TIMEOUT_SECONDS", "0.3")]).await;
+    rig.fake.push_text(ALICE, "hello");
+    let inbound = rig.conn.expect_inbound().await;
+    rig.conn.accept_inbound(&inbound.event_id).await;
+    rig.fake.set_op_mode("sendmessage", Mode::Slow(Duration::from_secs(2)));
+    rig.conn.deliver(&inbound.event_id, inbound.message.target.clone(), "slow answer").await;
+    let err = rig.conn.expect_error(&inbound.event_id).await;
+    assert_eq!(err.code, "send_unknown", "{}", err.message);
+
+    // The hub delivers the reply again (as after a reconnect): it is not posted again.
+    rig.fake.set_op_mode("sendmessage", Mode::Normal);
+    rig.conn.deliver(&inbound.event_id, inbound.message.target.clone(), "slow answer").await;
+    let again = rig.conn.expect_error(&inbound.event_id).await;
+    assert_eq!(again.code, "send_unknown");
+    assert!(again.message.contains("not sent again"), "{}", again.message);
+    assert_eq!(rig.fake.records().count("sendmessage"), 1);
+    rig.stop().await;
+}

@@ -23,6 +23,10 @@ pub struct ReplyProgress {
     pub total: u32,
     /// The client id of the last part posted: the receipt's message id.
     pub last_client_id: String,
+    /// A part sent without a known outcome (the driver died or the request timed out):
+    /// its client id. A reply in doubt is reported unknown, never sent again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_doubt: Option<String>,
 }
 
 impl ReplyProgress {
@@ -128,8 +132,13 @@ mod tests {
     #[test]
     fn reply_progress_is_kept_per_message_and_a_reply_alone_does_not_settle() {
         let mut seen = SeenSet::default();
-        let progress =
-            ReplyProgress { digest: "d".into(), posted: 1, total: 3, last_client_id: "c1".into() };
+        let progress = ReplyProgress {
+            digest: "d".into(),
+            posted: 1,
+            total: 3,
+            last_client_id: "c1".into(),
+            in_doubt: None,
+        };
         seen.record_reply("wx-2", progress.clone(), 5);
         assert!(!seen.is_settled("wx-2"));
         assert_eq!(seen.reply("wx-2"), Some(&progress));
