@@ -17,6 +17,10 @@ use crate::ilink::{
     QrStatusResponse, SendMessageRequest, SendTypingRequest, Status, header, op,
 };
 
+/// The largest answer read: a batch of messages is far smaller; more is a broken server, and
+/// reading it whole would let it take the driver's memory.
+pub const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
 /// Why a call did not succeed. [`CallError::may_have_acted`] tells a failure that certainly
 /// changed nothing from one whose outcome is unknown.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -266,7 +270,17 @@ impl IlinkClient {
         if !status.is_success() {
             return Err(CallError::Http { op, status: status.as_u16() });
         }
-        let bytes = response.bytes().await.map_err(|err| classify(op, timeout, err))?;
+        let mut response = response;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|err| classify(op, timeout, err))? {
+            if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(CallError::Decode {
+                    op,
+                    reason: format!("the answer is larger than {MAX_ANSWER_BYTES} bytes"),
+                });
+            }
+            bytes.extend_from_slice(&chunk);
+        }
         serde_json::from_slice(&bytes).map_err(|err| CallError::Decode {
             op,
             // serde's message names the position and what was expected, never the content.

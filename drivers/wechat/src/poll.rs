@@ -32,6 +32,9 @@ pub const POLL_GRACE: Duration = Duration::from_secs(2);
 pub const MIN_POLL_TIMEOUT: Duration = Duration::from_secs(1);
 pub const MAX_POLL_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// `msg/notifystop` goes out while the SDK drains: it may take at most this long.
+pub const NOTIFY_STOP_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Reports the link state (the platform turns it into health).
 pub trait LinkReport: Send + Sync + std::fmt::Debug {
     fn link(&self, link: Link);
@@ -140,10 +143,12 @@ impl Poller<'_> {
 
     /// `msg/notifystart` or `msg/notifystop`, best effort (a `-14` pauses like a poll's).
     async fn notify(&self, credentials: &Credentials, which: &'static str) {
-        let result = self
-            .client
-            .notify(&credentials.base_url, &credentials.token, which, self.config.request_timeout)
-            .await;
+        let timeout = match which {
+            op::NOTIFY_STOP => self.config.request_timeout.min(NOTIFY_STOP_TIMEOUT),
+            _ => self.config.request_timeout,
+        };
+        let result =
+            self.client.notify(&credentials.base_url, &credentials.token, which, timeout).await;
         match result {
             Ok(()) => debug!(op = which, "notified the server"),
             Err(err) if err.session_expired() => {

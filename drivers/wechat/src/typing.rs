@@ -28,6 +28,8 @@ pub const TICKET_TTL: Duration = Duration::from_secs(24 * 3600);
 pub const MAX_ACTIVE: usize = 256;
 /// Tickets cached; beyond, expired ones and then the oldest are dropped.
 pub const MAX_TICKETS: usize = 10_000;
+/// Longest wait for a "stopped typing" answer.
+pub const TYPING_OFF_TIMEOUT: Duration = Duration::from_secs(3);
 /// Answered events remembered so a late acceptance does not start an indicator.
 const MAX_ANSWERED: usize = 1024;
 /// The reason an indicator was started without an event (a `typing` effect).
@@ -194,16 +196,14 @@ impl Typing {
 
     async fn send(&self, user: &str, ticket: &str, status: i64) -> bool {
         let Some(credentials) = self.session.current() else { return false };
+        // "Stopped" also goes out while the driver drains: it must not hold the drain up.
+        let timeout = match status {
+            TYPING_OFF => self.config.request_timeout.min(TYPING_OFF_TIMEOUT),
+            _ => self.config.request_timeout,
+        };
         let sent = self
             .client
-            .send_typing(
-                &credentials.base_url,
-                &credentials.token,
-                user,
-                ticket,
-                status,
-                self.config.request_timeout,
-            )
+            .send_typing(&credentials.base_url, &credentials.token, user, ticket, status, timeout)
             .await;
         match sent {
             Ok(()) => true,
