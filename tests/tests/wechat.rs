@@ -5,15 +5,14 @@
 //! context token.
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use channeld_tests::fakes::wechat::{FakeIlink, FakeOptions, LoginStep, Records};
-use channeld_tests::{HubProcess, workspace_bin, write_script};
+use channeld_tests::{DriverProcess, HubProcess, counting_agent, workspace_bin, write_script};
 use serde_json::Value;
 
 const INSTANCE: &str = "wechat.test";
@@ -45,62 +44,9 @@ fn with_token(mut env: Vec<(String, String)>, fake: &FakeIlink) -> Vec<(String, 
     env
 }
 
-/// A `channeld-wechat` process serving one instance of a hub. Killed on drop; its log is
-/// printed when the test fails.
-struct DriverProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl DriverProcess {
-    fn spawn(hub: &HubProcess, env: &[(String, String)]) -> Self {
-        let log = hub.dir.path().join("wechat.driver.log");
-        let stderr = OpenOptions::new().create(true).append(true).open(&log).expect("driver log");
-        let mut command = Command::new(workspace_bin("channeld-wechat"));
-        command
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("CHANNELD_CHANNEL_ID", INSTANCE)
-            .env("CHANNELD_SOCKET", hub.socket(INSTANCE))
-            .env("CHANNELD_LOG", "debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
-        for (name, value) in env {
-            command.env(name, value);
-        }
-        Self { child: command.spawn().expect("spawn channeld-wechat"), log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM and the exit status.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        // SAFETY: a plain syscall on our own child's PID.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait driver") {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "driver ignored SIGTERM:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for DriverProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("---- {} ----\n{}", self.log.display(), self.log());
-        }
-    }
+/// `channeld-wechat` serving the instance.
+fn start_driver(hub: &HubProcess, env: &[(String, String)]) -> DriverProcess {
+    DriverProcess::spawn("channeld-wechat", hub, INSTANCE, env)
 }
 
 /// A hub serving the instance with the echo runtime (or `agent`), letting `allow` talk.
@@ -145,7 +91,7 @@ async fn a_message_round_trips_through_the_hub_with_the_users_context_token() {
     let fake = quick_fake().await;
     let state = tempfile::tempdir().unwrap();
     let hub = hub_with(&[ALICE], None, "");
-    let mut driver = DriverProcess::spawn(&hub, &with_token(settings(&fake, state.path()), &fake));
+    let mut driver = start_driver(&hub, &with_token(settings(&fake, state.path()), &fake));
     wait_health(&hub, "Ready", &|| driver.log()).await;
 
     let pushed = fake.push_text(ALICE, "你好, channeld");
@@ -173,7 +119,7 @@ async fn replays_seconds_or_a_restart_later_are_answered_once() {
     let state = tempfile::tempdir().unwrap();
     let hub = hub_with(&[ALICE], None, "");
     let env = with_token(settings(&fake, state.path()), &fake);
-    let mut driver = DriverProcess::spawn(&hub, &env);
+    let mut driver = start_driver(&hub, &env);
     wait_health(&hub, "Ready", &|| driver.log()).await;
 
     let first = fake.push_text(ALICE, "only once");
@@ -184,7 +130,7 @@ async fn replays_seconds_or_a_restart_later_are_answered_once() {
 
     // Later (the replay set is on disk): a new driver process, the same replay again.
     assert!(driver.terminate().success());
-    let driver = DriverProcess::spawn(&hub, &env);
+    let driver = start_driver(&hub, &env);
     wait_health(&hub, "Ready", &|| driver.log()).await;
     fake.replay(first.message_id);
     fake.wait_for(WITHIN, "the late replay handed out", |r| {
@@ -200,23 +146,6 @@ async fn replays_seconds_or_a_restart_later_are_answered_once() {
         "replays never reached the hub"
     );
     fake.assert_no_violations();
-}
-
-/// An agent that appends the run's event id to `log`, waits a little (so kills find runs in
-/// flight), then answers with it.
-fn counting_agent(dir: &Path, log: &Path) -> PathBuf {
-    write_script(
-        dir,
-        "agent.sh",
-        &format!(
-            "IFS= read -r line\n\
-             id=$(printf '%s' \"$line\" | sed -n 's/.*\"event_id\":\"\\([^\"]*\\)\".*/\\1/p')\n\
-             echo \"$id\" >> '{}'\n\
-             sleep 0.05\n\
-             echo \"done $id\"\n",
-            log.display()
-        ),
-    )
 }
 
 fn driver_pid(hub: &HubProcess) -> Option<i32> {
@@ -238,7 +167,8 @@ async fn sigkills_between_and_during_batches_lose_nothing_and_answer_nothing_twi
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("wechat-state");
     let runs_log = dir.path().join("runs.log");
-    let agent = counting_agent(dir.path(), &runs_log);
+    // A short pause in each run, so kills find runs in flight.
+    let agent = counting_agent(dir.path(), &runs_log, "0.05");
     let spawn_env: Vec<String> = with_token(settings(&fake, &state), &fake)
         .into_iter()
         .map(|(name, value)| format!("{name} = \"{value}\""))
@@ -346,7 +276,7 @@ async fn minus_14_shows_auth_expired_pauses_polling_and_a_new_token_recovers() {
     let mut env = settings(&fake, state.path());
     env.push(("CREDENTIALS_DIRECTORY".into(), credentials.path().display().to_string()));
     let hub = hub_with(&[ALICE], None, "");
-    let driver = DriverProcess::spawn(&hub, &env);
+    let driver = start_driver(&hub, &env);
     wait_health(&hub, "Ready", &|| driver.log()).await;
 
     fake.expire_bot_token();
@@ -422,7 +352,7 @@ async fn login_against_the_fake_stores_a_state_the_driver_runs_on() {
     // The driver needs nothing else: token and base URL come from the stored login.
     let hub = hub_with(&[ALICE], None, "");
     let env = vec![("CHANNELD_WECHAT_STATE_DIR".to_owned(), state.path().display().to_string())];
-    let driver = DriverProcess::spawn(&hub, &env);
+    let driver = start_driver(&hub, &env);
     wait_health(&hub, "Ready", &|| driver.log()).await;
     fake.push_text(ALICE, "hello new bot");
     let records = wait_sent(&fake, 1, "the reply").await;
@@ -441,7 +371,7 @@ async fn a_long_reply_is_chunked_in_order() {
         "cat > /dev/null\nawk 'BEGIN { for (i = 0; i < 1000; i++) printf \"line %04d of the answer\\n\", i }'\n",
     );
     let hub = hub_with(&[ALICE], Some(&agent), "");
-    let driver = DriverProcess::spawn(&hub, &with_token(settings(&fake, dir.path()), &fake));
+    let driver = start_driver(&hub, &with_token(settings(&fake, dir.path()), &fake));
     wait_health(&hub, "Ready", &|| driver.log()).await;
     fake.push_text(ALICE, "tell me everything");
     let records = fake
@@ -474,7 +404,7 @@ async fn typing_is_refreshed_while_a_slow_agent_runs_and_cancelled_after_its_rep
     let hub = hub_with(&[ALICE], Some(&agent), "");
     let mut env = with_token(settings(&fake, dir.path()), &fake);
     env.push(("CHANNELD_WECHAT_TYPING_INTERVAL_SECONDS".into(), "0.3".into()));
-    let driver = DriverProcess::spawn(&hub, &env);
+    let driver = start_driver(&hub, &env);
     wait_health(&hub, "Ready", &|| driver.log()).await;
     fake.push_text(ALICE, "think about it");
     wait_sent(&fake, 1, "the slow reply").await;
@@ -496,7 +426,7 @@ async fn a_proactive_send_needs_the_users_context_token() {
     let fake = quick_fake().await;
     let state = tempfile::tempdir().unwrap();
     let hub = hub_with(&[ALICE, BOB], None, "");
-    let driver = DriverProcess::spawn(&hub, &with_token(settings(&fake, state.path()), &fake));
+    let driver = start_driver(&hub, &with_token(settings(&fake, state.path()), &fake));
     wait_health(&hub, "Ready", &|| driver.log()).await;
 
     let refused = hub.ctl(&["send", INSTANCE, "--conversation", BOB, "hello bob"]);

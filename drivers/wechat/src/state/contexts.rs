@@ -105,16 +105,7 @@ impl ContextTokens {
     }
 
     fn cap(&mut self) {
-        if self.users.len() <= MAX_USERS {
-            return;
-        }
-        let mut ages: Vec<(u64, String)> =
-            self.users.iter().map(|(user, kept)| (kept.received_ms, user.clone())).collect();
-        ages.sort_unstable();
-        let drop = self.users.len() - MAX_USERS + MAX_USERS / 10;
-        for (_, user) in ages.into_iter().take(drop) {
-            self.users.remove(&user);
-        }
+        super::evict_oldest(&mut self.users, MAX_USERS, |kept| kept.received_ms);
     }
 }
 

@@ -15,6 +15,7 @@
 mod contexts;
 mod seen;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -189,6 +190,21 @@ impl StateDir {
 #[derive(Deserialize)]
 struct VersionOnly {
     version: u32,
+}
+
+/// Above `max` entries, forgets the oldest tenth (by `age`) at once: one sort per many
+/// inserts instead of one per insert.
+fn evict_oldest<V>(map: &mut HashMap<String, V>, max: usize, age: impl Fn(&V) -> u64) {
+    if map.len() <= max {
+        return;
+    }
+    let mut ages: Vec<(u64, String)> =
+        map.iter().map(|(key, value)| (age(value), key.clone())).collect();
+    ages.sort_unstable();
+    let drop = map.len() - max + max / 10;
+    for (_, key) in ages.into_iter().take(drop) {
+        map.remove(&key);
+    }
 }
 
 /// Replaces `dir/name` with `bytes`: temp file (0600, exclusive), write, fsync, rename,

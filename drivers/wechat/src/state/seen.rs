@@ -96,18 +96,8 @@ impl SeenSet {
         })
     }
 
-    /// Above [`MAX_ENTRIES`], forgets the oldest tenth at once (one sort per many inserts).
     fn cap(&mut self) {
-        if self.entries.len() <= MAX_ENTRIES {
-            return;
-        }
-        let mut ages: Vec<(u64, String)> =
-            self.entries.iter().map(|(id, seen)| (seen.first_ms, id.clone())).collect();
-        ages.sort_unstable();
-        let drop = self.entries.len() - MAX_ENTRIES + MAX_ENTRIES / 10;
-        for (_, id) in ages.into_iter().take(drop) {
-            self.entries.remove(&id);
-        }
+        super::evict_oldest(&mut self.entries, MAX_ENTRIES, |seen| seen.first_ms);
     }
 }
 
