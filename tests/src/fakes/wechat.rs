@@ -43,6 +43,8 @@ pub struct FakeOptions {
     pub batch_limit: usize,
     /// Sends one context token allows.
     pub context_token_uses: u32,
+    /// How long a context token stays valid (WeChat: about a day).
+    pub context_token_ttl: Duration,
 }
 
 impl Default for FakeOptions {
@@ -54,6 +56,7 @@ impl Default for FakeOptions {
             advertised_timeout: Duration::from_secs(35),
             batch_limit: 20,
             context_token_uses: 10,
+            context_token_ttl: Duration::from_secs(24 * 3600),
         }
     }
 }

@@ -248,3 +248,70 @@ fn a_code_fence_cut_in_two_is_closed_and_reopened() {
     assert!(parts[1].starts_with("```\n"));
     assert!(parts.last().unwrap().ends_with("done"));
 }
+
+fn message(value: serde_json::Value) -> WeixinMessage {
+    serde_json::from_value(value).unwrap()
+}
+
+#[test]
+fn a_group_message_stays_in_the_senders_conversation_and_names_the_group() {
+    let converted = convert(&message(serde_json::json!({
+        "message_id": 5, "from_user_id": "u@im.wechat", "group_id": "g-9@chatroom",
+        "message_type": 1, "message_state": 2,
+        "item_list": [{"type": 1, "text_item": {"text": "hi all"}}]
+    })))
+    .unwrap();
+    assert_eq!(converted.message.target.conversation.as_str(), "u@im.wechat");
+    assert_eq!(converted.message.metadata[META_GROUP_ID], "g-9@chatroom");
+}
+
+#[test]
+fn several_items_join_in_order_and_quoted_media_becomes_a_placeholder() {
+    let converted = convert(&message(serde_json::json!({
+        "message_id": 6, "from_user_id": "u", "message_type": 1,
+        "item_list": [
+            {"type": 1, "text_item": {"text": "first"},
+             "ref_msg": {"message_item": {"type": 4, "file_item": {"file_name": "a.pdf"}}}},
+            {"type": 5, "video_item": {"media": {"full_url": "https://cdn/v.mp4"}}},
+            {"type": 3, "voice_item": {"media": {"encrypt_query_param": "v"}}},
+            {"type": 1, "text_item": {"text": "second"}}
+        ]
+    })))
+    .unwrap();
+    let message = &converted.message;
+    assert_eq!(message.body.text_str(), "> [file a.pdf]\nfirst\nsecond");
+    let kinds: Vec<&str> =
+        (0..2).map(|i| message.metadata[&format!("wechat.attachment.{i}.kind")].as_str()).collect();
+    assert_eq!(kinds, ["video", "voice"], "a voice note without transcript is only an attachment");
+    assert_eq!(message.body.attachments()[0].url, "https://cdn/v.mp4");
+    assert_eq!(message.body.attachments()[1].mime.as_deref(), Some("audio/*"));
+}
+
+#[test]
+fn media_without_any_location_is_left_out() {
+    let skipped = convert(&message(serde_json::json!({
+        "message_id": 7, "from_user_id": "u", "message_type": 1,
+        "item_list": [{"type": 2, "image_item": {"media": {"aes_key": "k"}}}]
+    })));
+    assert_eq!(skipped.unwrap_err(), Skip::Empty);
+}
+
+#[test]
+fn a_nul_in_the_text_is_dropped_rather_than_refused() {
+    let converted = convert(&message(serde_json::json!({
+        "message_id": 8, "from_user_id": "u", "message_type": 1,
+        "item_list": [{"type": 1, "text_item": {"text": "a\u{0}b"}}]
+    })))
+    .unwrap();
+    assert_eq!(converted.message.body.text_str(), "ab");
+}
+
+#[test]
+fn chunks_never_split_a_character_and_tables_pass_through() {
+    let emoji = "😀".repeat(4500);
+    let parts = chunks(&emoji, 4000);
+    assert!(parts.iter().all(|p| p.chars().count() <= 4000 && p.chars().all(|c| c == '😀')));
+    assert_eq!(parts.concat(), emoji);
+    let table = "| a | b |\n|---|---|\n| 中 | 文 |";
+    assert_eq!(simplify_markdown(table), table);
+}

@@ -399,3 +399,40 @@ async fn an_expired_or_blocked_qr_code_is_dead_and_polling_it_is_a_violation() {
     assert_eq!(raw.qr_status(&host, &first, None).await["status"], "expired");
     assert_eq!(fake.records().violations.len(), 1, "polling a dead code is recorded");
 }
+
+#[tokio::test]
+async fn a_context_token_older_than_its_ttl_is_refused() {
+    let fake = FakeIlink::start_with(FakeOptions {
+        context_token_ttl: Duration::from_millis(200),
+        ..quick()
+    })
+    .await;
+    let raw = Raw::new(&fake);
+    let pushed = fake.push_text("alice", "hi");
+    assert_eq!(raw.send("alice", Some(&pushed.context_token), "in time").await["ret"], 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(raw.send("alice", Some(&pushed.context_token), "too late").await["ret"], -2);
+    assert_eq!(fake.records().refused[0].reason, "context_token expired");
+}
+
+#[tokio::test]
+async fn a_repeated_uin_is_a_violation() {
+    let fake = FakeIlink::start_with(quick()).await;
+    let send = |uin: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{}/ilink/bot/msg/notifystart", fake.base_url()))
+            .header("Content-Type", "application/json")
+            .header("AuthorizationType", "ilink_bot_token")
+            .header("Authorization", "Bearer fake-bot-token")
+            .header("X-WECHAT-UIN", uin)
+            .header("iLink-App-Id", "bot")
+            .header("iLink-App-ClientVersion", "1")
+            .body(r#"{"base_info":{"channel_version":"1"}}"#)
+            .send()
+    };
+    let uin = "MTIzNDU=";
+    assert_eq!(send(uin).await.unwrap().status().as_u16(), 200);
+    assert_eq!(send(uin).await.unwrap().status().as_u16(), 200);
+    let violations = fake.records().violations;
+    assert!(violations.iter().any(|v| v.contains("X-WECHAT-UIN repeated")), "{violations:?}");
+}

@@ -63,6 +63,7 @@ struct ContextToken {
     user: String,
     uses: u32,
     revoked: bool,
+    issued: Instant,
 }
 
 /// The scripted QR login.
@@ -99,6 +100,8 @@ pub struct World {
     context_tokens: HashMap<String, ContextToken>,
     typing_tickets: HashMap<String, String>,
     client_ids: HashSet<String>,
+    /// The previous request's `X-WECHAT-UIN`: it must be new every time.
+    last_uin: Option<String>,
     modes: HashMap<String, Mode>,
     default_mode: Mode,
     login: Login,
@@ -121,6 +124,7 @@ impl World {
             context_tokens: HashMap::new(),
             typing_tickets: HashMap::new(),
             client_ids: HashSet::new(),
+            last_uin: None,
             modes: HashMap::new(),
             default_mode: Mode::Normal,
             login: Login::default(),
@@ -171,7 +175,12 @@ impl World {
         let context_token = format!("ctx-{}-{:016x}", seq, fastrand::u64(..));
         self.context_tokens.insert(
             context_token.clone(),
-            ContextToken { user: message.from.clone(), uses: 0, revoked: false },
+            ContextToken {
+                user: message.from.clone(),
+                uses: 0,
+                revoked: false,
+                issued: Instant::now(),
+            },
         );
         let mut wire = json!({
             "seq": seq,
@@ -199,8 +208,9 @@ impl World {
     /// A context token for `user` as if they had written before the test began.
     pub fn issue_context_token(&mut self, user: &str) -> String {
         let token = format!("ctx-earlier-{:016x}", fastrand::u64(..));
-        self.context_tokens
-            .insert(token.clone(), ContextToken { user: user.to_owned(), uses: 0, revoked: false });
+        let issued = Instant::now();
+        let known = ContextToken { user: user.to_owned(), uses: 0, revoked: false, issued };
+        self.context_tokens.insert(token.clone(), known);
         token
     }
 
@@ -287,6 +297,11 @@ impl World {
             return Err(Answer::Status(405, "method not allowed".into()));
         }
         self.refuse_problems(&op, bot_header_problems(incoming))?;
+        let uin = incoming.header("x-wechat-uin").map(str::to_owned);
+        if uin.is_some() && uin == self.last_uin {
+            self.violation(format!("{op}: X-WECHAT-UIN repeated (it is new per request)"));
+        }
+        self.last_uin = uin;
         if incoming.body.get("base_info").and_then(|b| b.get("channel_version")).is_none() {
             // Observability only on the real server: recorded, not refused.
             self.violation(format!("{op}: body without base_info.channel_version"));
@@ -349,6 +364,8 @@ impl World {
             "ret": 0,
             "msgs": msgs,
             "get_updates_buf": self.encode_cursor(next),
+            // The legacy alias older servers still send; clients ignore it.
+            "sync_buf": self.encode_cursor(next),
             "longpolling_timeout_ms": self.options.advertised_timeout.as_millis() as u64,
         }))
     }
@@ -387,6 +404,9 @@ impl World {
                 None => Some("unknown context_token"),
                 Some(known) if known.user != to => Some("context_token of another user"),
                 Some(known) if known.revoked => Some("context_token expired"),
+                Some(known) if known.issued.elapsed() > self.options.context_token_ttl => {
+                    Some("context_token expired")
+                }
                 Some(known) if known.uses >= self.options.context_token_uses => {
                     Some("context_token used up")
                 }
