@@ -119,6 +119,7 @@ async fn peer(
         capabilities,
         actions: Default::default(),
         extensions: Extensions::all().names(),
+        operator_actions: Vec::new(),
     });
     sink.send(&hello).await?;
     sink.send(&Frame::Start(Lifecycle { request_id: id("start") })).await?;

@@ -421,6 +421,7 @@ mod tests {
             idle_seconds: Some(42),
             backlog: Some(3),
             attempt: Some(5),
+            reason: None,
         });
         assert_eq!(
             health_reason(&health),

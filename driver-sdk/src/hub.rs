@@ -6,12 +6,15 @@ use std::time::{Duration, Instant};
 
 use channeld_link::FrameSink;
 use channeld_protocol::ext::Extensions;
-use channeld_protocol::frame::{EventFrame, HealthReport, Inbound, InboundEventFrame};
+use channeld_protocol::frame::{EventFrame, HealthReport, InboundEventFrame};
 use channeld_protocol::types::{Health, InboundMessage, IncomingEvent, LifecycleEvent};
 use channeld_protocol::{ChannelId, Frame, Id};
 use tokio::sync::{Semaphore, oneshot};
+use tokio_util::sync::CancellationToken;
 
 use crate::driver::Declaration;
+use crate::health::LinkState;
+use crate::inbound::{Inbound, InboundError};
 use crate::launch::DriverLaunchConfig;
 use crate::pending::{Acceptance, PendingTable};
 
@@ -23,12 +26,42 @@ pub const MAX_PENDING_INBOUND: usize = 256;
 pub enum HubError {
     #[error("message is for channel {found}, this driver is {expected}")]
     WrongChannel { expected: ChannelId, found: ChannelId },
-    #[error("driver is shutting down")]
+    /// The SDK asked `run` to stop (shutdown, or the hub refused this driver): leave the
+    /// platform message unacknowledged so the platform redelivers it, and return.
+    #[error("the driver is stopping its platform side")]
     ShuttingDown,
     /// The message does not fit in one protocol line; the platform message must be dropped
     /// (or split) by the driver.
     #[error("message does not fit in a frame: {0}")]
     TooLarge(String),
+    /// An [`Inbound`] with an invalid part.
+    #[error(transparent)]
+    Invalid(#[from] InboundError),
+}
+
+impl HubError {
+    /// True when the platform message can never be delivered as it is (too large, invalid,
+    /// for another channel): settle it as refused instead of leaving it for redelivery.
+    pub fn is_permanent(&self) -> bool {
+        !matches!(self, HubError::ShuttingDown)
+    }
+}
+
+/// What [`Hub::inbound`] takes: a protocol [`InboundMessage`] or an [`Inbound`] builder.
+pub trait IntoInbound {
+    fn into_inbound(self, channel: &ChannelId) -> Result<InboundMessage, HubError>;
+}
+
+impl IntoInbound for InboundMessage {
+    fn into_inbound(self, _channel: &ChannelId) -> Result<InboundMessage, HubError> {
+        Ok(self)
+    }
+}
+
+impl IntoInbound for Inbound {
+    fn into_inbound(self, channel: &ChannelId) -> Result<InboundMessage, HubError> {
+        Ok(self.build(channel)?)
+    }
 }
 
 /// A handle to the hub, given to [`Driver::run`](crate::Driver::run). Cheap to clone.
@@ -38,15 +71,27 @@ pub enum HubError {
 #[derive(Debug, Clone)]
 pub struct Hub {
     pub(crate) shared: Arc<Shared>,
+    /// Cancelled when this `run` must stop (shutdown or a refusal by the hub).
+    pub(crate) stop: CancellationToken,
+    /// Cancelled once the SDK hands this `run` no more hub requests and those in flight are
+    /// done (see [`Hub::requests_done`]).
+    pub(crate) idle: CancellationToken,
 }
 
-/// Resolves when the hub has answered an inbound; see [`Acceptance`].
+/// Resolves when the hub has answered an inbound; see [`Acceptance`]. Hand it to
+/// [`PendingAcks::track`](crate::PendingAcks::track) with the platform's acknowledgement.
 #[derive(Debug)]
 pub struct InboundTicket {
+    event_id: Id,
     rx: oneshot::Receiver<Acceptance>,
 }
 
 impl InboundTicket {
+    /// The event id the message was reported with.
+    pub fn event_id(&self) -> &Id {
+        &self.event_id
+    }
+
     /// Waits for the hub's answer. Acknowledge to the platform only on `Accepted` (or
     /// `Rejected`, to drop a message the hub will never take).
     pub async fn outcome(self) -> Acceptance {
@@ -72,14 +117,28 @@ impl Hub {
 
     /// True while a hub connection is up and its handshake is done.
     pub fn is_connected(&self) -> bool {
-        self.shared.lock().negotiated.is_some()
+        self.shared.is_connected()
     }
 
-    /// Reports a platform message. The event id is the message id.
-    pub async fn inbound(&self, message: InboundMessage) -> Result<InboundTicket, HubError> {
+    /// Resolves once the SDK will hand this `run` no more posts, effects, commands or
+    /// operator actions and the ones in flight have finished (within the drain deadline):
+    /// at once after the hub refused the driver, after the in-flight work on shutdown. A
+    /// driver whose posts travel on the connection `run` holds (an MQTT client, a WebSocket)
+    /// awaits it after `shutdown` fired and before it disconnects.
+    pub async fn requests_done(&self) {
+        self.idle.cancelled().await;
+    }
+
+    /// Reports a platform message ([`Inbound`] or [`InboundMessage`]); the event id is the
+    /// message id. Waits while [`MAX_PENDING_INBOUND`] messages are unanswered.
+    pub async fn inbound(&self, message: impl IntoInbound) -> Result<InboundTicket, HubError> {
+        let message = message.into_inbound(&self.shared.launch.channel)?;
         self.check_channel(&message.target.channel)?;
         let event_id = message.id.clone();
-        let frame = Frame::Inbound(Inbound { event_id: event_id.clone(), message });
+        let frame = Frame::Inbound(channeld_protocol::frame::Inbound {
+            event_id: event_id.clone(),
+            message,
+        });
         self.submit(event_id, frame).await
     }
 
@@ -94,7 +153,14 @@ impl Hub {
         self.submit(event_id, frame).await
     }
 
-    /// Reports the platform's health (sent now if connected, and again after each reconnect).
+    /// Reports the platform link's state: the SDK turns it into the health the hub shows
+    /// (see [`LinkState::health`]) and answers the hub's probes with it.
+    pub fn link_state(&self, state: LinkState) {
+        self.health(state.health());
+    }
+
+    /// Reports a health directly (prefer [`link_state`](Self::link_state)); sent now if
+    /// connected, again after each reconnect, and the answer to the hub's probes.
     pub fn health(&self, health: Health) {
         let sink = {
             let mut state = self.shared.lock();
@@ -128,9 +194,12 @@ impl Hub {
 
     async fn submit(&self, event_id: Id, frame: Frame) -> Result<InboundTicket, HubError> {
         channeld_protocol::encode(&frame).map_err(|err| HubError::TooLarge(err.to_string()))?;
+        if self.stop.is_cancelled() {
+            return Err(HubError::ShuttingDown);
+        }
         let permit = tokio::select! {
             permit = self.shared.slots.acquire() => permit.map_err(|_| HubError::ShuttingDown)?,
-            () = self.shared.closing.cancelled() => return Err(HubError::ShuttingDown),
+            () = self.stop.cancelled() => return Err(HubError::ShuttingDown),
         };
         let (tx, rx) = oneshot::channel();
         let send_on = {
@@ -146,7 +215,7 @@ impl Hub {
         {
             self.shared.after_write(&frame);
         }
-        Ok(InboundTicket { rx })
+        Ok(InboundTicket { event_id, rx })
     }
 }
 
@@ -159,7 +228,7 @@ pub(crate) fn sanitise(mut health: Health, ext: Extensions) -> Health {
 }
 
 #[derive(Debug)]
-pub(crate) struct LinkState {
+pub(crate) struct SessionState {
     pub sink: Option<FrameSink>,
     /// Known once the handshake finished: what the hub agreed to.
     pub negotiated: Option<Extensions>,
@@ -174,9 +243,9 @@ pub(crate) struct Shared {
     pub declaration: Declaration,
     pub wanted: Extensions,
     pub slots: Semaphore,
-    /// Cancelled when the driver stops taking platform input.
-    pub closing: tokio_util::sync::CancellationToken,
-    state: Mutex<LinkState>,
+    /// Cancelled when the process stops taking platform input (shutdown).
+    pub closing: CancellationToken,
+    state: Mutex<SessionState>,
 }
 
 impl Shared {
@@ -186,8 +255,8 @@ impl Shared {
             declaration,
             wanted,
             slots: Semaphore::new(MAX_PENDING_INBOUND),
-            closing: tokio_util::sync::CancellationToken::new(),
-            state: Mutex::new(LinkState {
+            closing: CancellationToken::new(),
+            state: Mutex::new(SessionState {
                 sink: None,
                 negotiated: None,
                 pending: PendingTable::default(),
@@ -197,8 +266,13 @@ impl Shared {
         }
     }
 
-    pub fn lock(&self) -> MutexGuard<'_, LinkState> {
+    pub fn lock(&self) -> MutexGuard<'_, SessionState> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// True while a hub session is up and its handshake is done.
+    pub fn is_connected(&self) -> bool {
+        self.lock().negotiated.is_some()
     }
 
     /// Resolves a pending inbound and frees its slot.

@@ -1,70 +1,94 @@
 //! The channeld driver SDK: everything a platform driver needs except the platform.
 //!
-//! A driver implements [`Driver`] (declare capabilities, receive platform input, post
-//! messages, apply effects, answer commands) and calls [`main`] from its `main`. The SDK reads
-//! the launch settings ([`DriverLaunchConfig`]), connects to the hub with backoff, performs
-//! the handshake and extension negotiation, resends inbound messages the hub has not taken
-//! yet, answers redelivered requests without posting twice, and drains on SIGTERM.
+//! A driver implements [`Driver`] (declare capabilities, run the platform side, post
+//! messages, apply effects, answer commands and operator actions) and calls [`main`] from its
+//! `main`. The SDK reads the launch settings ([`DriverLaunchConfig`]), connects to the hub
+//! with backoff, performs the handshake and extension negotiation, starts the platform side
+//! only once the hub has accepted the driver (and stops it while the hub refuses it), resends
+//! inbound messages the hub has not taken yet, answers redelivered requests without posting
+//! twice, and drains on SIGTERM.
+//!
+//! The driver kit, for the platform side:
+//! * [`Inbound`]: build the message to report; [`Hub::inbound`] reports it and returns an
+//!   [`InboundTicket`] resolved by the hub's answer ([`Acceptance`]).
+//! * [`PendingAcks`] + [`Settle`]: acknowledge each platform message only after the hub's
+//!   answer, drained on shutdown.
+//! * [`LinkState`] + [`Hub::link_state`]: one rule from link state to health.
+//! * [`Reconnect`]: capped, jittered backoff with a slow lane for operator-only failures.
+//! * [`DriverLaunchConfig::parse`] and friends, [`ConfigError`], [`Secret`]: typed settings.
+//! * `transport` (features `http`, `websocket`): an HTTP client and a WebSocket connection
+//!   with keepalive, for platforms that speak them.
 //!
 //! With the `testing` feature, [`testing`] provides a fake hub and the conformance suite.
 
+pub mod config;
 mod driver;
+mod health;
 mod hub;
+mod inbound;
 pub mod launch;
 mod pending;
+mod reconnect;
 mod runtime;
 pub mod secret;
+mod session;
+mod settle;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
+#[cfg(any(feature = "http", feature = "websocket"))]
+pub mod transport;
 
 use std::future::Future;
 use std::process::ExitCode;
 
+pub use config::{ConfigError, Setting};
 pub use driver::{
-    CommandAnswer, CommandRequest, Declaration, Driver, DriverError, EffectError, EffectRequest,
-    Post, PostError, PostKind,
+    CommandAnswer, CommandRequest, Declaration, DeclarationError, Driver, DriverError, EffectError,
+    EffectRequest, OperatorAction, OperatorActionError, Post, PostError, PostKind,
 };
-pub use hub::{Hub, HubError, InboundTicket, MAX_PENDING_INBOUND};
-pub use launch::{DriverLaunchConfig, LaunchError};
+pub use health::LinkState;
+pub use hub::{Hub, HubError, InboundTicket, IntoInbound, MAX_PENDING_INBOUND};
+pub use inbound::{Inbound, InboundError};
+pub use launch::DriverLaunchConfig;
 pub use pending::Acceptance;
+pub use reconnect::{Failure, Nudge, Reconnect, ReconnectPolicy};
 pub use runtime::{HEARTBEAT_INTERVAL, RunError, run_driver};
-pub use secret::{Secret, SecretError};
+pub use secret::Secret;
+pub use settle::{PendingAcks, SETTLE_WITHIN, Settle};
+pub use tls::install_crypto_provider;
 
 pub use channeld_protocol as protocol;
+/// The tokio and tracing the SDK is built with, so a driver needs no dependency of its own
+/// for its timers, tasks and logs (`channeld_driver_sdk::tokio::select!`, `tracing::info!`).
+pub use tokio;
 pub use tokio_util::sync::CancellationToken;
+pub use tracing;
+pub use url::Url;
 
-/// Installs the process-wide rustls crypto provider. Call first thing in every driver that
-/// may speak TLS: with two providers compiled in, rustls cannot pick one by itself.
-#[cfg(feature = "tls")]
-pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+/// Logs to stderr with the filter from `CHANNELD_LOG` (default `default_filter`); the same
+/// setup as the hub's.
+pub fn init_logging(default_filter: &str) {
+    channeld_link::process::init_logging(default_filter);
 }
 
-/// Logs to stderr; the filter comes from `CHANNELD_LOG` (default `info`).
-pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("CHANNELD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal: under systemd stderr is the journal.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
-}
-
-/// A driver binary's whole `main`: logging, launch settings from the environment, a
-/// single-threaded runtime, SIGTERM/SIGINT handling, and an exit status systemd understands
-/// (0 after a clean drain, 78 for configuration errors, 1 otherwise).
+/// A driver binary's whole `main`: the TLS provider, logging, launch settings from the
+/// environment, a single-threaded runtime, SIGTERM/SIGINT handling, and an exit status
+/// systemd understands: 0 after a clean drain; 78 for configuration errors (settings, an
+/// unusable `CHANNELD_SOCKET`, conflicting launch variables, a refused channel), which are
+/// not restarted; 1 otherwise (including a `run` that had to be aborted).
+///
+/// `build` turns the launch settings into the driver; it should only read and check
+/// settings (`?` works on [`ConfigError`]), never connect to the platform: [`Driver::run`]
+/// does that once the hub accepted the driver.
 pub fn main<D, F, Fut>(build: F) -> ExitCode
 where
     D: Driver,
     F: FnOnce(DriverLaunchConfig) -> Fut,
     Fut: Future<Output = Result<D, DriverError>>,
 {
-    #[cfg(feature = "tls")]
     install_crypto_provider();
-    init_logging();
+    init_logging(D::LOG_FILTER);
     let launch = match DriverLaunchConfig::from_env() {
         Ok(launch) => launch,
         Err(err) => {
@@ -88,7 +112,7 @@ where
             }
         };
         let shutdown = CancellationToken::new();
-        spawn_signal_handler(shutdown.clone());
+        let _signals = channeld_link::process::spawn_signal_handler(shutdown.clone());
         match run_driver(driver, launch.clone(), shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
@@ -97,22 +121,4 @@ where
             }
         }
     })
-}
-
-/// Cancels `token` on SIGTERM or SIGINT.
-pub fn spawn_signal_handler(token: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    tokio::spawn(async move {
-        let (Ok(mut term), Ok(mut int)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-        else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        token.cancel();
-    });
 }

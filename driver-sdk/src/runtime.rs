@@ -1,45 +1,31 @@
-//! The driver runtime: connects to the hub (with backoff), performs the handshake, dispatches
-//! hub frames to the [`Driver`], resends unanswered inbound after reconnects, and drains on
-//! shutdown.
+//! The driver runtime: keeps a hub session up (connect with backoff, handshake, reconnect),
+//! starts the platform side ([`Driver::run`]) only once the hub has accepted the driver and
+//! stops it while the hub refuses it, and drains on shutdown.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use channeld_link::{Backoff, FrameReader, FrameSink, split_unix};
-use channeld_protocol::ext::{Extensions, PeerDeclaration};
-use channeld_protocol::frame::{
-    CommandFrame, CommandResultFrame, Delivery, EffectFrame, ErrorFrame, EventFrame,
-    HealthResponse, Hello, Lifecycle, Receipt,
-};
-use channeld_protocol::types::{DeliveryReceipt, LifecycleEvent};
-use channeld_protocol::{Frame, Id};
+use channeld_link::Backoff;
 use tokio::net::UnixStream;
-use tokio::net::unix::OwnedReadHalf;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
-use crate::driver::{
-    CommandRequest, Driver, DriverError, EffectError, EffectRequest, Post, PostError, PostKind,
+use crate::config::ConfigError;
+use crate::driver::{DeclarationError, Driver, DriverError};
+use crate::hub::{Hub, HubError, Shared};
+use crate::launch::{DriverLaunchConfig, ENV_SOCKET, socket_problem};
+use crate::session::{
+    MAX_CONCURRENT_HANDLERS, MAX_QUEUED_REQUESTS, RecentPosts, Session, SessionEnd,
 };
-use crate::hub::{Hub, Shared, sanitise};
-use crate::launch::DriverLaunchConfig;
-use crate::pending::{Acceptance, ErrorAction};
 
-/// How long the runtime waits for `hello_ack` before assuming a reference hub.
-const HELLO_ACK_WAIT: Duration = Duration::from_secs(2);
 /// Interval of `heartbeat` events, so the hub can tell a live driver from a stuck one.
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(15);
-/// Hub requests (posts, effects, commands) handled concurrently.
-const MAX_CONCURRENT_HANDLERS: usize = 64;
-/// Hub requests queued for a handler; the reader waits beyond this (backpressure on the socket).
-const MAX_QUEUED_REQUESTS: usize = 4096;
-/// Outgoing frame queue per connection.
-const SEND_QUEUE: usize = 512;
-/// Posts remembered so a redelivered `deliver`/`outbound` is answered without posting twice.
-const RECENT_POSTS: usize = 4096;
+/// Admission changes (accepted / refused) queued from the hub session to the lifecycle loop;
+/// the session waits beyond this (there is at most one change per connection attempt).
+const ADMISSION_QUEUE: usize = 4;
 
 /// Why the runtime stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -48,78 +34,103 @@ pub enum RunError {
     Driver(#[from] DriverError),
     #[error("hub refused this driver: {code}: {message}")]
     Refused { code: String, message: String },
+    #[error("invalid declaration: {0}")]
+    Declaration(#[from] DeclarationError),
+    /// `run` ignored its shutdown token and was aborted after the drain deadline.
+    #[error("the platform side did not stop within {0:?} after it was asked to, and was aborted")]
+    Aborted(Duration),
     #[error("driver task panicked")]
     Panicked,
 }
 
 impl RunError {
-    /// The process exit status for this error (78 = configuration, as `EX_CONFIG`).
+    /// The process exit status for this error: 78 (`EX_CONFIG`, not restarted) when restarting
+    /// cannot help, 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            RunError::Driver(DriverError::Config(_)) | RunError::Refused { .. } => 78,
+            RunError::Driver(DriverError::Config(_))
+            | RunError::Refused { .. }
+            | RunError::Declaration(_) => 78,
             _ => 1,
         }
     }
 }
 
+/// What the hub said to a `hello`, told by the session to the lifecycle loop.
+#[derive(Debug)]
+pub(crate) enum Admission {
+    /// The hub took this driver (its `hello_ack`, or a reference hub's silence).
+    Accepted,
+    /// The hub refused it for now (another driver serves the instance); the session retries.
+    Refused { code: String },
+}
+
 /// Runs `driver` until `shutdown` is cancelled or its platform input ends, then drains:
 /// stops taking platform input, finishes in-flight posts within the drain deadline, sends
-/// `stop` and returns.
+/// `stop` and returns. See [`Driver`] for when `run` is called and stopped.
 pub async fn run_driver<D: Driver>(
     driver: D,
     launch: DriverLaunchConfig,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    let declaration = driver.declaration();
+    declaration.check()?;
     let driver = Arc::new(driver);
     let drain = launch.drain_timeout;
-    let shared = Arc::new(Shared::new(launch, driver.declaration(), driver.extensions()));
-    let hub = Hub { shared: shared.clone() };
+    let shared = Arc::new(Shared::new(launch, declaration, driver.extensions()));
     let tracker = TaskTracker::new();
     let session_token = CancellationToken::new();
-    let recent = Arc::new(Mutex::new(RecentPosts::default()));
-
-    let mut platform = tokio::spawn({
-        let driver = driver.clone();
-        let closing = shared.closing.clone();
-        async move { driver.run(hub, closing).await }
-    });
+    let (admissions_tx, mut admissions) = mpsc::channel(ADMISSION_QUEUE);
     let mut connection = tokio::spawn(connection_loop(
         driver.clone(),
         shared.clone(),
         tracker.clone(),
         session_token.clone(),
-        recent,
+        admissions_tx,
     ));
+    let mut platform = PlatformSide { driver, shared: shared.clone(), running: None };
+    let channel = shared.launch.channel.clone();
 
     let mut outcome: Result<(), RunError> = Ok(());
     let mut connection_done = false;
-    tokio::select! {
-        () = shutdown.cancelled() => {
-            info!(channel = %shared.launch.channel, "shutting down: no more platform input");
-            shared.closing.cancel();
-            match tokio::time::timeout(drain, &mut platform).await {
-                Ok(result) => outcome = platform_result(result),
-                Err(_) => {
-                    warn!("platform side did not stop within the drain deadline");
-                    platform.abort();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                info!(%channel, "shutting down: no more platform input");
+                break;
+            }
+            Some(admission) = admissions.recv() => match admission {
+                Admission::Accepted => platform.start(),
+                Admission::Refused { code } => {
+                    if let Err(err) = platform.stop_after_refusal(&code, drain).await {
+                        outcome = Err(err);
+                        break;
+                    }
                 }
+            },
+            result = platform.ended(), if platform.is_running() => {
+                outcome = result;
+                if outcome.is_ok() {
+                    info!(%channel, "platform input ended, draining");
+                }
+                break;
             }
-        }
-        result = &mut platform => {
-            shared.closing.cancel();
-            outcome = platform_result(result);
-            if outcome.is_ok() {
-                info!(channel = %shared.launch.channel, "platform input ended, draining");
+            result = &mut connection => {
+                connection_done = true;
+                outcome = result.unwrap_or(Err(RunError::Panicked));
+                break;
             }
-        }
-        result = &mut connection => {
-            connection_done = true;
-            shared.closing.cancel();
-            outcome = result.unwrap_or(Err(RunError::Panicked));
-            platform.abort();
         }
     }
 
+    // Drain: the platform side stops taking input (its token is a child of `closing`) while
+    // hub requests in flight finish on its still-open platform connection; then it is told
+    // no more come and must return.
+    shared.closing.cancel();
+    if !shared.is_connected() {
+        // No hub to answer: let the platform side settle what it holds as unresolved now.
+        abandon_pending(&shared);
+    }
     tracker.close();
     if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
         warn!(
@@ -127,37 +138,123 @@ pub async fn run_driver<D: Driver>(
             "in-flight requests did not finish within the drain deadline"
         );
     }
+    if let Err(err) = platform.stop(drain).await {
+        outcome = outcome.and(Err(err));
+    }
     session_token.cancel();
     if !connection_done && let Ok(Err(err)) = connection.await {
         outcome = outcome.and(Err(err));
     }
-    let abandoned = shared.lock().pending.abandon_all();
-    if abandoned > 0 {
-        warn!(
-            abandoned,
-            "inbound messages were never accepted by the hub; the platform will redeliver them"
-        );
-    }
+    abandon_pending(&shared);
     outcome
 }
 
-fn platform_result(
-    result: Result<Result<(), DriverError>, tokio::task::JoinError>,
-) -> Result<(), RunError> {
-    match result {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(err)) => Err(err.into()),
-        Err(_) => Err(RunError::Panicked),
+/// Resolves every unanswered inbound as unresolved (the platform redelivers them).
+fn abandon_pending(shared: &Shared) {
+    let abandoned = shared.lock().pending.abandon_all();
+    if abandoned > 0 {
+        shared.slots.add_permits(abandoned);
+        info!(
+            abandoned,
+            "inbound messages were never accepted by the hub; the platform redelivers them"
+        );
     }
 }
 
-enum SessionEnd {
-    /// Shutdown finished: `stop` was sent.
-    Finished,
-    /// The connection broke; reconnect.
-    Lost(String),
-    /// The hub refused the hello for good.
-    Refused { code: String, message: String },
+/// The platform side: at most one `run` at a time, started on admission and stopped on
+/// refusal or shutdown.
+struct PlatformSide<D> {
+    driver: Arc<D>,
+    shared: Arc<Shared>,
+    running: Option<Running>,
+}
+
+/// A `run` in progress: its task, its stop token and its requests-done token.
+struct Running {
+    task: JoinHandle<Result<(), DriverError>>,
+    stop: CancellationToken,
+    idle: CancellationToken,
+}
+
+impl<D: Driver> PlatformSide<D> {
+    fn is_running(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// Starts `run` unless it is running or the process is stopping.
+    fn start(&mut self) {
+        if self.running.is_some() || self.shared.closing.is_cancelled() {
+            return;
+        }
+        let stop = self.shared.closing.child_token();
+        let idle = CancellationToken::new();
+        // A new run reports its own link state; an old one's is stale.
+        self.shared.lock().health = None;
+        let hub = Hub { shared: self.shared.clone(), stop: stop.clone(), idle: idle.clone() };
+        let driver = self.driver.clone();
+        let token = stop.clone();
+        debug!(channel = %self.shared.launch.channel, "the hub accepted the driver; starting the platform side");
+        let task = tokio::spawn(async move { driver.run(hub, token).await });
+        self.running = Some(Running { task, stop, idle });
+    }
+
+    /// Waits for `run` to return by itself. Only polled while running.
+    async fn ended(&mut self) -> Result<(), RunError> {
+        let Some(running) = self.running.as_mut() else {
+            return std::future::pending().await;
+        };
+        let result = (&mut running.task).await;
+        self.running = None;
+        run_result(result)
+    }
+
+    /// The hub refused this driver (another one serves the instance): stop the platform side
+    /// so the two never share the platform session, and give up what it holds.
+    async fn stop_after_refusal(&mut self, code: &str, drain: Duration) -> Result<(), RunError> {
+        if self.running.is_none() {
+            return Ok(());
+        }
+        warn!(
+            channel = %self.shared.launch.channel,
+            %code,
+            "the hub refused this driver; disconnecting from the platform until it accepts it again"
+        );
+        if let Some(running) = &self.running {
+            running.stop.cancel();
+        }
+        abandon_pending(&self.shared);
+        self.stop(drain).await
+    }
+
+    /// Asks `run` to stop, tells it no more hub requests come, and waits up to `drain`;
+    /// aborts it after that.
+    async fn stop(&mut self, drain: Duration) -> Result<(), RunError> {
+        let Some(Running { mut task, stop, idle }) = self.running.take() else { return Ok(()) };
+        stop.cancel();
+        idle.cancel();
+        match tokio::time::timeout(drain, &mut task).await {
+            Ok(result) => run_result(result),
+            Err(_) => {
+                task.abort();
+                error!(
+                    channel = %self.shared.launch.channel,
+                    ?drain,
+                    "the platform side ignored the request to stop and was aborted"
+                );
+                Err(RunError::Aborted(drain))
+            }
+        }
+    }
+}
+
+fn run_result(
+    result: Result<Result<(), DriverError>, tokio::task::JoinError>,
+) -> Result<(), RunError> {
+    match result {
+        Ok(Ok(())) | Ok(Err(DriverError::Hub(HubError::ShuttingDown))) => Ok(()),
+        Ok(Err(err)) => Err(err.into()),
+        Err(_) => Err(RunError::Panicked),
+    }
 }
 
 async fn connection_loop<D: Driver>(
@@ -165,16 +262,19 @@ async fn connection_loop<D: Driver>(
     shared: Arc<Shared>,
     tracker: TaskTracker,
     session_token: CancellationToken,
-    recent: Arc<Mutex<RecentPosts>>,
+    admissions: mpsc::Sender<Admission>,
 ) -> Result<(), RunError> {
     let mut backoff = Backoff::hub_reconnect();
     let channel = shared.launch.channel.clone();
+    let socket = shared.launch.socket.clone();
+    let recent = Arc::new(Mutex::new(RecentPosts::default()));
     let mut failures = 0u32;
+    let mut refusals = 0u32;
     loop {
         if session_token.is_cancelled() {
             return Ok(());
         }
-        match UnixStream::connect(&shared.launch.socket).await {
+        match UnixStream::connect(&socket).await {
             Ok(stream) => {
                 failures = 0;
                 let up = Instant::now();
@@ -186,22 +286,41 @@ async fn connection_loop<D: Driver>(
                     handlers: Arc::new(Semaphore::new(MAX_CONCURRENT_HANDLERS)),
                     queued: Arc::new(Semaphore::new(MAX_QUEUED_REQUESTS)),
                 };
-                let end = session.run(stream, &session_token).await;
+                let end = session.run(stream, &session_token, &admissions).await;
                 backoff.record_uptime(up.elapsed());
                 match end {
                     SessionEnd::Finished => return Ok(()),
-                    SessionEnd::Refused { code, message } => {
-                        return Err(RunError::Refused { code, message });
+                    SessionEnd::Refused { code, message, retryable } => {
+                        let _ = admissions.send(Admission::Refused { code: code.clone() }).await;
+                        if !retryable {
+                            return Err(RunError::Refused { code, message });
+                        }
+                        refusals += 1;
+                        if refusals == 1 {
+                            warn!(%channel, %code, %message, "the hub refused this driver for now; retrying");
+                        } else {
+                            debug!(%channel, %code, attempt = refusals, "the hub still refuses this driver");
+                        }
+                    }
+                    SessionEnd::HubStopped => {
+                        refusals = 0;
+                        info!(%channel, "the hub is stopping; reconnecting when it is back");
                     }
                     SessionEnd::Lost(reason) => {
+                        refusals = 0;
                         warn!(%channel, %reason, "lost the hub connection, reconnecting");
                     }
                 }
             }
             Err(err) => {
+                if let Some(problem) = socket_problem(&socket) {
+                    return Err(
+                        DriverError::Config(ConfigError::invalid(ENV_SOCKET[0], problem)).into()
+                    );
+                }
                 failures += 1;
                 if failures == 1 {
-                    warn!(%channel, socket = %shared.launch.socket.display(), error = %err, "cannot reach the hub, retrying");
+                    warn!(%channel, socket = %socket.display(), error = %err, "cannot reach the hub, retrying");
                 } else {
                     debug!(%channel, error = %err, attempt = failures, "hub still unreachable");
                 }
@@ -211,496 +330,6 @@ async fn connection_loop<D: Driver>(
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             () = session_token.cancelled() => return Ok(()),
-        }
-    }
-}
-
-impl Shared {
-    fn connected(&self, sink: FrameSink, negotiated: Extensions) -> (Vec<Frame>, Option<Frame>) {
-        let mut state = self.lock();
-        state.sink = Some(sink);
-        state.negotiated = Some(negotiated);
-        state.connected_since = Some(Instant::now());
-        let health = state.health.clone().map(|h| {
-            Frame::Health(channeld_protocol::frame::HealthReport {
-                health: sanitise(h, negotiated),
-            })
-        });
-        (state.pending.frames_in_order(), health)
-    }
-
-    fn disconnected(&self) {
-        let mut state = self.lock();
-        state.sink = None;
-        state.negotiated = None;
-        state.connected_since = None;
-    }
-}
-
-struct Session<D> {
-    driver: Arc<D>,
-    shared: Arc<Shared>,
-    tracker: TaskTracker,
-    recent: Arc<Mutex<RecentPosts>>,
-    handlers: Arc<Semaphore>,
-    queued: Arc<Semaphore>,
-}
-
-/// A queued hub request's right to run: it holds its queue slot and waits for a handler.
-struct Permit {
-    queued: tokio::sync::OwnedSemaphorePermit,
-    handlers: Arc<Semaphore>,
-}
-
-impl Permit {
-    async fn run(
-        self,
-    ) -> Option<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit)> {
-        let handler = self.handlers.acquire_owned().await.ok()?;
-        Some((self.queued, handler))
-    }
-}
-
-impl<D: Driver> Session<D> {
-    async fn run(self, stream: UnixStream, session_token: &CancellationToken) -> SessionEnd {
-        let launch = &self.shared.launch;
-        let (mut reader, sink, writer) = split_unix(stream, SEND_QUEUE);
-        let hello_id = request_id(launch, "hello");
-        let hello = Frame::Hello(Hello {
-            request_id: hello_id.clone(),
-            channel: launch.channel.clone(),
-            capabilities: self.shared.declaration.capabilities,
-            actions: self.shared.declaration.actions,
-            extensions: self.shared.wanted.names(),
-        });
-        let start = Frame::Start(Lifecycle { request_id: request_id(launch, "start") });
-        if sink.send(&hello).await.is_err() || sink.send(&start).await.is_err() {
-            return SessionEnd::Lost("hub closed the socket during the handshake".into());
-        }
-
-        let (negotiated, mut first) =
-            match self.await_hello_ack(&mut reader, &sink, &hello_id).await {
-                Ok(pair) => pair,
-                Err(end) => return end,
-            };
-        info!(
-            channel = %launch.channel,
-            extensions = ?negotiated.names(),
-            "connected to the hub"
-        );
-        let (resend, health) = self.shared.connected(sink.clone(), negotiated);
-        if let Some(health) = health {
-            let _ = sink.try_send(&health);
-        }
-        for frame in resend {
-            if sink.send(&frame).await.is_err() {
-                break;
-            }
-            self.shared.after_write(&frame);
-        }
-
-        let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
-        heartbeat.tick().await;
-        let mut sweep = tokio::time::interval(Duration::from_secs(5));
-        let end = loop {
-            let item = match first.take() {
-                Some(frame) => Ok(Some(Ok(frame))),
-                None => tokio::select! {
-                    biased;
-                    () = session_token.cancelled() => {
-                        let stop = Frame::Stop(Lifecycle { request_id: request_id(launch, "stop") });
-                        let _ = sink.send(&stop).await;
-                        break SessionEnd::Finished;
-                    }
-                    item = reader.next() => item,
-                    _ = heartbeat.tick() => {
-                        let _ = sink.try_send(&Frame::Event(EventFrame { event: LifecycleEvent::Heartbeat }));
-                        continue;
-                    }
-                    _ = sweep.tick() => {
-                        self.shared.expire(launch.reply_timeout);
-                        continue;
-                    }
-                    () = sink.closed() => break SessionEnd::Lost("write to the hub failed".into()),
-                },
-            };
-            match item {
-                Ok(Some(Ok(frame))) => {
-                    if let Some(end) = self.dispatch(frame, &sink, negotiated, &hello_id).await {
-                        break end;
-                    }
-                }
-                Ok(Some(Err(err))) => {
-                    warn!(code = err.code(), error = %err, "undecodable line from the hub");
-                    let _ = sink.try_send(&err.to_error_frame());
-                }
-                Ok(None) => break SessionEnd::Lost("hub closed the connection".into()),
-                Err(err) => break SessionEnd::Lost(format!("read failed: {err}")),
-            }
-        };
-        self.shared.disconnected();
-        drop(sink);
-        let _ = tokio::time::timeout(Duration::from_secs(2), writer.close()).await;
-        end
-    }
-
-    /// Waits briefly for the hub's `hello_ack`. A reference hub sends none; whatever it sends
-    /// first is handed back to be dispatched.
-    async fn await_hello_ack(
-        &self,
-        reader: &mut FrameReader<OwnedReadHalf>,
-        sink: &FrameSink,
-        hello_id: &Id,
-    ) -> Result<(Extensions, Option<Frame>), SessionEnd> {
-        if self.shared.wanted.is_empty() {
-            return Ok((Extensions::default(), None));
-        }
-        let deadline = tokio::time::Instant::now() + HELLO_ACK_WAIT;
-        loop {
-            match tokio::time::timeout_at(deadline, reader.next()).await {
-                Err(_) => return Ok((Extensions::default(), None)),
-                Ok(Ok(Some(Ok(Frame::HelloAck(ack))))) => {
-                    let agreed =
-                        self.shared.wanted.intersect(Extensions::from_names(&ack.extensions));
-                    return Ok((agreed, None));
-                }
-                Ok(Ok(Some(Ok(Frame::Error(err)))))
-                    if err.request_id.as_ref() == Some(hello_id) =>
-                {
-                    return Err(refusal(err));
-                }
-                Ok(Ok(Some(Ok(frame)))) => return Ok((Extensions::default(), Some(frame))),
-                Ok(Ok(Some(Err(err)))) => {
-                    // Answer the bad line as the ABI requires and keep waiting for the ack.
-                    warn!(code = err.code(), error = %err, "undecodable line from the hub");
-                    let _ = sink.try_send(&err.to_error_frame());
-                }
-                Ok(Ok(None)) => {
-                    return Err(SessionEnd::Lost(
-                        "hub closed the connection during the handshake".into(),
-                    ));
-                }
-                Ok(Err(err)) => return Err(SessionEnd::Lost(format!("read failed: {err}"))),
-            }
-        }
-    }
-
-    async fn dispatch(
-        &self,
-        frame: Frame,
-        sink: &FrameSink,
-        ext: Extensions,
-        hello_id: &Id,
-    ) -> Option<SessionEnd> {
-        match frame {
-            Frame::Accepted(accepted) => {
-                let outcome = Acceptance::Accepted { duplicate: accepted.duplicate };
-                self.shared.resolve(accepted.event_id.as_str(), outcome);
-            }
-            Frame::Deliver(delivery) => {
-                // Without `accepted`, a reply is the first sign the hub took the message.
-                self.shared.resolve(
-                    delivery.request_id.as_str(),
-                    Acceptance::Accepted { duplicate: false },
-                );
-                // A run ended, so the hub has room for an inbound it refused `busy`.
-                self.resend_waiting(sink);
-                self.spawn_post(
-                    PostKind::Reply { event_id: delivery.request_id.clone() },
-                    delivery,
-                    sink,
-                    ext,
-                )
-                .await;
-            }
-            Frame::Outbound(delivery) => {
-                let refusal = if self.shared.closing.is_cancelled() {
-                    Some(("draining", "driver is shutting down", true))
-                } else if !self.shared.declaration.capabilities.send {
-                    Some(("unsupported", "driver did not declare send", false))
-                } else {
-                    None
-                };
-                match refusal {
-                    Some((code, message, retryable)) => {
-                        let frame =
-                            Frame::error(Some(delivery.request_id), code, message, retryable);
-                        let _ = sink.send(&frame).await;
-                    }
-                    None => {
-                        let kind = PostKind::Proactive { request_id: delivery.request_id.clone() };
-                        self.spawn_post(kind, delivery, sink, ext).await;
-                    }
-                }
-            }
-            Frame::Effect(effect) => self.spawn_effect(effect, sink).await,
-            Frame::Command(command) => self.spawn_command(command, sink, ext).await,
-            Frame::HealthRequest(request) => {
-                let health = sanitise(self.driver.health(), ext);
-                let answer = Frame::HealthResponse(HealthResponse {
-                    request_id: request.request_id,
-                    health,
-                });
-                let _ = sink.try_send(&answer);
-            }
-            Frame::Error(err) => return self.on_error(err, sink, hello_id),
-            Frame::Stop(_) => return Some(SessionEnd::Lost("hub sent stop".into())),
-            Frame::HelloAck(_) | Frame::HealthResponse(_) | Frame::Health(_) | Frame::Event(_) => {}
-            other => {
-                let kind = other.type_name();
-                debug!(frame = kind, "unexpected frame from the hub");
-                let answer = Frame::error(
-                    None,
-                    "unexpected_frame",
-                    format!("a driver does not accept {kind} frames"),
-                    false,
-                );
-                let _ = sink.try_send(&answer);
-            }
-        }
-        None
-    }
-
-    fn on_error(&self, err: ErrorFrame, sink: &FrameSink, hello_id: &Id) -> Option<SessionEnd> {
-        let Some(request_id) = err.request_id.clone() else {
-            warn!(code = %err.code, message = %err.message, "error from the hub");
-            return None;
-        };
-        if &request_id == hello_id {
-            return Some(refusal(err));
-        }
-        let action = self.shared.lock().pending.on_error(
-            request_id.as_str(),
-            &err.code,
-            &err.message,
-            err.retryable,
-        );
-        match action {
-            ErrorAction::Retry(delay) => {
-                debug!(event_id = %request_id, code = %err.code, ?delay, "hub asked to retry");
-                let shared = self.shared.clone();
-                let sink = sink.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    // Unless a finished run already resent it.
-                    let frame = shared.lock().pending.take_waiting(request_id.as_str());
-                    if let Some(frame) = frame
-                        && sink.send(&frame).await.is_ok()
-                    {
-                        shared.after_write(&frame);
-                    }
-                });
-            }
-            ErrorAction::Resolved => {
-                self.shared.slots.add_permits(1);
-                warn!(event_id = %request_id, code = %err.code, message = %err.message, "hub rejected an inbound");
-            }
-            ErrorAction::NotPending => {
-                // Often a run that failed: a slot is free again.
-                self.resend_waiting(sink);
-                warn!(request_id = %request_id, code = %err.code, message = %err.message, "error from the hub");
-            }
-        }
-        None
-    }
-
-    /// A run ended on the hub, so a slot is free: resend the oldest inbound it refused `busy`.
-    fn resend_waiting(&self, sink: &FrameSink) {
-        let Some(frame) = self.shared.lock().pending.take_oldest_waiting() else { return };
-        let shared = self.shared.clone();
-        let sink = sink.clone();
-        tokio::spawn(async move {
-            if sink.send(&frame).await.is_ok() {
-                shared.after_write(&frame);
-            }
-        });
-    }
-
-    /// A slot in the queue of hub requests waiting for a handler. The reader waits here only
-    /// when [`MAX_QUEUED_REQUESTS`] are queued; it never waits for a handler itself, so
-    /// `accepted` and `error` frames are read even while every handler is busy.
-    async fn permit(&self) -> Option<Permit> {
-        let queued = self.queued.clone().acquire_owned().await.ok()?;
-        Some(Permit { queued, handlers: self.handlers.clone() })
-    }
-
-    async fn spawn_post(
-        &self,
-        kind: PostKind,
-        delivery: Delivery,
-        sink: &FrameSink,
-        ext: Extensions,
-    ) {
-        let request_id = delivery.request_id.clone();
-        let is_reply = matches!(kind, PostKind::Reply { .. });
-        let answers = !is_reply || ext.reply_receipt;
-        match self.recent.lock().unwrap_or_else(|p| p.into_inner()).begin(&request_id) {
-            PostState::New => {}
-            PostState::InFlight => return,
-            PostState::Done(receipt) => {
-                debug!(%request_id, "redelivered request already posted; answering with its receipt");
-                if answers {
-                    let _ = sink.try_send(&Frame::Receipt(Receipt { request_id, receipt }));
-                }
-                return;
-            }
-        }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let recent = self.recent.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
-            let result = driver.post(Post { kind, message: delivery.message }).await;
-            let answer = match result {
-                Ok(receipt) => {
-                    recent
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .finish(&request_id, Some(receipt.clone()));
-                    Frame::Receipt(Receipt { request_id, receipt })
-                }
-                Err(err) => {
-                    recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, None);
-                    warn!(%request_id, code = err.code(), error = %err, "post failed");
-                    let retryable = matches!(err, PostError::Failed { retryable: true, .. });
-                    Frame::error(Some(request_id), err.code(), err.to_string(), retryable)
-                }
-            };
-            if answers {
-                let _ = sink.send(&answer).await;
-            }
-        });
-    }
-
-    async fn spawn_effect(&self, frame: EffectFrame, sink: &FrameSink) {
-        if !self.shared.declaration.actions.allows(&frame.effect) {
-            let message = format!("action {} not declared by this driver", frame.effect.action());
-            let _ = sink.try_send(&Frame::error(
-                Some(frame.request_id),
-                "unsupported_effect",
-                message,
-                false,
-            ));
-            return;
-        }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
-            let request_id = frame.request_id.clone();
-            let request = EffectRequest {
-                request_id: frame.request_id,
-                target: frame.target,
-                effect: frame.effect,
-            };
-            if let Err(err) = driver.effect(request).await {
-                let code = match err {
-                    EffectError::Unsupported => "unsupported_effect",
-                    EffectError::Failed(_) => "effect_failed",
-                };
-                let _ =
-                    sink.send(&Frame::error(Some(request_id), code, err.to_string(), false)).await;
-            }
-        });
-    }
-
-    async fn spawn_command(&self, frame: CommandFrame, sink: &FrameSink, ext: Extensions) {
-        let own = PeerDeclaration {
-            legacy: false,
-            capabilities: self.shared.declaration.capabilities,
-            actions: self.shared.declaration.actions,
-            extensions: ext,
-        };
-        if let Err(refusal) = own.command_gate(&frame.command) {
-            let result = channeld_protocol::types::CommandResult::rejected(refusal.to_string());
-            let answer = command_result(&frame, result, None);
-            let _ = sink.try_send(&answer);
-            return;
-        }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
-            let request = CommandRequest {
-                request_id: frame.request_id.clone(),
-                session: frame.session.clone(),
-                command_id: frame.command_id.clone(),
-                command: frame.command.clone(),
-                target: frame.target.clone(),
-            };
-            let answer = driver.command(request).await;
-            let responder = if ext.responder { answer.responder } else { None };
-            let _ = sink.send(&command_result(&frame, answer.result, responder)).await;
-        });
-    }
-}
-
-fn command_result(
-    frame: &CommandFrame,
-    result: channeld_protocol::types::CommandResult,
-    responder: Option<channeld_protocol::types::Participant>,
-) -> Frame {
-    Frame::CommandResult(CommandResultFrame {
-        request_id: frame.request_id.clone(),
-        session: frame.session.clone(),
-        command_id: frame.command_id.clone(),
-        result,
-        responder,
-    })
-}
-
-fn refusal(err: ErrorFrame) -> SessionEnd {
-    if err.retryable {
-        SessionEnd::Lost(format!("hub refused the hello for now: {}: {}", err.code, err.message))
-    } else {
-        SessionEnd::Refused { code: err.code, message: err.message }
-    }
-}
-
-fn request_id(launch: &DriverLaunchConfig, suffix: &str) -> Id {
-    Id::new(launch.request_id(suffix))
-        .unwrap_or_else(|_| Id::new(suffix).expect("static suffix is a valid id"))
-}
-
-enum PostState {
-    New,
-    InFlight,
-    Done(DeliveryReceipt),
-}
-
-/// Recently handled `deliver`/`outbound` request ids, so a redelivery is not posted twice.
-#[derive(Debug, Default)]
-struct RecentPosts {
-    in_flight: HashSet<Id>,
-    done: HashMap<Id, DeliveryReceipt>,
-    order: VecDeque<Id>,
-}
-
-impl RecentPosts {
-    fn begin(&mut self, request_id: &Id) -> PostState {
-        if let Some(receipt) = self.done.get(request_id) {
-            return PostState::Done(receipt.clone());
-        }
-        if !self.in_flight.insert(request_id.clone()) {
-            return PostState::InFlight;
-        }
-        PostState::New
-    }
-
-    /// Records the outcome; failed posts are forgotten so a retry may post.
-    fn finish(&mut self, request_id: &Id, receipt: Option<DeliveryReceipt>) {
-        self.in_flight.remove(request_id);
-        let Some(receipt) = receipt else { return };
-        if self.done.insert(request_id.clone(), receipt).is_none() {
-            self.order.push_back(request_id.clone());
-        }
-        while self.order.len() > RECENT_POSTS {
-            if let Some(old) = self.order.pop_front() {
-                self.done.remove(&old);
-            }
         }
     }
 }

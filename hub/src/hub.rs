@@ -24,6 +24,7 @@ pub const HUB_EXTENSIONS: Extensions = Extensions {
     responder: true,
     health_status: true,
     reply_receipt: true,
+    operator_action: false,
 };
 
 /// The hub's name and version, sent in `hello_ack`.

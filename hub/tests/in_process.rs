@@ -75,6 +75,7 @@ impl Peer {
             capabilities,
             actions: Default::default(),
             extensions: extensions.iter().map(|e| (*e).to_owned()).collect(),
+            operator_actions: Vec::new(),
         }))
         .await;
         if !extensions.is_empty() {

@@ -1,7 +1,9 @@
 //! Async plumbing shared by the hub, the driver SDK and `channelctl`: framed connections over
-//! any byte stream (bounded reads, batched writes through a bounded queue) and reconnect backoff.
+//! any byte stream (bounded reads, batched writes through a bounded queue), reconnect backoff,
+//! and the start-up every process shares ([`process`]: logging and signals).
 
 mod backoff;
+pub mod process;
 mod reader;
 mod writer;
 

@@ -21,8 +21,25 @@ pub const HEALTH_STATUS: &str = "health_status";
 /// id) or an `error` frame, so the hub knows the reply reached the platform.
 pub const REPLY_RECEIPT: &str = "reply_receipt";
 
+/// `operator_action` / `operator_action_result` frames: an operator asks a driver to do
+/// something only a person can decide (resume after re-authentication, re-login, …). The
+/// driver lists the action names it supports in `hello.operator_actions`.
+pub const OPERATOR_ACTION: &str = "operator_action";
+
+/// The longest operator action name.
+pub const MAX_OPERATOR_ACTION_NAME: usize = 64;
+
+/// An operator action name is 1–64 characters of `[a-z0-9_]` starting with a letter
+/// (`resume`, `relogin`), so it can be typed on a command line and logged as is.
+pub fn valid_operator_action_name(name: &str) -> bool {
+    name.len() <= MAX_OPERATOR_ACTION_NAME
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
 /// Every extension this implementation understands, in a stable order.
-pub const ALL: &[&str] = &[ACCEPTED, CONTROL_RESULT, RESPONDER, HEALTH_STATUS, REPLY_RECEIPT];
+pub const ALL: &[&str] =
+    &[ACCEPTED, CONTROL_RESULT, RESPONDER, HEALTH_STATUS, REPLY_RECEIPT, OPERATOR_ACTION];
 
 /// A set of negotiated extensions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -32,6 +49,7 @@ pub struct Extensions {
     pub responder: bool,
     pub health_status: bool,
     pub reply_receipt: bool,
+    pub operator_action: bool,
 }
 
 impl Extensions {
@@ -43,6 +61,7 @@ impl Extensions {
             responder: true,
             health_status: true,
             reply_receipt: true,
+            operator_action: true,
         }
     }
 
@@ -56,6 +75,7 @@ impl Extensions {
                 RESPONDER => set.responder = true,
                 HEALTH_STATUS => set.health_status = true,
                 REPLY_RECEIPT => set.reply_receipt = true,
+                OPERATOR_ACTION => set.operator_action = true,
                 _ => {}
             }
         }
@@ -70,6 +90,7 @@ impl Extensions {
             responder: self.responder && offered.responder,
             health_status: self.health_status && offered.health_status,
             reply_receipt: self.reply_receipt && offered.reply_receipt,
+            operator_action: self.operator_action && offered.operator_action,
         }
     }
 
@@ -85,6 +106,7 @@ impl Extensions {
             self.responder,
             self.health_status,
             self.reply_receipt,
+            self.operator_action,
         ];
         ALL.iter().zip(flags).filter(|(_, on)| *on).map(|(name, _)| (*name).to_owned()).collect()
     }
@@ -232,6 +254,26 @@ mod tests {
         let legacy = PeerDeclaration::legacy();
         assert_eq!(legacy.effect_gate(&Effect::Typing { active: true }), EffectGate::Send);
         assert!(legacy.can_send());
+    }
+
+    #[test]
+    fn operator_action_names_are_lowercase_words() {
+        for good in ["resume", "relogin_qr", "a1"] {
+            assert!(valid_operator_action_name(good), "{good}");
+        }
+        let long = "a".repeat(MAX_OPERATOR_ACTION_NAME + 1);
+        for bad in ["", "Resume", "1st", "re-login", "re login", long.as_str()] {
+            assert!(!valid_operator_action_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_extension_name_round_trips() {
+        let all = Extensions::all();
+        assert_eq!(all.names(), ALL);
+        assert_eq!(Extensions::from_names(ALL), all);
+        let only = Extensions::from_names(&[OPERATOR_ACTION]);
+        assert!(only.operator_action && !only.accepted);
     }
 
     #[test]

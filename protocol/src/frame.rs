@@ -27,6 +27,11 @@ pub struct Hello {
     /// channeld extension list (see [`crate::ext`]). Reference peers never send it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extensions: Vec<String>,
+    /// Extension `operator_action`: the operator action names this driver performs (see
+    /// [`crate::ext::valid_operator_action_name`]); the hub refuses any other name. Sent only
+    /// by a driver that lists the extension.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operator_actions: Vec<String>,
 }
 
 /// `control_hello` (controller → hub, first frame): a tool connection on a channel socket.
@@ -200,6 +205,41 @@ pub struct Accepted {
     pub duplicate: bool,
 }
 
+/// Extension frame `operator_action` (hub → driver): an operator asks the driver to perform
+/// one of the actions it declared in `hello.operator_actions`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OperatorActionFrame {
+    pub request_id: Id,
+    /// The action's name, e.g. `resume`.
+    pub name: String,
+    /// The action's arguments (an object; `{}` when it takes none).
+    #[serde(default = "empty_object")]
+    pub args: serde_json::Value,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(serde_json::Map::new())
+}
+
+/// Extension frame `operator_action_result` (driver → hub): the answer to one
+/// `operator_action`, with the same `request_id`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OperatorActionResult {
+    pub request_id: Id,
+    /// Whether the action was performed.
+    pub ok: bool,
+    /// Why it was not, machine-readable (`unsupported`, `invalid_args`, `failed`); omitted
+    /// when `ok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    /// A sentence for the operator; never a secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// What the action produced (an object), when it produced anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<serde_json::Value>,
+}
+
 /// One line of the protocol, without its envelope.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -227,6 +267,10 @@ pub enum Frame {
     HelloAck(HelloAck),
     /// Extension `accepted`.
     Accepted(Accepted),
+    /// Extension `operator_action`.
+    OperatorAction(OperatorActionFrame),
+    /// Extension `operator_action`.
+    OperatorActionResult(OperatorActionResult),
 }
 
 impl Frame {
@@ -254,6 +298,8 @@ impl Frame {
             Frame::Error(_) => "error",
             Frame::HelloAck(_) => "hello_ack",
             Frame::Accepted(_) => "accepted",
+            Frame::OperatorAction(_) => "operator_action",
+            Frame::OperatorActionResult(_) => "operator_action_result",
         }
     }
 
@@ -444,6 +490,10 @@ fn decode_body(ty: &str, raw: &str) -> Result<Frame, DecodeError> {
         "error" => Frame::Error(parse("error", raw)?),
         "hello_ack" => Frame::HelloAck(parse("hello_ack", raw)?),
         "accepted" => Frame::Accepted(parse("accepted", raw)?),
+        "operator_action" => Frame::OperatorAction(parse("operator_action", raw)?),
+        "operator_action_result" => {
+            Frame::OperatorActionResult(parse("operator_action_result", raw)?)
+        }
         other => return Err(DecodeError::UnknownType(truncate(other, 64))),
     })
 }

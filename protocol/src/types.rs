@@ -227,15 +227,62 @@ pub struct HealthStatus {
     /// Reconnect attempts since the transport was last up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
+    /// Why an `Unavailable` driver cannot recover by itself, machine-readable: only an
+    /// operator can fix it. See [`UnavailableReason`] for the values channeld drivers send.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The machine-readable reasons behind an `Unavailable` health (`health.status.reason`): each
+/// is a condition retrying cannot fix; an operator has to act.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnavailableReason {
+    /// The platform refused the driver's credentials (wrong token or password, revoked key).
+    AuthRejected,
+    /// The credentials expired (a session token that needs a new login or QR scan).
+    AuthExpired,
+    /// Another client took over the platform session (the platform allows one connection
+    /// per bot and this one was displaced).
+    Fenced,
+    /// The platform refused the driver's setup for a reason other than credentials (a queue
+    /// declared with other arguments, a missing permission on a resource).
+    SetupRefused,
+}
+
+impl UnavailableReason {
+    /// Every reason, in wire form.
+    pub const ALL: [UnavailableReason; 4] = [
+        UnavailableReason::AuthRejected,
+        UnavailableReason::AuthExpired,
+        UnavailableReason::Fenced,
+        UnavailableReason::SetupRefused,
+    ];
+
+    /// The wire value of `health.status.reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnavailableReason::AuthRejected => "auth_rejected",
+            UnavailableReason::AuthExpired => "auth_expired",
+            UnavailableReason::Fenced => "fenced",
+            UnavailableReason::SetupRefused => "setup_refused",
+        }
+    }
+}
+
+impl std::fmt::Display for UnavailableReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 macro_rules! flag_set {
-    ($(#[$meta:meta])* $name:ident { $($field:ident),+ $(,)? }) => {
+    ($(#[$meta:meta])* $name:ident { $($(#[$field_meta:meta])* $field:ident),+ $(,)? }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
         #[serde(default)]
         pub struct $name {
             $(
+                $(#[$field_meta])*
                 #[serde(skip_serializing_if = "is_false")]
                 pub $field: bool,
             )+
@@ -278,19 +325,128 @@ macro_rules! flag_set {
 
 flag_set! {
     /// What a driver can do. Each flag defaults to false when omitted; false flags are not
-    /// written.
+    /// written. Flags that only make sense with another one are listed in
+    /// [`Capabilities::REQUIRES`] and checked by [`Capabilities::unmet_requirements`] (the
+    /// driver SDK refuses to start with an inconsistent declaration).
+    ///
+    /// The hub gates on `send`, `commands`, `choices`, `multi_choice` and `tool_control`; the
+    /// other flags describe the platform to the agent (`CHANNELD_CAPS`) and to operators.
     Capabilities {
-        receive, send, group, threads, media, attachments, receive_attachments,
-        send_attachments, audio, video, reactions, typing, streaming, draft_updates,
-        multi_message_streaming, commands, choices, multi_choice, tool_control, polling,
-        long_polling, websocket, webhook,
+        /// Reports platform messages as `inbound` (and events as `inbound_event`).
+        receive,
+        /// Posts proactive messages: the hub sends `outbound` frames only to drivers with it.
+        send,
+        /// Conversations can have several participants (group chats, channels).
+        group,
+        /// Messages can belong to a thread: `target.thread` is meaningful both ways.
+        threads,
+        /// The platform carries images or other media (see the attachment flags).
+        media,
+        /// Attachments both ways (implies nothing by itself: pair it with `receive` or `send`).
+        attachments,
+        /// Inbound messages may carry attachments (URLs). Needs `receive`.
+        receive_attachments,
+        /// Posts may carry attachments. Needs `send`.
+        send_attachments,
+        /// The platform carries voice or audio messages.
+        audio,
+        /// The platform carries video.
+        video,
+        /// The platform has reactions (inbound `reaction` events; the effect needs the
+        /// `reaction` action).
+        reactions,
+        /// The platform shows typing indicators (the effect needs the `typing` action).
+        typing,
+        /// Replies can be shown while they are being written (with the `preview` action).
+        streaming,
+        /// A posted message can be updated in place as a draft grows (with `edit`).
+        draft_updates,
+        /// A long streamed reply may span several platform messages.
+        multi_message_streaming,
+        /// Presents runtime commands (`request_input`, `request_approval`, `notify`) to a
+        /// person and answers with `command_result`. Without it every command is rejected.
+        commands,
+        /// Presents `request_choice` with its options. Needs `commands`.
+        choices,
+        /// A choice may allow several options (`multiple: true`). Needs `choices`.
+        multi_choice,
+        /// Performs `invoke` platform operations and returns their value. Needs `commands`.
+        tool_control,
+        /// The driver polls the platform (informational).
+        polling,
+        /// The driver long-polls the platform (informational).
+        long_polling,
+        /// The driver holds a WebSocket to the platform (informational).
+        websocket,
+        /// The platform pushes to a webhook the driver serves (informational).
+        webhook,
+    }
+}
+
+/// Why a capability declaration is inconsistent: `flag` was declared without any of the
+/// flags it needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnmetRequirement {
+    pub flag: &'static str,
+    /// At least one of these must be declared too.
+    pub any_of: &'static [&'static str],
+}
+
+impl std::fmt::Display for UnmetRequirement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} needs {}", self.flag, self.any_of.join(" or "))
+    }
+}
+
+impl std::error::Error for UnmetRequirement {}
+
+impl Capabilities {
+    /// Which flags need which others: `(flag, at least one of these)`. The one place these
+    /// rules live: the SDK checks every driver's declaration with it before saying `hello`,
+    /// and the conformance suite asserts it on the wire.
+    pub const REQUIRES: &'static [(&'static str, &'static [&'static str])] = &[
+        ("multi_choice", &["choices"]),
+        ("choices", &["commands"]),
+        ("tool_control", &["commands"]),
+        ("receive_attachments", &["receive"]),
+        ("send_attachments", &["send"]),
+        ("attachments", &["receive", "send"]),
+    ];
+
+    /// The rules of [`REQUIRES`](Self::REQUIRES) this declaration breaks, in that order;
+    /// empty when it is consistent.
+    pub fn unmet_requirements(&self) -> Vec<UnmetRequirement> {
+        let declared = |flag: &str| self.get(flag) == Some(true);
+        Self::REQUIRES
+            .iter()
+            .filter(|(flag, any_of)| declared(flag) && !any_of.iter().any(|other| declared(other)))
+            .map(|&(flag, any_of)| UnmetRequirement { flag, any_of })
+            .collect()
     }
 }
 
 flag_set! {
-    /// Which live effects a driver accepts. Each effect needs the action of the same name.
+    /// Which live effects a driver accepts. Each effect needs the action of the same name; the
+    /// hub drops an undeclared `typing`/`preview` and refuses any other undeclared effect.
     Actions {
-        typing, preview, reaction, edit, delete, mark_read, pin, unpin, redact,
+        /// Show or clear a typing indicator.
+        typing,
+        /// Show a reply while it is being written.
+        preview,
+        /// Add or remove a reaction on a message.
+        reaction,
+        /// Replace a posted message's body.
+        edit,
+        /// Delete a posted message.
+        delete,
+        /// Mark a message as read.
+        mark_read,
+        /// Pin a message.
+        pin,
+        /// Unpin a message.
+        unpin,
+        /// Redact a message (remove its content, keep a trace).
+        redact,
     }
 }
 
@@ -487,4 +643,52 @@ pub enum ControlAction {
         #[serde(default)]
         target: Option<MessageTarget>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_requirement_names_real_flags() {
+        for (flag, any_of) in Capabilities::REQUIRES {
+            assert!(Capabilities::NAMES.contains(flag), "{flag}");
+            for other in *any_of {
+                assert!(Capabilities::NAMES.contains(other), "{other}");
+            }
+        }
+    }
+
+    #[test]
+    fn unmet_requirements_name_the_flag_and_what_it_needs() {
+        let caps = Capabilities {
+            receive: true,
+            multi_choice: true,
+            send_attachments: true,
+            ..Default::default()
+        };
+        let problems: Vec<String> =
+            caps.unmet_requirements().iter().map(ToString::to_string).collect();
+        assert_eq!(problems, ["multi_choice needs choices", "send_attachments needs send"]);
+        let lonely = Capabilities { attachments: true, ..Default::default() };
+        assert_eq!(lonely.unmet_requirements()[0].to_string(), "attachments needs receive or send");
+        let fine = Capabilities {
+            receive: true,
+            send: true,
+            commands: true,
+            choices: true,
+            multi_choice: true,
+            tool_control: true,
+            receive_attachments: true,
+            attachments: true,
+            ..Default::default()
+        };
+        assert!(fine.unmet_requirements().is_empty());
+    }
+
+    #[test]
+    fn unavailable_reasons_are_snake_case_on_the_wire() {
+        let names: Vec<&str> = UnavailableReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(names, ["auth_rejected", "auth_expired", "fenced", "setup_refused"]);
+    }
 }

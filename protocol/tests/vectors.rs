@@ -32,7 +32,7 @@ fn every_valid_vector_round_trips_to_an_equal_value() {
         assert_eq!(decode(&encoded[..encoded.len() - 1]).unwrap(), frame);
         count += 1;
     }
-    assert_eq!(count, 43, "the vector file changed; review this test");
+    assert_eq!(count, 49, "the vector file changed; review this test");
 }
 
 #[test]
@@ -65,6 +65,7 @@ fn every_invalid_vector_is_rejected_with_a_typed_error() {
         "invalid_frame",      // string
         "invalid_json",       // not JSON
         "invalid_json",       // truncated
+        "invalid_frame",      // operator_action without a name
     ];
     let lines: Vec<&str> = INVALID.lines().collect();
     assert_eq!(lines.len(), expected_codes.len());
@@ -89,4 +90,16 @@ fn specific_rejections_name_their_cause() {
     assert_eq!(err, DecodeError::MissingAbi);
     let err = decode(b"[1,2,3]").unwrap_err();
     assert_eq!(err, DecodeError::NotObject);
+}
+
+#[test]
+fn an_operator_action_without_args_gets_an_empty_object() {
+    let line = br#"{"abi":"cortexfs.channel.socket/v1","frame":{"type":"operator_action","request_id":"op-9","name":"resume"}}"#;
+    match decode(line).unwrap() {
+        Frame::OperatorAction(action) => {
+            assert_eq!(action.name, "resume");
+            assert_eq!(action.args, serde_json::json!({}));
+        }
+        other => panic!("decoded as {}", other.type_name()),
+    }
 }

@@ -105,6 +105,7 @@ impl RawPeer {
             capabilities,
             actions,
             extensions: extensions.iter().map(|e| (*e).to_owned()).collect(),
+            operator_actions: Vec::new(),
         }))
         .await;
         self.send(Frame::Start(Lifecycle { request_id: id(&format!("{channel}-start")) })).await;

@@ -415,8 +415,18 @@ impl LoadRig {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        // Nothing signals "no more redeliveries": give a late duplicate time to show up.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // A late duplicate could only come from a message still queued or unacknowledged at
+        // the broker (both zero above) or a run still in flight at the hub: once none is,
+        // no further run can start and the counts below are final.
+        loop {
+            let status = self.hub.instance_status(LOAD_CHANNEL);
+            let counts = tokio::task::block_in_place(|| self.broker.queue_counts(LOAD_QUEUE));
+            if status["in_flight"] == 0 && counts == Some((0, 0)) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "runs still in flight: {status}, queue {counts:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let runs = self.runs();
         let mut per_event: BTreeMap<&str, usize> = BTreeMap::new();
         for id in &runs {

@@ -1,7 +1,8 @@
 //! The MQTT driver as a real process between a real mosquitto and a real `channeld`: round
 //! trips, two instances on one broker, identity from the topic (hub allowlist and broker ACL),
-//! proactive sends, and 1,000 messages across a broker restart and a driver SIGKILL with
-//! nothing lost and nothing run twice.
+//! proactive sends, a second driver the hub refuses staying off the broker, and 1,000
+//! messages across a broker restart and a driver SIGKILL with nothing lost and nothing run
+//! twice.
 
 use std::collections::HashSet;
 use std::fs::OpenOptions;
@@ -73,14 +74,19 @@ impl DriverProcess {
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
+        self.wait_exit(Duration::from_secs(20))
+    }
+
+    /// Waits (bounded) for the process to exit by itself and returns its status.
+    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().expect("wait driver") {
                 return status;
             }
             assert!(
                 Instant::now() < deadline,
-                "driver did not exit after SIGTERM:\n{}",
+                "driver did not exit within {limit:?}:\n{}",
                 self.log()
             );
             std::thread::sleep(Duration::from_millis(10));
@@ -309,7 +315,7 @@ async fn the_broker_acl_decides_who_may_publish_as_whom() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wrong_password_degrades_health_without_revealing_it() {
+async fn a_wrong_password_makes_the_instance_unavailable_without_revealing_it() {
     let broker = Mosquitto::start_with(MosquittoOptions {
         users: vec![("bridge".into(), "right-pw".into())],
         ..MosquittoOptions::default()
@@ -324,7 +330,8 @@ async fn a_wrong_password_degrades_health_without_revealing_it() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {
         let status = hub.instance_status(ONE);
-        if status["connected"] == true && status["health"]["state"] == "Degraded" {
+        // Refused credentials need an operator: Unavailable, with a machine-readable reason.
+        if status["connected"] == true && status["health"]["state"] == "Unavailable" {
             let detail = status["health"]["detail"].as_str().unwrap_or_default().to_owned();
             if detail.contains("BadUserNamePassword") || detail.contains("NotAuthorized") {
                 break status;
@@ -333,10 +340,12 @@ async fn a_wrong_password_degrades_health_without_revealing_it() {
         assert!(Instant::now() < deadline, "no auth failure in health: {status}\n{}", driver.log());
         tokio::time::sleep(Duration::from_millis(25)).await;
     };
+    assert_eq!(status["health"]["status"]["reason"], "auth_rejected", "{status}");
+    assert_eq!(status["health"]["status"]["auth"], "rejected", "{status}");
     assert!(!status.to_string().contains("wrong-pw"), "{status}");
     let health = hub.ctl(&["health", ONE]);
     let text = String::from_utf8_lossy(&health.stdout);
-    assert!(text.starts_with("mqtt.one Degraded: broker mqtt://127.0.0.1:"), "{text}");
+    assert!(text.starts_with("mqtt.one Unavailable: broker mqtt://127.0.0.1:"), "{text}");
     assert!(!text.contains("wrong-pw") && !driver.log().contains("wrong-pw"));
 }
 
@@ -529,4 +538,105 @@ async fn a_broker_restart_amid_1000_messages_loses_none_and_repeats_no_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_sigkill_amid_1000_messages_loses_none_and_repeats_no_run() {
     thousand_messages_across(Disruption::DriverKill).await;
+}
+
+/// How often mosquitto has logged a connection for the client id of `instance`.
+fn broker_connections(broker: &Mosquitto, instance: &str) -> usize {
+    broker.log().matches(&format!(" as channeld-{instance} ")).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_driver_the_hub_refuses_never_takes_over_the_broker_session() {
+    let broker = Mosquitto::start();
+    let hub = echo_hub(&["alice"], &[ONE]);
+    provision(&broker, ONE, None).await;
+    let first = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    wait_ready(&hub, ONE, &first).await;
+    let connections = broker_connections(&broker, ONE);
+
+    // The same instance again: same socket, same MQTT client id.
+    let second = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    // Refused `already_connected`, it retries; after its second refusal it has had every
+    // chance to reach the broker (before the fix it connected at once and knocked the first
+    // driver off).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !second.log().contains("the hub still refuses this driver") {
+        assert!(Instant::now() < deadline, "no second refusal:\n{}", second.log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // Both processes log to the one file of the instance: only the first ever connected.
+    assert_eq!(second.log().matches("connected to the broker").count(), 1, "{}", second.log());
+    assert_eq!(broker_connections(&broker, ONE), connections, "{}", broker.log());
+    assert!(
+        !broker.log().contains("already connected, closing old connection"),
+        "{}",
+        broker.log()
+    );
+
+    // The first driver still serves, undisturbed.
+    let mut observer =
+        MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
+    let mut alice = MqttTestClient::connect(broker.port(), "alice-phone", &[]).await;
+    let ping = json!({"text": "still me", "id": "1"}).to_string();
+    alice.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), ping).await;
+    let reply = observer.next_message(MESSAGE_WITHIN).await;
+    assert_eq!(payload(&reply)["text"], "still me");
+    assert_eq!(hub.instance_status(ONE)["health"]["state"], "Ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_for_the_wrong_channel_exits_78_without_touching_the_broker() {
+    let broker = Mosquitto::start();
+    let hub = echo_hub(&["alice"], &[ONE]);
+    let before = broker_connections(&broker, TWO);
+    // Channel `mqtt.two` on the socket that serves `mqtt.one`.
+    let mut driver = DriverProcess::spawn(&hub, ONE, &broker, &[("CHANNELD_CHANNEL_ID", TWO)]);
+    let status = driver.wait_exit(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(78), "{}", driver.log());
+    assert!(driver.log().contains("channel_mismatch"), "{}", driver.log());
+    assert_eq!(broker_connections(&broker, TWO), before, "{}", broker.log());
+}
+
+#[test]
+fn conflicting_launch_settings_and_an_unusable_socket_exit_78_with_the_reason() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("mqtt.one.sock");
+    let socket = socket.to_str().expect("utf-8 path");
+    let directory = dir.path().to_str().expect("utf-8 path");
+    let cases: [(&[(&str, &str)], &str); 4] = [
+        (
+            &[
+                ("CHANNELD_CHANNEL_ID", ONE),
+                ("CORTEXFS_CHANNEL_ID", TWO),
+                ("CHANNELD_SOCKET", socket),
+            ],
+            "CHANNELD_CHANNEL_ID and CORTEXFS_CHANNEL_ID disagree",
+        ),
+        (
+            &[
+                ("CHANNELD_CHANNEL_ID", ONE),
+                ("CHANNELD_SOCKET", socket),
+                ("CORTEXFS_CHANNEL_SOCKET", "/tmp/other.sock"),
+            ],
+            "CHANNELD_SOCKET and CORTEXFS_CHANNEL_SOCKET disagree",
+        ),
+        (
+            &[("CHANNELD_CHANNEL_ID", ONE), ("CHANNELD_SOCKET", "")],
+            "CHANNELD_SOCKET is invalid: is empty",
+        ),
+        (&[("CHANNELD_CHANNEL_ID", ONE), ("CHANNELD_SOCKET", directory)], "is a directory"),
+    ];
+    for (env, reason) in cases {
+        let out = Command::new(workspace_bin("channeld-mqtt"))
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CHANNELD_MQTT_URL", "mqtt://127.0.0.1:1")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run channeld-mqtt");
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{env:?}: {log}");
+        assert!(log.contains(reason), "{env:?}: {log}");
+    }
 }

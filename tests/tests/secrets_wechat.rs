@@ -1,6 +1,7 @@
 //! Secrets stay secret, WeChat: `channeld-wechat` runs with a canary bot token (a
 //! `LoadCredential=` file, with another canary in the environment that the file overrides)
-//! against an unreachable iLink, a fake that refuses the token (`-14`) and one that accepts
+//! against an unreachable iLink, a fake that refuses the token (`-14`, shown as `auth_expired`)
+//! and one that accepts
 //! it; the canaries must appear nowhere an operator or the hub can see (see `canary/mod.rs`).
 
 mod canary;
@@ -52,7 +53,7 @@ async fn wechat_bot_token_from_a_credential_never_leaks() {
 
     let rejecting = fake_accepting(&canary("other")).await;
     let env = wechat_env(rejecting.base_url(), creds.path(), state.path(), &unused);
-    through_the_hub("channeld-wechat", "wechat.canary", Broker::Rejecting, &env, &canaries).await;
+    through_the_hub("channeld-wechat", "wechat.canary", Broker::Expiring, &env, &canaries).await;
 
     // The same credential opens a server that knows it: the driver did read the file. The
     // conversation of the hub's test send wrote first, so the send has a context token.

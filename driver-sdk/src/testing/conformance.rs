@@ -1,5 +1,6 @@
 //! The conformance suite every driver runs against the [`FakeHub`]: handshake, declared versus
-//! used capabilities, receipts, effect and command gating, error survival and reconnects.
+//! used capabilities, receipts and their message ids, effect and command gating, operator
+//! actions, error survival, reconnects and a prompt stop.
 //!
 //! A driver's test implements [`ConformanceHarness`] and invokes
 //! [`conformance_suite!`](crate::conformance_suite), which expands to one test per check. Each
@@ -8,6 +9,7 @@
 use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use channeld_protocol::ext::valid_operator_action_name;
 use channeld_protocol::frame::{CommandFrame, EffectFrame, Hello, Inbound};
 use channeld_protocol::types::{
     Capabilities, Choice, Command, CommandResult, Effect, MessageBody, MessageTarget,
@@ -29,8 +31,10 @@ pub const RECONNECT_WITHIN: Duration = Duration::from_secs(5);
 
 /// What a driver's test provides so the suite can drive it.
 pub trait ConformanceHarness: Send + 'static {
-    /// Starts the driver under test connected to `launch.socket` (in-process task or child
-    /// process).
+    /// Starts the driver under test with exactly these launch settings: in-process with
+    /// [`DriverTask::spawn`](super::DriverTask::spawn), or as a child process with
+    /// [`DriverLaunchConfig::to_env`] as its environment (the drain deadline matters: the
+    /// suite checks that the driver stops within it).
     fn start(&mut self, launch: DriverLaunchConfig) -> impl Future<Output = ()> + Send;
 
     /// Makes the platform deliver one text message to the driver (e.g. publish to the broker,
@@ -41,14 +45,14 @@ pub trait ConformanceHarness: Send + 'static {
     fn outbound_target(&self, channel: &ChannelId) -> MessageTarget;
 
     /// Stops the driver (SIGTERM for a process, cancel for a task) and waits for it to exit;
-    /// returns whether it exited cleanly.
+    /// returns whether it exited cleanly (status 0, or `Ok` from [`DriverTask::stop`](super::DriverTask::stop)).
     fn stop(&mut self) -> impl Future<Output = bool> + Send;
 
-    /// How many messages the platform has received from the driver so far, if the harness
-    /// can tell. Used to check that a redelivered `outbound` is not posted twice.
-    fn platform_posts(&self) -> Option<usize> {
-        None
-    }
+    /// How many messages the platform has received from the driver so far, counted on the
+    /// platform side (a fake server's log, a broker subscriber, the bytes written). The
+    /// count must include every post the driver has receipted by the time it is called.
+    /// Used to check that a post happens once and a redelivered `outbound` not at all.
+    fn platform_posts(&self) -> usize;
 }
 
 /// Expands to one test per conformance check, in a module named `conformance`.
@@ -69,10 +73,13 @@ macro_rules! conformance_suite {
             declared_vs_used_negotiated,
             declared_vs_used_reference,
             outbound_receipt,
+            receipt_message_ids,
             effect_gating,
             command_rejection,
+            operator_actions,
             error_frame_survival,
             reconnects,
+            stops_within_the_drain_deadline,
         );
     };
     (@checks ($make_harness:expr) $($check:ident,)+) => {
@@ -109,13 +116,17 @@ pub fn run_check<F: Future<Output = ()>>(name: &str, check: F) {
     });
 }
 
-/// The first frame is a `hello` for the launch channel with a self-consistent declaration,
-/// then `start`; on stop the driver sends `stop` and exits cleanly.
+/// The first frame is a `hello` for the launch channel with a self-consistent declaration
+/// (the rules of `Capabilities::REQUIRES`, valid operator action names), then `start`; on
+/// stop the driver sends `stop` and exits cleanly.
 pub async fn handshake<H: ConformanceHarness>(harness: H) {
     let (run, mut conn) = Run::start(harness, AckMode::Extensions).await;
     assert_eq!(run.hello.channel, run.launch.channel, "hello must name the launch channel");
     let problems = declaration_problems(&run.hello.capabilities);
     assert!(problems.is_empty(), "inconsistent hello declaration: {}", problems.join("; "));
+    for name in &run.hello.operator_actions {
+        assert!(valid_operator_action_name(name), "operator action name {name:?} is invalid");
+    }
     health_probe(&mut conn, "conformance-health").await;
     run.stop_cleanly(conn).await;
 }
@@ -195,16 +206,21 @@ fn check_inbound(hello: &Hello, launch: &DriverLaunchConfig, inbound: &Inbound, 
     );
 }
 
-/// With `send`, an `outbound` gets a `receipt` for the launch channel, and the same request
-/// again gets the same receipt without a second post. Without `send`, an `error`.
+/// With `send`, an `outbound` gets a `receipt` for the launch channel after exactly one post
+/// on the platform, and the same request again gets the same receipt without a second post.
+/// Without `send`, an `error` with code `unsupported`.
 pub async fn outbound_receipt<H: ConformanceHarness>(harness: H) {
     let (run, mut conn) = Run::start(harness, AckMode::Extensions).await;
     let target = run.harness.outbound_target(&run.launch.channel);
     let request_id = "conformance-outbound-1";
     let text = "conformance outbound";
+    let before = run.harness.platform_posts();
     conn.outbound(request_id, target.clone(), text).await;
     if !run.hello.capabilities.send {
-        conn.expect_error(request_id).await;
+        let err = conn.expect_error(request_id).await;
+        assert_eq!(err.code, "unsupported", "an outbound without send refused with {err:?}");
+        assert!(!err.retryable, "an outbound without send is not retryable: {err:?}");
+        assert_eq!(run.harness.platform_posts(), before, "refused, yet posted");
         run.stop_cleanly(conn).await;
         return;
     }
@@ -212,14 +228,52 @@ pub async fn outbound_receipt<H: ConformanceHarness>(harness: H) {
     assert_eq!(first.channel, run.launch.channel, "receipt names another channel");
     assert_eq!(first.target.channel, run.launch.channel, "receipt target names another channel");
     let posts = run.harness.platform_posts();
-    if let Some(posts) = posts {
-        assert!(posts >= 1, "a receipt came back but the platform saw no post");
-    }
+    assert_eq!(posts, before + 1, "one receipt, but the platform saw {} posts", posts - before);
 
     conn.outbound(request_id, target, text).await;
     let again = conn.expect_receipt(request_id).await;
     assert_eq!(again.message_id, first.message_id, "a redelivered outbound got another message");
     assert_eq!(run.harness.platform_posts(), posts, "a redelivered outbound was posted twice");
+    run.stop_cleanly(conn).await;
+}
+
+/// A receipt's `message_id` is the platform's id of the posted message: different requests
+/// get different ids (each a post of its own), and a reply's receipt (extension
+/// `reply_receipt`) names its own message, not the inbound's event id.
+pub async fn receipt_message_ids<H: ConformanceHarness>(harness: H) {
+    let (mut run, mut conn) = Run::start(harness, AckMode::Extensions).await;
+    if !run.hello.capabilities.send {
+        health_probe(&mut conn, "conformance-health").await;
+        run.stop_cleanly(conn).await;
+        return;
+    }
+    let target = run.harness.outbound_target(&run.launch.channel);
+    let mut ids = Vec::new();
+    for n in 1..=3 {
+        let request_id = format!("conformance-distinct-{n}");
+        let before = run.harness.platform_posts();
+        conn.outbound(&request_id, target.clone(), "same text, another message").await;
+        let receipt = conn.expect_receipt(&request_id).await;
+        assert_eq!(run.harness.platform_posts(), before + 1, "{request_id} was not posted once");
+        assert!(
+            !ids.contains(&receipt.message_id),
+            "{request_id} got message_id {} again: each post needs its own",
+            receipt.message_id
+        );
+        ids.push(receipt.message_id);
+    }
+    if run.hello.capabilities.receive && conn.negotiated().reply_receipt {
+        run.harness.inject_inbound("conformance message to reply to").await;
+        let inbound = conn.expect_inbound().await;
+        conn.accept_inbound(&inbound.event_id).await;
+        conn.deliver(&inbound.event_id, inbound.message.target.clone(), "a reply").await;
+        let receipt = conn.expect_receipt(&inbound.event_id).await;
+        assert!(
+            !ids.contains(&receipt.message_id),
+            "the reply's message_id {} repeats a proactive post's",
+            receipt.message_id
+        );
+    }
     run.stop_cleanly(conn).await;
 }
 
@@ -270,8 +324,29 @@ pub async fn command_rejection<H: ConformanceHarness>(harness: H) {
     run.stop_cleanly(conn).await;
 }
 
+/// With the `operator_action` extension, an action the driver did not declare is answered
+/// `ok: false` with code `unsupported`, never performed; the session carries on.
+pub async fn operator_actions<H: ConformanceHarness>(harness: H) {
+    let (run, mut conn) = Run::start(harness, AckMode::Extensions).await;
+    assert!(
+        run.hello.operator_actions.is_empty()
+            || run.hello.extensions.iter().any(|e| e == "operator_action"),
+        "hello lists operator_actions without the operator_action extension"
+    );
+    if conn.negotiated().operator_action {
+        let name = "conformance_no_such_action";
+        assert!(!run.hello.operator_actions.iter().any(|a| a == name));
+        conn.operator_action("conformance-op-1", name, serde_json::json!({})).await;
+        let result = conn.expect_operator_action_result("conformance-op-1").await;
+        assert!(!result.ok, "an undeclared operator action was performed: {result:?}");
+        assert_eq!(result.code.as_deref(), Some("unsupported"), "{result:?}");
+    }
+    health_probe(&mut conn, "conformance-health").await;
+    run.stop_cleanly(conn).await;
+}
+
 /// `error` frames from the hub (with a null or an unknown request id) and a line that is not
-/// JSON do not end the session; the bad line is answered with an `error`.
+/// JSON do not end the session; the bad line is answered with an `invalid_json` error.
 pub async fn error_frame_survival<H: ConformanceHarness>(harness: H) {
     let (run, mut conn) = Run::start(harness, AckMode::Extensions).await;
     let unknown = format!("conformance-unknown-{}", unique_suffix());
@@ -291,7 +366,7 @@ pub async fn error_frame_survival<H: ConformanceHarness>(harness: H) {
 
     conn.send_raw(b"this line is not json\n").await;
     let err = conn.expect_uncorrelated_error().await;
-    assert!(!err.code.is_empty(), "the error answering a bad line has no code");
+    assert_eq!(err.code, "invalid_json", "a line that is not JSON answered with {err:?}");
     health_probe(&mut conn, "conformance-health-2").await;
     run.stop_cleanly(conn).await;
 }
@@ -312,21 +387,26 @@ pub async fn reconnects<H: ConformanceHarness>(harness: H) {
     run.stop_cleanly(conn).await;
 }
 
-/// What is inconsistent in a declaration; empty when it is fine.
+/// A driver told to stop while its platform side is busy (a message was just reported)
+/// returns from `run`, says `stop` and exits cleanly within the drain deadline
+/// ([`DRAIN`](super::DRAIN)); a `run` that ignores its shutdown token is aborted at the
+/// deadline and the driver exits non-zero, which fails this check every time.
+pub async fn stops_within_the_drain_deadline<H: ConformanceHarness>(harness: H) {
+    let (mut run, mut conn) = Run::start(harness, AckMode::Extensions).await;
+    assert!(run.launch.drain_timeout < super::IO_TIMEOUT);
+    if run.hello.capabilities.receive {
+        run.harness.inject_inbound("conformance inbound before stopping").await;
+        let inbound = conn.expect_inbound().await;
+        conn.accept_inbound(&inbound.event_id).await;
+    }
+    health_probe(&mut conn, "conformance-health").await;
+    run.stop_cleanly(conn).await;
+}
+
+/// What is inconsistent in a declaration; empty when it is fine (the rules of
+/// [`Capabilities::REQUIRES`]).
 pub fn declaration_problems(caps: &Capabilities) -> Vec<String> {
-    let rules = [
-        (caps.multi_choice, "multi_choice", caps.choices, "choices"),
-        (caps.choices, "choices", caps.commands, "commands"),
-        (caps.tool_control, "tool_control", caps.commands, "commands"),
-        (caps.receive_attachments, "receive_attachments", caps.receive, "receive"),
-        (caps.send_attachments, "send_attachments", caps.send, "send"),
-        (caps.attachments, "attachments", caps.receive || caps.send, "receive or send"),
-    ];
-    rules
-        .iter()
-        .filter(|(declared, _, required, _)| *declared && !*required)
-        .map(|(_, name, _, needs)| format!("{name} needs {needs}"))
-        .collect()
+    caps.unmet_requirements().iter().map(ToString::to_string).collect()
 }
 
 /// One effect per action, in [`Actions::NAMES`](channeld_protocol::types::Actions::NAMES) order.
@@ -382,7 +462,6 @@ pub fn commands_to_reject(caps: &Capabilities) -> Vec<(&'static str, Command)> {
     rejected
 }
 
-/// A started driver, its fake hub and the current connection.
 /// A started driver and its fake hub; the current connection is kept next to it.
 struct Run<H> {
     harness: H,
@@ -426,7 +505,12 @@ impl<H: ConformanceHarness> Run<H> {
             conn.expect_stop().await;
             conn.closed().await;
         });
-        assert!(clean, "the driver did not exit cleanly after being stopped");
+        assert!(
+            clean,
+            "the driver did not exit cleanly after being stopped (a run that does not return \
+             within the drain deadline of {:?} is aborted and the driver exits non-zero)",
+            self.launch.drain_timeout
+        );
     }
 }
 
@@ -458,21 +542,12 @@ mod tests {
 
     #[test]
     fn declaration_rules_name_what_is_missing() {
+        // The rules themselves are tested with `Capabilities::REQUIRES` in the protocol crate.
         let mut caps = Capabilities { receive: true, multi_choice: true, ..Default::default() };
         caps.send_attachments = true;
         let problems = declaration_problems(&caps);
         assert_eq!(problems, vec!["multi_choice needs choices", "send_attachments needs send"]);
-        let fine = Capabilities {
-            receive: true,
-            send: true,
-            commands: true,
-            choices: true,
-            multi_choice: true,
-            tool_control: true,
-            receive_attachments: true,
-            ..Default::default()
-        };
-        assert!(declaration_problems(&fine).is_empty());
+        assert!(declaration_problems(&Capabilities::default()).is_empty());
     }
 
     #[test]

@@ -14,6 +14,7 @@ use channeld_link::FrameReader;
 use channeld_protocol::ext::Extensions;
 use channeld_protocol::frame::{
     Accepted, CommandResultFrame, Delivery, ErrorFrame, Hello, HelloAck, Inbound, Lifecycle,
+    OperatorActionFrame, OperatorActionResult,
 };
 use channeld_protocol::types::{
     DeliveryReceipt, Health, LifecycleEvent, MessageBody, MessageTarget, OutboundMessage,
@@ -29,6 +30,10 @@ use crate::launch::DriverLaunchConfig;
 
 /// How long the fake hub waits for a connection, a frame or a write before failing the test.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The drain deadline of [`FakeHub::launch_config`]: a driver's `run` must return within it
+/// once asked to stop.
+pub const DRAIN: Duration = Duration::from_secs(3);
 
 /// The `hub` name the fake sends in `hello_ack`.
 pub const FAKE_HUB_NAME: &str = "fake-hub";
@@ -69,11 +74,15 @@ impl FakeHub {
         &self.socket
     }
 
-    /// Launch settings that point a driver for `channel` at this fake hub.
+    /// Launch settings that point a driver for `channel` at this fake hub, with a drain
+    /// deadline of [`DRAIN`] (shorter than [`IO_TIMEOUT`], so a driver that has to be
+    /// aborted is told apart from a slow one).
     pub fn launch_config(&self, channel: &str) -> DriverLaunchConfig {
         let channel = ChannelId::new(channel)
             .unwrap_or_else(|err| panic!("fake hub: {channel:?} is not a channel id: {err}"));
-        DriverLaunchConfig::for_socket(channel, &self.socket)
+        let mut launch = DriverLaunchConfig::for_socket(channel, &self.socket);
+        launch.drain_timeout = DRAIN;
+        launch
     }
 
     /// Waits up to [`IO_TIMEOUT`] for the driver to connect.
@@ -148,6 +157,19 @@ impl FakeConnection {
         hello
     }
 
+    /// Reads the driver's `hello` and refuses it with an `error` frame carrying its request
+    /// id, as channeld does for `already_connected` (retryable) or `channel_mismatch` (not
+    /// retryable). Drop the connection afterwards, as the hub does.
+    pub async fn refuse_hello(&mut self, code: &str, retryable: bool) -> Hello {
+        let hello = match self.recv("the driver's hello").await {
+            Frame::Hello(hello) => hello,
+            other => unexpected("hello as the first frame", &other),
+        };
+        let message = format!("fake hub refuses this driver: {code}");
+        self.send(&Frame::error(Some(hello.request_id.clone()), code, message, retryable)).await;
+        hello
+    }
+
     /// The `hello` read by [`handshake`](Self::handshake).
     pub fn hello(&self) -> Option<&Hello> {
         self.hello.as_ref()
@@ -213,6 +235,34 @@ impl FakeConnection {
         let delivery =
             Delivery { request_id: id(request_id.as_ref()), message: message(target, text) };
         self.send(&Frame::Outbound(delivery)).await;
+    }
+
+    /// Sends an `operator_action` (extension `operator_action`).
+    pub async fn operator_action(
+        &self,
+        request_id: impl AsRef<str>,
+        name: &str,
+        args: serde_json::Value,
+    ) {
+        let frame = OperatorActionFrame {
+            request_id: id(request_id.as_ref()),
+            name: name.to_owned(),
+            args,
+        };
+        self.send(&Frame::OperatorAction(frame)).await;
+    }
+
+    /// Expects the `operator_action_result` for `request_id`.
+    pub async fn expect_operator_action_result(
+        &mut self,
+        request_id: impl AsRef<str>,
+    ) -> OperatorActionResult {
+        let request_id = request_id.as_ref();
+        let what = format!("an operator_action_result for {request_id}");
+        match self.recv(&what).await {
+            Frame::OperatorActionResult(result) if result.request_id == request_id => result,
+            other => unexpected(&what, &other),
+        }
     }
 
     /// Sends a `health_request`.
@@ -391,6 +441,7 @@ mod tests {
             capabilities: Capabilities { receive: true, ..Default::default() },
             actions: Default::default(),
             extensions: extensions.iter().map(|&name| name.to_owned()).collect(),
+            operator_actions: Vec::new(),
         })
     }
 

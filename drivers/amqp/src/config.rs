@@ -5,12 +5,12 @@
 //! SDK's credential lookup, never printed (`Debug` shows `***`), and errors about it never
 //! quote it.
 
-use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use channeld_driver_sdk::DriverLaunchConfig;
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::ChannelId;
+use channeld_driver_sdk::{ConfigError, DriverLaunchConfig, Secret};
 use lapin::ExchangeKind;
 use lapin::uri::AMQPUri;
 
@@ -70,57 +70,33 @@ pub const CONVERSATION_PLACEHOLDER: &str = "{conversation}";
 /// Longest AMQP short string (names, routing keys, properties).
 const MAX_SHORT_STRING: usize = 255;
 
-/// Why the settings are unusable. Never contains the broker URL.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("CHANNELD_{0} is not set")]
-    Missing(&'static str),
-    #[error("CHANNELD_{var} is invalid: {reason}")]
-    Invalid { var: &'static str, reason: String },
-    #[error("credential {CREDENTIAL_URL} could not be read: {0}")]
-    Credential(String),
-}
-
 fn invalid(var: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { var, reason: reason.into() }
+    ConfigError::invalid(setting_var(var), reason)
 }
 
-/// The parsed broker URL. Prints as `***`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct BrokerUrl(AMQPUri);
+/// The broker URL, parsed; it carries the password, so it is a [`Secret`] (prints `***`).
+pub type BrokerUrl = Secret<AMQPUri>;
 
-impl BrokerUrl {
-    /// Parses `raw`; the error never quotes it.
-    pub fn parse(raw: &str) -> Result<Self, ConfigError> {
-        let mut uri = AMQPUri::from_str(raw.trim()).map_err(|err| {
-            // Only the scheme error is safe to repeat; the others may quote the URL.
-            let reason = if err.starts_with("Invalid AMQP scheme") {
-                "the scheme must be amqp or amqps"
-            } else {
-                "not a valid amqp:// or amqps:// URL"
-            };
-            invalid(VAR_URL, reason)
-        })?;
-        uri.query.heartbeat.get_or_insert(DEFAULT_HEARTBEAT_SECONDS);
-        uri.query.connection_timeout.get_or_insert(DEFAULT_CONNECT_TIMEOUT_MS);
-        Ok(Self(uri))
-    }
-
-    /// The URL, for the one call that connects.
-    pub fn expose(&self) -> &AMQPUri {
-        &self.0
-    }
-
-    /// Whether the connection uses TLS (safe to log).
-    pub fn is_tls(&self) -> bool {
-        matches!(self.0.scheme, lapin::uri::AMQPScheme::AMQPS)
-    }
+/// Parses the broker URL; the error never quotes it. Adds a heartbeat and a connect timeout
+/// when the URL does not set them.
+pub fn parse_broker_url(raw: &str) -> Result<BrokerUrl, ConfigError> {
+    let mut uri = AMQPUri::from_str(raw.trim()).map_err(|err| {
+        // Only the scheme error is safe to repeat; the others may quote the URL.
+        let reason = if err.starts_with("Invalid AMQP scheme") {
+            "the scheme must be amqp or amqps"
+        } else {
+            "not a valid amqp:// or amqps:// URL"
+        };
+        invalid(VAR_URL, reason)
+    })?;
+    uri.query.heartbeat.get_or_insert(DEFAULT_HEARTBEAT_SECONDS);
+    uri.query.connection_timeout.get_or_insert(DEFAULT_CONNECT_TIMEOUT_MS);
+    Ok(Secret::new(uri))
 }
 
-impl fmt::Debug for BrokerUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
-    }
+/// Whether the connection uses TLS (safe to log).
+pub fn is_tls(url: &BrokerUrl) -> bool {
+    matches!(url.expose().scheme, lapin::uri::AMQPScheme::AMQPS)
 }
 
 /// Who a message is from when it carries no `user_id`.
@@ -216,26 +192,15 @@ impl AmqpConfig {
     /// Reads and validates the settings of `launch`.
     pub fn from_launch(launch: &DriverLaunchConfig) -> Result<Self, ConfigError> {
         let url = launch
-            .secret(CREDENTIAL_URL, VAR_URL)
-            .map_err(|err| ConfigError::Credential(err.to_string()))?
-            .ok_or(ConfigError::Missing(VAR_URL))?;
-        let url = BrokerUrl::parse(url.expose())?;
-        let mut config = Self::from_parts(launch.channel.clone(), url, |name| launch.var(name))?;
-        config.drain_grace = launch.drain_timeout / 2;
-        Ok(config)
-    }
-
-    /// Validates the settings given by `var` (a `CHANNELD_`-less name → value lookup).
-    pub fn from_parts<'a>(
-        channel: ChannelId,
-        url: BrokerUrl,
-        var: impl Fn(&str) -> Option<&'a str>,
-    ) -> Result<Self, ConfigError> {
-        let queue = name(VAR_QUEUE, var(VAR_QUEUE).ok_or(ConfigError::Missing(VAR_QUEUE))?)?;
+            .secret(CREDENTIAL_URL, VAR_URL)?
+            .ok_or_else(|| ConfigError::missing(setting_var(VAR_URL)))?;
+        let url = parse_broker_url(url.as_str())?;
+        let var = |name: &str| launch.var(name);
+        let queue = name(VAR_QUEUE, &launch.require::<String>(VAR_QUEUE)?)?;
         if queue.is_empty() || queue.starts_with("amq.") {
             return Err(invalid(VAR_QUEUE, "must be a non-empty name not starting with amq."));
         }
-        let declare = boolean(VAR_DECLARE, var(VAR_DECLARE), true)?;
+        let declare = launch.parse_or(VAR_DECLARE, true)?;
         let binding = match var(VAR_EXCHANGE) {
             None => {
                 for other in [VAR_EXCHANGE_TYPE, VAR_BINDINGS] {
@@ -261,18 +226,8 @@ impl AmqpConfig {
                 Some(Binding { exchange, kind, keys })
             }
         };
-        let prefetch = match var(VAR_PREFETCH) {
-            None => DEFAULT_PREFETCH,
-            Some(raw) => match raw.trim().parse::<u16>() {
-                Ok(n) if (1..=MAX_PREFETCH).contains(&n) => n,
-                _ => {
-                    return Err(invalid(
-                        VAR_PREFETCH,
-                        format!("expected a whole number from 1 to {MAX_PREFETCH}"),
-                    ));
-                }
-            },
-        };
+        let prefetch =
+            launch.parse_within(VAR_PREFETCH, 1..=MAX_PREFETCH)?.unwrap_or(DEFAULT_PREFETCH);
         let dead_letter = match var(VAR_DEAD_LETTER_EXCHANGE) {
             None => {
                 if var(VAR_DEAD_LETTER_QUEUE).is_some() {
@@ -315,20 +270,11 @@ impl AmqpConfig {
         let outbound_routing_key = routing_key_template(
             var(VAR_OUTBOUND_ROUTING_KEY).unwrap_or(CONVERSATION_PLACEHOLDER),
         )?;
-        let confirm_timeout = match var(VAR_CONFIRM_TIMEOUT) {
-            None => Duration::from_secs(30),
-            Some(raw) => match raw.trim().parse::<u64>() {
-                Ok(secs) if (1..=600).contains(&secs) => Duration::from_secs(secs),
-                _ => {
-                    return Err(invalid(
-                        VAR_CONFIRM_TIMEOUT,
-                        "expected a whole number of seconds from 1 to 600",
-                    ));
-                }
-            },
-        };
+        let confirm_timeout = launch
+            .parse_within(VAR_CONFIRM_TIMEOUT, Duration::from_secs(1)..=Duration::from_secs(600))?
+            .unwrap_or(Duration::from_secs(30));
         Ok(Self {
-            channel,
+            channel: launch.channel.clone(),
             url,
             queue,
             declare,
@@ -349,7 +295,7 @@ impl AmqpConfig {
                 thread_header,
             },
             confirm_timeout,
-            drain_grace: Duration::from_secs(5),
+            drain_grace: launch.drain_timeout / 2,
         })
     }
 
@@ -380,15 +326,6 @@ fn header(var: &'static str, raw: Option<&str>, default: &str) -> Result<String,
     Ok(value.to_owned())
 }
 
-fn boolean(var: &'static str, raw: Option<&str>, default: bool) -> Result<bool, ConfigError> {
-    match raw.map(str::trim) {
-        None => Ok(default),
-        Some("true" | "1" | "yes") => Ok(true),
-        Some("false" | "0" | "no") => Ok(false),
-        Some(_) => Err(invalid(var, "expected true or false")),
-    }
-}
-
 fn exchange_kind(raw: &str) -> Result<ExchangeKind, ConfigError> {
     match raw.trim() {
         "topic" => Ok(ExchangeKind::Topic),
@@ -413,18 +350,18 @@ fn routing_key_template(raw: &str) -> Result<String, ConfigError> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
-
     use super::*;
 
     const SECRET_URL: &str = "amqp://bot:hunter2@broker.internal:5671/%2f";
 
     fn parse(vars: &[(&str, &str)]) -> Result<AmqpConfig, ConfigError> {
-        let map: HashMap<&str, &str> = vars.iter().copied().collect();
-        let url = BrokerUrl::parse(SECRET_URL).unwrap();
-        AmqpConfig::from_parts(ChannelId::new("amqp.test").unwrap(), url, |name| {
-            map.get(name).copied()
-        })
+        let mut launch =
+            DriverLaunchConfig::for_socket(ChannelId::new("amqp.test").unwrap(), "/tmp/a.sock")
+                .with_var(VAR_URL, SECRET_URL);
+        for (name, value) in vars {
+            launch = launch.with_var(name, *value);
+        }
+        AmqpConfig::from_launch(&launch)
     }
 
     #[test]
@@ -441,7 +378,7 @@ mod tests {
         assert_eq!(config.outbound.outbound_routing_key, "{conversation}");
         assert_eq!(config.confirm_timeout, Duration::from_secs(30));
         assert_eq!(config.consumer_tag(), "channeld.amqp.test");
-        assert_eq!(parse(&[]).unwrap_err(), ConfigError::Missing(VAR_QUEUE));
+        assert_eq!(parse(&[]).unwrap_err(), ConfigError::missing("CHANNELD_AMQP_QUEUE"));
     }
 
     #[test]
@@ -501,14 +438,14 @@ mod tests {
 
     #[test]
     fn the_url_never_prints_and_gets_a_heartbeat() {
-        let url = BrokerUrl::parse(SECRET_URL).unwrap();
+        let url = parse_broker_url(SECRET_URL).unwrap();
         assert_eq!(format!("{url:?}"), "***");
         assert_eq!(url.expose().query.heartbeat, Some(DEFAULT_HEARTBEAT_SECONDS));
         assert_eq!(url.expose().authority.userinfo.password, "hunter2");
-        assert!(!url.is_tls());
-        let explicit = BrokerUrl::parse("amqps://u:p@h/%2f?heartbeat=30").unwrap();
+        assert!(!is_tls(&url));
+        let explicit = parse_broker_url("amqps://u:p@h/%2f?heartbeat=30").unwrap();
         assert_eq!(explicit.expose().query.heartbeat, Some(30));
-        assert!(explicit.is_tls());
+        assert!(is_tls(&explicit));
         let config = parse(&[("AMQP_QUEUE", "q")]).unwrap();
         assert!(!format!("{config:?}").contains("hunter2"));
     }
@@ -518,7 +455,7 @@ mod tests {
         for bad in
             ["amqp:hunter2", "http://u:hunter2@h/", "not a url hunter2", "amqp://u:hunter2@[::1/"]
         {
-            let err = BrokerUrl::parse(bad).unwrap_err().to_string();
+            let err = parse_broker_url(bad).unwrap_err().to_string();
             assert!(!err.contains("hunter2"), "{err}");
             assert!(err.starts_with("CHANNELD_AMQP_URL is invalid"), "{err}");
         }

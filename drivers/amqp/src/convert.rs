@@ -1,6 +1,6 @@
 //! Pure mapping between AMQP messages and channeld frames: deliveries to inbound messages
 //! (sender, event id, conversation, body), hub outcomes to acknowledgements, posts to
-//! publications, publisher confirms to receipts, and link states to health reports.
+//! publications, publisher confirms to receipts, and connection failures to link states.
 //!
 //! Nothing here does I/O, so every rule is unit-tested with recorded properties and payloads.
 //!
@@ -20,11 +20,10 @@
 use std::collections::BTreeMap;
 
 use channeld_driver_sdk::protocol::types::{
-    Attachment, BodyError, DeliveryReceipt, Health, HealthState, HealthStatus, InboundMessage,
-    MessageBody, MessageTarget, Participant,
+    Attachment, BodyError, DeliveryReceipt, InboundMessage, MessageBody, MessageTarget, Participant,
 };
 use channeld_driver_sdk::protocol::{ChannelId, Id};
-use channeld_driver_sdk::{Acceptance, Post, PostError, PostKind};
+use channeld_driver_sdk::{Acceptance, Failure, LinkState, Post, PostError, PostKind};
 use lapin::BasicProperties;
 use lapin::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -349,20 +348,7 @@ pub fn receipt(channel: &ChannelId, post: &Post, message_id: Id, now_ms: u64) ->
     }
 }
 
-/// The broker link as the health report sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LinkState {
-    /// Opening the connection and declaring the topology (`attempt` counts from 1).
-    Connecting { attempt: u32 },
-    /// Consuming the queue.
-    Consuming { queue: String },
-    /// The connection broke; lapin is reconnecting and replaying the topology.
-    Recovering,
-    /// Not connected; retrying after a backoff.
-    Disconnected { attempt: u32, cause: Disconnect },
-}
-
-/// Why the link is down.
+/// Why the broker link is down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Disconnect {
     /// The broker could not be reached or the connection was lost.
@@ -373,61 +359,25 @@ pub enum Disconnect {
     Topology,
 }
 
-/// A sanitised health report for a link state: Ready only while consuming.
-pub fn health(state: &LinkState) -> Health {
-    let (health_state, detail, status) = match state {
-        LinkState::Consuming { queue } => (
-            HealthState::Ready,
-            format!("consuming queue {queue}"),
-            HealthStatus {
-                transport: Some("connected".into()),
-                auth: Some("ok".into()),
-                ..Default::default()
+/// The kit's link state for a failed connection attempt, and the retry lane: the broker
+/// refusing the credentials or the topology is an operator's to fix (Unavailable, slow lane);
+/// anything else passes (Degraded). `error` never carries the URL.
+pub fn link_state(cause: Disconnect, attempt: u32, error: String) -> (LinkState, Failure) {
+    match cause {
+        Disconnect::Unreachable => (LinkState::Retrying { attempt, error }, Failure::Transient),
+        Disconnect::AuthRefused => (
+            LinkState::AuthRejected {
+                detail: format!("the broker refused the credentials or virtual host: {error}"),
             },
+            Failure::Operator,
         ),
-        LinkState::Connecting { attempt } => (
-            HealthState::Degraded,
-            format!("connecting to the broker (attempt {attempt})"),
-            HealthStatus {
-                transport: Some("connecting".into()),
-                attempt: Some(*attempt),
-                ..Default::default()
+        Disconnect::Topology => (
+            LinkState::SetupRefused {
+                detail: format!("the broker refused the queue or exchange declaration: {error}"),
             },
+            Failure::Operator,
         ),
-        LinkState::Recovering => (
-            HealthState::Degraded,
-            "broker connection lost, recovering".to_owned(),
-            HealthStatus { transport: Some("reconnecting".into()), ..Default::default() },
-        ),
-        LinkState::Disconnected { attempt, cause } => {
-            let (state, detail, auth) = match cause {
-                Disconnect::Unreachable => {
-                    (HealthState::Degraded, "broker unreachable, retrying", None)
-                }
-                Disconnect::AuthRefused => (
-                    HealthState::Unavailable,
-                    "broker refused the credentials or virtual host, retrying",
-                    Some("rejected".to_owned()),
-                ),
-                Disconnect::Topology => (
-                    HealthState::Unavailable,
-                    "queue or exchange declaration refused by the broker, retrying",
-                    None,
-                ),
-            };
-            (
-                state,
-                detail.to_owned(),
-                HealthStatus {
-                    transport: Some("disconnected".into()),
-                    auth,
-                    attempt: Some(*attempt),
-                    ..Default::default()
-                },
-            )
-        }
-    };
-    Health { state: health_state, detail: Some(detail), status: Some(status) }
+    }
 }
 
 /// A header's value as text (long or short string), if present and UTF-8.
@@ -706,21 +656,20 @@ mod tests {
     }
 
     #[test]
-    fn health_is_ready_only_while_consuming() {
-        let ready = health(&LinkState::Consuming { queue: "inbox".into() });
-        assert_eq!(ready.state, HealthState::Ready);
-        assert_eq!(ready.status.unwrap().transport.as_deref(), Some("connected"));
-        let recovering = health(&LinkState::Recovering);
-        assert_eq!(recovering.state, HealthState::Degraded);
-        assert_eq!(recovering.status.unwrap().transport.as_deref(), Some("reconnecting"));
-        let connecting = health(&LinkState::Connecting { attempt: 3 });
-        assert_eq!(connecting.status.unwrap().attempt, Some(3));
-        let refused =
-            health(&LinkState::Disconnected { attempt: 2, cause: Disconnect::AuthRefused });
-        assert_eq!(refused.state, HealthState::Unavailable);
-        assert_eq!(refused.status.unwrap().auth.as_deref(), Some("rejected"));
-        let down = health(&LinkState::Disconnected { attempt: 1, cause: Disconnect::Unreachable });
-        assert_eq!(down.state, HealthState::Degraded);
-        assert_eq!(down.status.unwrap().transport.as_deref(), Some("disconnected"));
+    fn refused_credentials_and_topology_are_for_an_operator_and_outages_pass() {
+        use channeld_driver_sdk::protocol::types::HealthState;
+        let (down, lane) = link_state(Disconnect::Unreachable, 2, "connection refused".into());
+        assert_eq!(lane, Failure::Transient);
+        let health = down.health();
+        assert_eq!(health.state, HealthState::Degraded);
+        assert_eq!(health.status.unwrap().attempt, Some(2));
+        let (refused, lane) = link_state(Disconnect::AuthRefused, 1, "ACCESS_REFUSED".into());
+        assert_eq!(lane, Failure::Operator);
+        let health = refused.health();
+        assert_eq!(health.state, HealthState::Unavailable);
+        assert_eq!(health.status.unwrap().reason.as_deref(), Some("auth_rejected"));
+        let (topology, lane) = link_state(Disconnect::Topology, 1, "PRECONDITION_FAILED".into());
+        assert_eq!(lane, Failure::Operator);
+        assert_eq!(topology.health().status.unwrap().reason.as_deref(), Some("setup_refused"));
     }
 }

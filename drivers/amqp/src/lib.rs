@@ -8,5 +8,5 @@ pub mod config;
 pub mod convert;
 pub mod platform;
 
-pub use config::{AmqpConfig, ConfigError};
+pub use config::AmqpConfig;
 pub use platform::AmqpDriver;

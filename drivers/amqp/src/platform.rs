@@ -14,10 +14,13 @@
 //! Two loops keep the link up: lapin's automatic recovery restores the connection, channels,
 //! QoS, confirm mode and consumer after a network error or a forced close; if it gives up, or
 //! makes no progress for 10 s (lapin 4.12.3 can stall for good when the socket breaks while a
-//! frame is half written), [`AmqpDriver::run`] opens a new connection with capped backoff. A
+//! frame is half written), [`AmqpDriver::run`] opens a new connection with the kit's
+//! [`Reconnect`] (a slow lane when the broker refuses the credentials or the topology). A
 //! connection given up on is closed should it come back later, so it never keeps a consumer
 //! nobody reads. A publishing channel the broker closed (e.g. over a missing exchange) is
-//! opened again on the live connection.
+//! opened again on the live connection. The acks wait in the kit's [`PendingAcks`]; when the
+//! run stops, the connection stays up until the hub's requests in flight are done
+//! ([`Hub::requests_done`]), then closes.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::{Future, poll_fn};
@@ -26,11 +29,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use channeld_driver_sdk::protocol::Id;
-use channeld_driver_sdk::protocol::types::{Actions, Capabilities, DeliveryReceipt, Health};
+use channeld_driver_sdk::protocol::types::{Capabilities, DeliveryReceipt};
 use channeld_driver_sdk::{
-    CancellationToken, Declaration, Driver, DriverError, Hub, HubError, Post, PostError, PostKind,
+    Acceptance, CancellationToken, Declaration, Driver, DriverError, Failure, Hub, HubError,
+    LinkState, PendingAcks, Post, PostError, PostKind, Reconnect, ReconnectPolicy, Settle,
 };
-use channeld_link::Backoff;
 use futures_core::Stream;
 use lapin::message::Delivery;
 use lapin::options::{
@@ -45,8 +48,8 @@ use tokio::task::JoinSet;
 use tokio::time::timeout_at;
 use tracing::{debug, error, info, warn};
 
-use crate::config::AmqpConfig;
-use crate::convert::{self, Disconnect, LinkState, Publication, Received, Settlement};
+use crate::config::{AmqpConfig, is_tls};
+use crate::convert::{self, Disconnect, Publication, Received, Settlement};
 
 /// Reconnection attempts lapin makes on its own before [`AmqpDriver::run`] takes over. With
 /// the delays below lapin gives up on a refusing broker within about 20 s; longer outages are
@@ -156,8 +159,9 @@ pub struct AmqpDriver {
     connection: Mutex<Option<Arc<Connection>>>,
     /// Held while a closed publishing channel is replaced, so concurrent posts open one.
     reopening: tokio::sync::Mutex<()>,
-    state: Mutex<LinkState>,
     correlations: Mutex<Correlations>,
+    /// Watches over connections given up on (see [`retire`]); aborted when the run ends.
+    retiring: Mutex<JoinSet<()>>,
 }
 
 impl AmqpDriver {
@@ -167,19 +171,20 @@ impl AmqpDriver {
             publisher: watch::Sender::new(None),
             connection: Mutex::new(None),
             reopening: tokio::sync::Mutex::new(()),
-            state: Mutex::new(LinkState::Connecting { attempt: 1 }),
             correlations: Mutex::new(Correlations::default()),
+            retiring: Mutex::new(JoinSet::new()),
         }
+    }
+
+    /// Closes a connection the driver has given up on, watched in a tracked task.
+    fn retire(&self, connection: Arc<Connection>) {
+        let mut retiring = lock(&self.retiring);
+        while retiring.try_join_next().is_some() {}
+        retiring.spawn(retire(connection));
     }
 
     pub fn config(&self) -> &AmqpConfig {
         &self.config
-    }
-
-    fn set_state(&self, hub: &Hub, state: LinkState) {
-        let health = convert::health(&state);
-        *lock(&self.state) = state;
-        hub.health(health);
     }
 
     /// Connects, declares the topology and starts consuming.
@@ -203,7 +208,7 @@ impl AmqpDriver {
                 Ok(Session { connection, consume, publish, consumer })
             }
             Err(err) => {
-                retire(connection);
+                self.retire(connection);
                 Err(err)
             }
         }
@@ -314,17 +319,17 @@ impl AmqpDriver {
         let previous = lock(&self.connection).replace(connection.clone());
         drop(previous);
         self.publisher.send_replace(Some(publish));
-        self.set_state(hub, LinkState::Consuming { queue: self.config.queue.clone() });
+        hub.link_state(LinkState::up_as(format!("consuming queue {}", self.config.queue)));
         info!(
             channel = %self.config.channel,
             queue = %self.config.queue,
             prefetch = self.config.prefetch,
-            tls = self.config.url.is_tls(),
+            tls = is_tls(&self.config.url),
             "consuming from the broker"
         );
 
-        // One task per delivery waiting for the hub's answer; at most `prefetch` per channel.
-        let mut settling = JoinSet::new();
+        // The acks of deliveries waiting for the hub's answer; at most `prefetch` per channel.
+        let acks = PendingAcks::new();
         // lapin recovers without a word to the consumer stream: its state is read from the
         // connection and channel status.
         let mut check = tokio::time::interval(LINK_CHECK);
@@ -334,7 +339,6 @@ impl AmqpDriver {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break ConsumeEnd::Shutdown,
-                Some(_) = settling.join_next(), if !settling.is_empty() => {}
                 _ = check.tick() => {
                     let status = connection.status();
                     if status.errored() || status.closed() {
@@ -355,7 +359,7 @@ impl AmqpDriver {
                     }
                 }
                 item = next_delivery(&mut consumer) => match item {
-                    Some(Ok(delivery)) => self.on_delivery(delivery, hub, &mut settling).await,
+                    Some(Ok(delivery)) => self.on_delivery(delivery, hub, &acks).await,
                     Some(Err(err)) => {
                         if up {
                             up = false;
@@ -378,15 +382,15 @@ impl AmqpDriver {
 
         match end {
             ConsumeEnd::Shutdown => {
-                self.stop_consuming(&channel, settling).await;
+                self.stop_consuming(&channel, acks).await;
             }
             ConsumeEnd::Lost(_) => {
-                // The ackers of these deliveries are stale; let their tasks log that.
-                settling.detach_all();
+                // The ackers of these deliveries are stale: settle them now (they log it).
+                acks.drain(Duration::ZERO).await;
                 self.publisher.send_replace(None);
                 let connection = lock(&self.connection).take();
                 if let Some(connection) = connection {
-                    retire(connection);
+                    self.retire(connection);
                 }
             }
         }
@@ -398,17 +402,18 @@ impl AmqpDriver {
         let channel = &self.config.channel;
         if up {
             info!(%channel, "broker connection recovered");
-            self.set_state(hub, LinkState::Consuming { queue: self.config.queue.clone() });
+            hub.link_state(LinkState::up_as(format!("consuming queue {}", self.config.queue)));
         } else {
             warn!(%channel, "broker connection interrupted; recovering");
-            self.set_state(hub, LinkState::Recovering);
+            let error = "the broker connection was interrupted; recovering it".to_owned();
+            hub.link_state(LinkState::Retrying { attempt: 1, error });
         }
     }
 
     /// Stops taking deliveries, gives the hub a moment to answer the ones it has, and closes
     /// the consuming channel, which requeues whatever is still unacknowledged. The connection
     /// and the publishing channel stay up for replies sent while the driver drains.
-    async fn stop_consuming(&self, channel: &Channel, mut settling: JoinSet<()>) {
+    async fn stop_consuming(&self, channel: &Channel, acks: PendingAcks) {
         let deadline = tokio::time::Instant::now() + self.config.drain_grace;
         let tag = ShortString::from(self.config.consumer_tag());
         match timeout_at(deadline, channel.basic_cancel(tag, BasicCancelOptions::default())).await {
@@ -416,14 +421,13 @@ impl AmqpDriver {
             Ok(Err(err)) => debug!(error = %err, "cancelling the consumer failed"),
             Err(_) => debug!("cancelling the consumer timed out"),
         }
-        let drained =
-            timeout_at(deadline, async { while settling.join_next().await.is_some() {} }).await;
-        if drained.is_err() {
+        let unanswered =
+            acks.drain(deadline.saturating_duration_since(tokio::time::Instant::now())).await;
+        if unanswered > 0 {
             warn!(
-                unanswered = settling.len(),
+                unanswered,
                 "the hub did not answer every delivery in time; the broker will redeliver them"
             );
-            settling.abort_all();
         }
         let closing = tokio::time::Instant::now() + CLOSE_WITHIN;
         match timeout_at(closing, channel.close(REPLY_SUCCESS, "OK".into())).await {
@@ -433,9 +437,9 @@ impl AmqpDriver {
         }
     }
 
-    /// Converts a delivery and hands it to the hub; a task acknowledges it once the hub has
-    /// answered.
-    async fn on_delivery(&self, delivery: Delivery, hub: &Hub, settling: &mut JoinSet<()>) {
+    /// Converts a delivery and hands it to the hub; its ack waits in `acks` for the hub's
+    /// answer.
+    async fn on_delivery(&self, delivery: Delivery, hub: &Hub, acks: &PendingAcks) {
         let Delivery { delivery_tag, exchange, routing_key, redelivered, properties, data, acker } =
             delivery;
         let channel = &self.config.channel;
@@ -456,7 +460,11 @@ impl AmqpDriver {
                     dead_letter = self.config.dead_letter.is_some(),
                     "message refused; rejecting it without requeue"
                 );
-                settling.spawn(settle(acker, Settlement::Reject, None, delivery_tag));
+                let refused = Acceptance::Rejected {
+                    code: refusal.code().into(),
+                    message: refusal.to_string(),
+                };
+                acks.settle_now(BrokerAck { acker, event_id: None, delivery_tag }, refused);
                 return;
             }
         };
@@ -465,26 +473,15 @@ impl AmqpDriver {
         if let Some(correlation) = properties.correlation_id().as_ref() {
             lock(&self.correlations).remember(event_id.clone(), correlation.to_string());
         }
+        let ack = BrokerAck { acker, event_id: Some(event_id.clone()), delivery_tag };
         match hub.inbound(message).await {
-            Ok(ticket) => {
-                settling.spawn(async move {
-                    let outcome = ticket.outcome().await;
-                    if let channeld_driver_sdk::Acceptance::Rejected { code, message } = &outcome {
-                        info!(%event_id, %code, %message, "the hub refused the message; rejecting it without requeue");
-                    }
-                    settle(acker, convert::settlement(&outcome), Some(event_id), delivery_tag).await;
-                });
-            }
-            Err(HubError::ShuttingDown) => {
-                settling.spawn(settle(acker, Settlement::Requeue, Some(event_id), delivery_tag));
-            }
-            Err(err @ HubError::TooLarge(_)) => {
+            Ok(ticket) => acks.track(ticket, ack),
+            Err(HubError::ShuttingDown) => acks.settle_now(ack, Acceptance::Unresolved),
+            Err(err) => {
                 warn!(%event_id, error = %err, "message refused; rejecting it without requeue");
-                settling.spawn(settle(acker, Settlement::Reject, Some(event_id), delivery_tag));
-            }
-            Err(err @ HubError::WrongChannel { .. }) => {
-                error!(%event_id, error = %err, "inbound for another channel; rejecting it");
-                settling.spawn(settle(acker, Settlement::Reject, Some(event_id), delivery_tag));
+                let refused =
+                    Acceptance::Rejected { code: "invalid".into(), message: err.to_string() };
+                acks.settle_now(ack, refused);
             }
         }
     }
@@ -596,23 +593,21 @@ impl AmqpDriver {
 /// Closes a connection the driver has given up on. One still recovering is watched: should
 /// it come back after all, it is closed at once, so its consumer cannot hold deliveries that
 /// nobody reads (the broker requeues them for the new connection).
-fn retire(connection: Arc<Connection>) {
-    tokio::spawn(async move {
-        let deadline = Instant::now() + RETIRE_WATCH;
-        loop {
-            let status = connection.status();
-            if status.connected() {
-                if let Err(err) = connection.close(REPLY_SUCCESS, "replaced".into()).await {
-                    debug!(error = %err, "closing a replaced connection failed");
-                }
-                return;
+async fn retire(connection: Arc<Connection>) {
+    let deadline = Instant::now() + RETIRE_WATCH;
+    loop {
+        let status = connection.status();
+        if status.connected() {
+            if let Err(err) = connection.close(REPLY_SUCCESS, "replaced".into()).await {
+                debug!(error = %err, "closing a replaced connection failed");
             }
-            if status.errored() || status.closed() || Instant::now() >= deadline {
-                return;
-            }
-            tokio::time::sleep(LINK_CHECK).await;
+            return;
         }
-    });
+        if status.errored() || status.closed() || Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep(LINK_CHECK).await;
+    }
 }
 
 /// A channel in confirm mode for publishing.
@@ -639,83 +634,89 @@ fn not_sent(err: &lapin::Error) -> bool {
     )
 }
 
-/// Tells the broker the outcome of one delivery and checks that it was taken.
-async fn settle(acker: Acker, settlement: Settlement, event_id: Option<Id>, delivery_tag: u64) {
-    let event_id = event_id.as_ref().map_or("-", Id::as_str);
-    let result = match settlement {
-        Settlement::Ack => acker.ack(BasicAckOptions::default()).await,
-        Settlement::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
-        Settlement::Requeue => {
-            acker.nack(BasicNackOptions { requeue: true, multiple: false }).await
+/// The acknowledgement of one delivery, settled with the hub's answer.
+struct BrokerAck {
+    acker: Acker,
+    event_id: Option<Id>,
+    delivery_tag: u64,
+}
+
+impl Settle for BrokerAck {
+    /// Accepted: `basic.ack`; refused for good: `basic.reject` without requeue (dead-lettered
+    /// when configured); no answer: `basic.nack` with requeue. Checks that the broker took it.
+    async fn settle(self, outcome: &Acceptance) {
+        let BrokerAck { acker, event_id, delivery_tag } = self;
+        let settlement = convert::settlement(outcome);
+        let event_id = event_id.as_ref().map_or("-", Id::as_str);
+        let result = match settlement {
+            Settlement::Ack => acker.ack(BasicAckOptions::default()).await,
+            Settlement::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
+            Settlement::Requeue => {
+                acker.nack(BasicNackOptions { requeue: true, multiple: false }).await
+            }
+        };
+        match result {
+            Ok(true) => debug!(event_id, delivery_tag, ?settlement, "delivery settled"),
+            Ok(false) => info!(
+                event_id,
+                delivery_tag,
+                ?settlement,
+                "delivery belongs to a channel that was recovered since; the broker redelivers it and the hub drops the copy"
+            ),
+            Err(err) => warn!(
+                event_id,
+                delivery_tag,
+                ?settlement,
+                error = %err,
+                "acknowledgement failed; the broker redelivers the message and the hub drops the copy"
+            ),
         }
-    };
-    match result {
-        Ok(true) => debug!(event_id, delivery_tag, ?settlement, "delivery settled"),
-        Ok(false) => info!(
-            event_id,
-            delivery_tag,
-            ?settlement,
-            "delivery belongs to a channel that was recovered since; the broker redelivers it and the hub drops the copy"
-        ),
-        Err(err) => warn!(
-            event_id,
-            delivery_tag,
-            ?settlement,
-            error = %err,
-            "acknowledgement failed; the broker redelivers the message and the hub drops the copy"
-        ),
     }
 }
 
 impl Driver for AmqpDriver {
+    /// lapin logs a returned (unroutable) message with its body at WARN and reports recoveries
+    /// the driver handles at ERROR; the driver logs those events itself, at the level they
+    /// deserve (`CHANNELD_LOG=info,lapin=debug` shows lapin's own lines).
+    const LOG_FILTER: &'static str = "info,lapin=off";
+
     fn declaration(&self) -> Declaration {
-        Declaration {
-            capabilities: Capabilities {
-                receive: true,
-                send: true,
-                threads: true,
-                receive_attachments: true,
-                send_attachments: true,
-                ..Capabilities::default()
-            },
-            actions: Actions::default(),
-        }
+        Declaration::new(Capabilities {
+            receive: true,
+            send: true,
+            threads: true,
+            receive_attachments: true,
+            send_attachments: true,
+            ..Capabilities::default()
+        })
     }
 
     async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
         let channel = &self.config.channel;
-        let mut backoff = Backoff::new(
-            Duration::from_millis(500),
-            Duration::from_secs(30),
-            Duration::from_secs(60),
-        );
-        let mut attempt = 0u32;
+        let mut reconnect = Reconnect::new(ReconnectPolicy::default());
+        hub.link_state(LinkState::Connecting { attempt: 0 });
         loop {
-            attempt = attempt.saturating_add(1);
-            self.set_state(&hub, LinkState::Connecting { attempt });
             let opened = tokio::select! {
                 opened = self.open() => opened,
-                () = shutdown.cancelled() => return Ok(()),
+                () = shutdown.cancelled() => break,
             };
-            let cause = match opened {
+            let (cause, error) = match opened {
                 Ok(session) => {
-                    let up = Instant::now();
-                    attempt = 0;
-                    let end = self.consume(session, &hub, &shutdown).await;
-                    backoff.record_uptime(up.elapsed());
-                    match end {
-                        ConsumeEnd::Shutdown => return Ok(()),
+                    reconnect.connected();
+                    match self.consume(session, &hub, &shutdown).await {
+                        ConsumeEnd::Shutdown => break,
                         ConsumeEnd::Lost(reason) => {
                             warn!(%channel, %reason, "broker connection lost; reconnecting");
-                            Disconnect::Unreachable
+                            (Disconnect::Unreachable, reason)
                         }
                     }
                 }
                 Err(err) => {
                     let cause = err.cause();
+                    let attempt = reconnect.attempt() + 1;
                     match cause {
                         Disconnect::AuthRefused | Disconnect::Topology => {
-                            error!(%channel, attempt, error = %err, "the broker refused the driver's setup; retrying")
+                            error!(%channel, attempt, error = %err, "the broker refused the driver's setup; retrying slowly")
                         }
                         Disconnect::Unreachable if attempt == 1 => {
                             warn!(%channel, error = %err, "cannot reach the broker; retrying")
@@ -724,16 +725,36 @@ impl Driver for AmqpDriver {
                             debug!(%channel, attempt, error = %err, "broker still unreachable")
                         }
                     }
-                    cause
+                    (cause, err.to_string())
                 }
             };
-            self.set_state(&hub, LinkState::Disconnected { attempt: attempt.max(1), cause });
-            let delay = backoff.next_delay();
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                () = shutdown.cancelled() => return Ok(()),
+            let failure = match cause {
+                Disconnect::Unreachable => Failure::Transient,
+                Disconnect::AuthRefused | Disconnect::Topology => Failure::Operator,
+            };
+            let delay = reconnect.failed(failure);
+            let (state, _) = convert::link_state(cause, reconnect.attempt(), error);
+            hub.link_state(state);
+            if !reconnect.sleep(delay, &shutdown).await {
+                break;
             }
         }
+        // Posts still in flight publish on this connection: close it once they are done.
+        hub.requests_done().await;
+        lock(&self.retiring).abort_all();
+        self.publisher.send_replace(None);
+        let connection = lock(&self.connection).take();
+        if let Some(connection) = connection {
+            let closing = connection.close(REPLY_SUCCESS, "driver stopping".into());
+            match tokio::time::timeout(CLOSE_WITHIN, closing).await {
+                Ok(Ok(())) => debug!(%channel, "broker connection closed"),
+                Ok(Err(err)) => {
+                    debug!(%channel, error = %err, "closing the broker connection failed")
+                }
+                Err(_) => debug!(%channel, "closing the broker connection timed out"),
+            }
+        }
+        Ok(())
     }
 
     async fn post(&self, post: Post) -> Result<DeliveryReceipt, PostError> {
@@ -757,10 +778,6 @@ impl Driver for AmqpDriver {
             "published"
         );
         Ok(convert::receipt(&self.config.channel, &post, publication.message_id, now))
-    }
-
-    fn health(&self) -> Health {
-        convert::health(&lock(&self.state))
     }
 }
 

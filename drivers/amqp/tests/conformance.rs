@@ -61,12 +61,11 @@ impl ConformanceHarness for AmqpHarness {
         }
         self.client = Some(client);
         let log = std::fs::File::create(self.log_path()).expect("driver log");
+        // The launch as the suite gave it (its drain deadline included), plus the broker.
         let child = Command::new(env!("CARGO_BIN_EXE_channeld-amqp"))
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("CHANNELD_CHANNEL_ID", launch.channel.as_str())
-            .env("CHANNELD_SOCKET", &launch.socket)
-            .env("CHANNELD_DRAIN_SECONDS", "10")
+            .envs(launch.to_env())
             .env("CHANNELD_LOG", std::env::var("CHANNELD_LOG").unwrap_or_else(|_| "debug".into()))
             .env("CHANNELD_AMQP_URL", self.broker.guest_url())
             .env("CHANNELD_AMQP_QUEUE", INBOX)
@@ -111,9 +110,10 @@ impl ConformanceHarness for AmqpHarness {
         }
     }
 
-    fn platform_posts(&self) -> Option<usize> {
+    fn platform_posts(&self) -> usize {
         let counts = tokio::task::block_in_place(|| self.broker.queue_counts(OUTBOUND));
-        counts.map(|(ready, unacked)| (ready + unacked) as usize)
+        let (ready, unacked) = counts.expect("the broker reports the outbound queue");
+        (ready + unacked) as usize
     }
 }
 

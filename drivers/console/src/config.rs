@@ -1,8 +1,9 @@
 //! Console driver settings from the launch environment: who is typing, and in which
 //! conversation.
 
-use channeld_driver_sdk::DriverLaunchConfig;
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::{ChannelId, Id};
+use channeld_driver_sdk::{ConfigError, DriverLaunchConfig};
 
 /// `CHANNELD_CONSOLE_SENDER`: the participant id of the person at the terminal.
 pub const VAR_SENDER: &str = "CONSOLE_SENDER";
@@ -13,13 +14,6 @@ pub const VAR_CONVERSATION: &str = "CONSOLE_CONVERSATION";
 pub const DEFAULT_SENDER: &str = "console-user";
 /// The conversation when `CHANNELD_CONSOLE_CONVERSATION` is not set.
 pub const DEFAULT_CONVERSATION: &str = "console";
-
-/// Why the console settings are unusable.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("CHANNELD_{var} is invalid: {reason}")]
-    Invalid { var: &'static str, reason: String },
-}
 
 /// Everything the console driver needs besides its input and output.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,7 +46,7 @@ impl ConsoleConfig {
 }
 
 fn setting(var: &'static str, value: &str) -> Result<Id, ConfigError> {
-    Id::new(value).map_err(|err| ConfigError::Invalid { var, reason: err.to_string() })
+    Id::new(value).map_err(|err| ConfigError::invalid(setting_var(var), err.to_string()))
 }
 
 #[cfg(test)]

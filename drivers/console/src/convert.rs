@@ -63,13 +63,15 @@ pub fn inbound_message(
     })
 }
 
-/// What a message prints without a terminal: exactly its text, then each attachment URL, each
-/// on its own line(s).
+/// What a message prints without a terminal: its text, then each attachment URL, each on its
+/// own line(s). Control characters are neutralised here too: output piped through `tee` or
+/// `cat` still ends up on a terminal, where an escape sequence could rewrite the screen, the
+/// title or the clipboard.
 pub fn render_plain(body: &MessageBody) -> String {
     let mut out = String::new();
-    push_line(&mut out, body.text_str());
+    push_line(&mut out, &terminal_safe(body.text_str()));
     for attachment in body.attachments() {
-        push_line(&mut out, &attachment.url);
+        push_line(&mut out, &terminal_safe(&attachment.url));
     }
     out
 }
@@ -124,8 +126,9 @@ fn preview_tail(text: &str, max_chars: usize) -> String {
     format!("…{tail}")
 }
 
-/// Replaces control characters other than newline and tab with U+FFFD.
-fn terminal_safe(text: &str) -> String {
+/// Replaces control characters (C0 but newline and tab, DEL, C1 — ESC and CSI among them)
+/// with U+FFFD, in every output mode.
+pub fn terminal_safe(text: &str) -> String {
     text.chars()
         .map(|c| if c.is_control() && c != '\n' && c != '\t' { '\u{fffd}' } else { c })
         .collect()
@@ -210,6 +213,23 @@ mod tests {
         assert_eq!(
             printed,
             "\r\x1b[2Kagent › one\n        two\n        [attachment] a.png https://example.org/a.png\nyou › "
+        );
+    }
+
+    #[test]
+    fn plain_output_cannot_drive_the_terminal_either() {
+        // OSC 52 (clipboard), a screen clear, a title change, a CR overwrite, CSI as C1, DEL.
+        let hostile = "\x1b]52;c;aGk=\x07\x1b[2J\x1b]0;pwned\x07ok\rfake\u{9b}31m\x7f\tend";
+        let body = MessageBody::with_attachments(
+            hostile.into(),
+            vec![Attachment { url: "https://x/\x1b[2J".into(), name: None, mime: None }],
+        )
+        .unwrap();
+        let printed = render_plain(&body);
+        assert!(!printed.chars().any(|c| c.is_control() && c != '\n' && c != '\t'), "{printed:?}");
+        assert_eq!(
+            printed,
+            "\u{fffd}]52;c;aGk=\u{fffd}\u{fffd}[2J\u{fffd}]0;pwned\u{fffd}ok\u{fffd}fake\u{fffd}31m\u{fffd}\tend\nhttps://x/\u{fffd}[2J\n"
         );
     }
 

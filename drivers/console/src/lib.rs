@@ -9,5 +9,5 @@ pub mod config;
 pub mod convert;
 pub mod platform;
 
-pub use config::{ConfigError, ConsoleConfig};
+pub use config::ConsoleConfig;
 pub use platform::ConsoleDriver;

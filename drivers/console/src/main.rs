@@ -14,8 +14,7 @@ const STDIN_BUFFER: usize = 64 * 1024;
 fn main() -> ExitCode {
     channeld_driver_sdk::main(|launch| async move {
         let user = std::env::var("USER").ok();
-        let config = ConsoleConfig::from_launch(&launch, user.as_deref())
-            .map_err(|err| DriverError::Config(err.to_string()))?;
+        let config = ConsoleConfig::from_launch(&launch, user.as_deref())?;
         let input = spawn_stdin_reader()
             .map_err(|err| DriverError::Platform(format!("cannot read stdin: {err}")))?;
         let interactive = std::io::stdout().is_terminal();

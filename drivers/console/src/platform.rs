@@ -32,8 +32,9 @@ type StatusWriter = Box<dyn AsyncWrite + Send + Unpin>;
 pub struct ConsoleDriver<R, W> {
     config: ConsoleConfig,
     interactive: bool,
-    /// Taken by `run`: there is one reader of the input.
-    input: Mutex<Option<R>>,
+    /// Taken by `run` and handed back when it stops before the end of input (the hub may
+    /// accept the driver again and call `run` anew): there is one reader of the input.
+    input: Mutex<Option<LineReader<R>>>,
     output: tokio::sync::Mutex<W>,
     /// Where typing and previews show in interactive mode (stderr by default).
     status: tokio::sync::Mutex<StatusWriter>,
@@ -65,7 +66,7 @@ where
         Self {
             config,
             interactive,
-            input: Mutex::new(Some(input)),
+            input: Mutex::new(Some(LineReader::new(input))),
             output: tokio::sync::Mutex::new(output),
             status: tokio::sync::Mutex::new(Box::new(tokio::io::stderr())),
             awaiting: Arc::new(watch::Sender::new(HashSet::new())),
@@ -157,35 +158,13 @@ where
         }
     }
 
-    async fn prompt(&self) {
-        if !self.interactive {
-            return;
-        }
-        let mut output = self.output.lock().await;
-        if let Err(err) = write_flush(&mut *output, convert::PROMPT.as_bytes()).await {
-            debug!(error = %err, "cannot show the prompt");
-        }
-    }
-}
-
-impl<R, W> Driver for ConsoleDriver<R, W>
-where
-    R: AsyncRead + Unpin + Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
-    fn declaration(&self) -> Declaration {
-        Declaration {
-            capabilities: Capabilities { receive: true, send: true, ..Default::default() },
-            actions: Actions { typing: true, preview: true, ..Default::default() },
-        }
-    }
-
-    async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
-        let input = self.input.lock().unwrap_or_else(PoisonError::into_inner).take();
-        let Some(input) = input else {
-            return Err(DriverError::Platform("console input is already being read".into()));
-        };
-        let mut lines = LineReader::new(input);
+    /// Reports each line until the input ends (then waits for the replies) or `shutdown`.
+    async fn read(
+        &self,
+        hub: &Hub,
+        shutdown: &CancellationToken,
+        lines: &mut LineReader<R>,
+    ) -> Result<(), DriverError> {
         let mut outcomes = JoinSet::new();
         self.prompt().await;
         loop {
@@ -204,15 +183,48 @@ where
                     warn!(max_bytes = convert::MAX_INPUT_LINE, "input line too long, skipped");
                 }
                 Some(Line::Text(text)) => {
-                    if !self.submit(&hub, &text, &mut outcomes).await? {
+                    if !self.submit(hub, &text, &mut outcomes).await? {
                         return Ok(());
                     }
                     self.prompt().await;
                 }
             }
         }
-        self.wait_for_replies(hub.launch().reply_timeout, &shutdown).await;
+        self.wait_for_replies(hub.launch().reply_timeout, shutdown).await;
         Ok(())
+    }
+
+    async fn prompt(&self) {
+        if !self.interactive {
+            return;
+        }
+        let mut output = self.output.lock().await;
+        if let Err(err) = write_flush(&mut *output, convert::PROMPT.as_bytes()).await {
+            debug!(error = %err, "cannot show the prompt");
+        }
+    }
+}
+
+impl<R, W> Driver for ConsoleDriver<R, W>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    fn declaration(&self) -> Declaration {
+        Declaration::new(Capabilities { receive: true, send: true, ..Default::default() })
+            .with_actions(Actions { typing: true, preview: true, ..Default::default() })
+    }
+
+    async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
+        let input = self.input.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(mut lines) = input else {
+            return Err(DriverError::Platform("console input is already being read".into()));
+        };
+        let result = self.read(&hub, &shutdown, &mut lines).await;
+        if !lines.eof {
+            *self.input.lock().unwrap_or_else(PoisonError::into_inner) = Some(lines);
+        }
+        result
     }
 
     async fn post(&self, post: Post) -> Result<DeliveryReceipt, PostError> {

@@ -8,12 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use channeld_console::{ConsoleConfig, ConsoleDriver};
+use channeld_driver_sdk::DriverLaunchConfig;
 use channeld_driver_sdk::protocol::types::MessageTarget;
 use channeld_driver_sdk::protocol::{ChannelId, Id};
-use channeld_driver_sdk::testing::ConformanceHarness;
-use channeld_driver_sdk::{CancellationToken, DriverLaunchConfig, RunError, run_driver};
+use channeld_driver_sdk::testing::{ConformanceHarness, DriverTask};
 use tokio::io::{AsyncWrite, AsyncWriteExt, DuplexStream};
-use tokio::task::JoinHandle;
 
 /// The console driver on pipes. Its stdout is counted, not kept: every message the suite
 /// sends is one line, so lines printed = messages posted.
@@ -21,8 +20,7 @@ use tokio::task::JoinHandle;
 struct ConsoleHarness {
     stdin: Option<DuplexStream>,
     printed_lines: Arc<AtomicUsize>,
-    shutdown: CancellationToken,
-    task: Option<JoinHandle<Result<(), RunError>>>,
+    task: Option<DriverTask>,
 }
 
 impl ConformanceHarness for ConsoleHarness {
@@ -32,7 +30,7 @@ impl ConformanceHarness for ConsoleHarness {
         let output = LineCounter { lines: self.printed_lines.clone() };
         let driver = ConsoleDriver::new(config, input, output, false);
         self.stdin = Some(stdin);
-        self.task = Some(tokio::spawn(run_driver(driver, launch, self.shutdown.clone())));
+        self.task = Some(DriverTask::spawn(driver, launch));
     }
 
     async fn inject_inbound(&mut self, text: &str) {
@@ -45,13 +43,11 @@ impl ConformanceHarness for ConsoleHarness {
     }
 
     async fn stop(&mut self) -> bool {
-        self.shutdown.cancel();
-        let task = self.task.take().expect("driver started");
-        matches!(task.await, Ok(Ok(())))
+        self.task.take().expect("driver started").stop().await.is_ok()
     }
 
-    fn platform_posts(&self) -> Option<usize> {
-        Some(self.printed_lines.load(Ordering::SeqCst))
+    fn platform_posts(&self) -> usize {
+        self.printed_lines.load(Ordering::SeqCst)
     }
 }
 

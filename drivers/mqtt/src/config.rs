@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::ChannelId;
-use channeld_driver_sdk::{DriverLaunchConfig, Secret};
+use channeld_driver_sdk::{ConfigError, DriverLaunchConfig, Secret, Setting, Url};
 
 use crate::convert::{IdentityTemplate, OutboundTemplate};
 
@@ -49,26 +50,14 @@ const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(30);
 const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
 const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Why the MQTT settings are unusable.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("CHANNELD_{var} is not set")]
-    Missing { var: &'static str },
-    #[error("CHANNELD_{var} is invalid: {reason}")]
-    Invalid { var: &'static str, reason: String },
-    #[error(
-        "the broker password (credential {CREDENTIAL_PASSWORD} or CHANNELD_{VAR_PASSWORD}) {reason}"
-    )]
-    Password { reason: String },
-}
-
 fn invalid(var: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { var, reason: reason.into() }
+    ConfigError::invalid(setting_var(var), reason)
 }
 
 /// Where the broker is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Broker {
+    /// As written in the URL (an IPv6 address in brackets).
     pub host: String,
     pub port: u16,
     pub tls: bool,
@@ -83,44 +72,43 @@ impl std::fmt::Display for Broker {
 
 impl Broker {
     /// Parses `mqtt://host[:port]` or `mqtts://host[:port]` (`tcp://` and `ssl://` are
-    /// accepted as aliases); IPv6 hosts go in brackets.
-    pub fn parse(url: &str) -> Result<Self, ConfigError> {
-        let (tls, rest) = if let Some(rest) =
-            url.strip_prefix("mqtt://").or_else(|| url.strip_prefix("tcp://"))
-        {
-            (false, rest)
-        } else if let Some(rest) =
-            url.strip_prefix("mqtts://").or_else(|| url.strip_prefix("ssl://"))
-        {
-            (true, rest)
-        } else {
-            return Err(invalid(VAR_URL, "expected mqtt://host[:port] or mqtts://host[:port]"));
+    /// accepted as aliases); IPv6 hosts go in brackets. Credentials do not belong in it.
+    pub fn parse(raw: &str) -> Result<Self, ConfigError> {
+        let url = Url::parse(raw.trim()).map_err(|err| {
+            invalid(VAR_URL, format!("expected mqtt://host[:port] or mqtts://host[:port] ({err})"))
+        })?;
+        let tls = match url.scheme() {
+            "mqtt" | "tcp" => false,
+            "mqtts" | "ssl" => true,
+            _ => {
+                return Err(invalid(VAR_URL, "expected mqtt://host[:port] or mqtts://host[:port]"));
+            }
         };
-        let authority = rest.strip_suffix('/').unwrap_or(rest);
-        if authority.contains('@') {
+        if !url.username().is_empty() || url.password().is_some() {
             return Err(invalid(
                 VAR_URL,
                 "credentials do not belong in the URL: use CHANNELD_MQTT_USERNAME and the mqtt-password credential",
             ));
         }
-        if authority.contains(['/', '?', '#']) {
+        if !matches!(url.path(), "" | "/") || url.query().is_some() || url.fragment().is_some() {
             return Err(invalid(VAR_URL, "expected no path, query or fragment after host:port"));
         }
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((host, port)) if !host.starts_with('[') || host.ends_with(']') => {
-                let port = port
-                    .parse::<u16>()
-                    .ok()
-                    .filter(|port| *port != 0)
-                    .ok_or_else(|| invalid(VAR_URL, format!("port {port:?} is not 1-65535")))?;
-                (host, port)
-            }
-            _ => (authority, if tls { 8883 } else { 1883 }),
+        let host = url.host_str().filter(|host| !host.is_empty());
+        let Some(host) = host else {
+            return Err(invalid(VAR_URL, "the host is missing"));
         };
-        if host.is_empty() || host.contains(char::is_whitespace) {
-            return Err(invalid(VAR_URL, "the host is missing or contains whitespace"));
-        }
+        let port = match url.port() {
+            Some(0) => return Err(invalid(VAR_URL, "port 0 is not 1-65535")),
+            Some(port) => port,
+            None if tls => 8883,
+            None => 1883,
+        };
         Ok(Self { host: host.to_owned(), port, tls })
+    }
+
+    /// The host to connect to: an IPv6 address without its brackets.
+    pub fn connect_host(&self) -> &str {
+        self.host.trim_start_matches('[').trim_end_matches(']')
     }
 }
 
@@ -131,6 +119,18 @@ pub enum InboundQos {
     AtMostOnce,
     /// QoS 1: the broker redelivers until the driver's PUBACK.
     AtLeastOnce,
+}
+
+impl Setting for InboundQos {
+    const EXPECTED: &'static str = "0 or 1";
+
+    fn parse_setting(raw: &str) -> Result<Self, String> {
+        match raw {
+            "1" => Ok(InboundQos::AtLeastOnce),
+            "0" => Ok(InboundQos::AtMostOnce),
+            _ => Err("expected 0 or 1 (QoS 2 is not supported: use 1 with message ids)".into()),
+        }
+    }
 }
 
 /// Everything the MQTT driver needs.
@@ -149,36 +149,37 @@ pub struct MqttConfig {
     pub ca_file: Option<PathBuf>,
     pub reconnect_max: Duration,
     pub publish_timeout: Duration,
+    /// How long a stopping driver waits for the hub's answers to messages it holds (half
+    /// the SDK's drain deadline).
+    pub drain_grace: Duration,
 }
 
 impl MqttConfig {
     /// Reads and validates the settings.
     pub fn from_launch(launch: &DriverLaunchConfig) -> Result<Self, ConfigError> {
         let channel = launch.channel.clone();
-        let url = launch.var(VAR_URL).ok_or(ConfigError::Missing { var: VAR_URL })?;
-        let broker = Broker::parse(url)?;
-        let username = launch.var(VAR_USERNAME).map(str::to_owned);
-        let password = launch
-            .secret(CREDENTIAL_PASSWORD, VAR_PASSWORD)
-            .map_err(|err| ConfigError::Password { reason: err.to_string() })?;
+        let broker = Broker::parse(&launch.require::<String>(VAR_URL)?)?;
+        let username = launch.parse::<String>(VAR_USERNAME)?;
+        let password = launch.secret(CREDENTIAL_PASSWORD, VAR_PASSWORD)?;
         if password.is_some() && username.is_none() {
-            return Err(ConfigError::Password {
-                reason: format!(
-                    "is set but CHANNELD_{VAR_USERNAME} is not (MQTT sends a password only with a user)"
+            return Err(invalid(
+                VAR_PASSWORD,
+                format!(
+                    "a broker password (credential {CREDENTIAL_PASSWORD} or CHANNELD_{VAR_PASSWORD}) is set but CHANNELD_{VAR_USERNAME} is not (MQTT sends a password only with a user)"
                 ),
-            });
+            ));
         }
-        let client_id = match launch.var(VAR_CLIENT_ID) {
+        let client_id = match launch.parse::<String>(VAR_CLIENT_ID)? {
             Some(id) if id.len() > 65535 || id.contains('\0') => {
                 return Err(invalid(VAR_CLIENT_ID, "must be at most 65535 bytes without NUL"));
             }
-            Some(id) => id.to_owned(),
+            Some(id) => id,
             None => format!("channeld-{channel}"),
         };
-        let inbound_raw = launch.var(VAR_INBOUND_TOPIC).map_or_else(
-            || format!("channeld/{channel}/in/{{sender}}/{{conversation}}"),
-            str::to_owned,
-        );
+        let inbound_raw = launch.parse_or(
+            VAR_INBOUND_TOPIC,
+            format!("channeld/{channel}/in/{{sender}}/{{conversation}}"),
+        )?;
         let inbound = IdentityTemplate::parse(&inbound_raw)
             .map_err(|err| invalid(VAR_INBOUND_TOPIC, err.to_string()))?;
         let subscriptions = match launch.var(VAR_SUBSCRIBE) {
@@ -186,25 +187,19 @@ impl MqttConfig {
             None => vec![inbound.filter()],
         };
         let outbound_raw = launch
-            .var(VAR_OUTBOUND_TOPIC)
-            .map_or_else(|| format!("channeld/{channel}/out/{{conversation}}"), str::to_owned);
+            .parse_or(VAR_OUTBOUND_TOPIC, format!("channeld/{channel}/out/{{conversation}}"))?;
         let outbound = OutboundTemplate::parse(&outbound_raw)
             .map_err(|err| invalid(VAR_OUTBOUND_TOPIC, err.to_string()))?;
-        let qos = match launch.var(VAR_QOS).map(str::trim) {
-            None | Some("1") => InboundQos::AtLeastOnce,
-            Some("0") => InboundQos::AtMostOnce,
-            Some(_) => {
-                return Err(invalid(
-                    VAR_QOS,
-                    "expected 0 or 1 (QoS 2 is not supported: use 1 with message ids)",
-                ));
-            }
-        };
-        let keep_alive = seconds(launch, VAR_KEEP_ALIVE, 5..=65535, DEFAULT_KEEP_ALIVE)?;
-        let ca_file = launch.var(VAR_CA_FILE).map(PathBuf::from);
+        let qos = launch.parse_or(VAR_QOS, InboundQos::AtLeastOnce)?;
+        let keep_alive = launch
+            .parse_within(VAR_KEEP_ALIVE, Duration::from_secs(5)..=Duration::from_secs(65535))?
+            .unwrap_or(DEFAULT_KEEP_ALIVE);
+        let ca_file = launch.parse::<PathBuf>(VAR_CA_FILE)?;
         if ca_file.is_some() && !broker.tls {
             return Err(invalid(VAR_CA_FILE, "is set but CHANNELD_MQTT_URL is not mqtts://"));
         }
+        let hour = Duration::from_secs(3600);
+        let second = Duration::from_secs(1);
         Ok(Self {
             channel,
             broker,
@@ -217,13 +212,13 @@ impl MqttConfig {
             qos,
             keep_alive,
             ca_file,
-            reconnect_max: seconds(launch, VAR_RECONNECT_MAX, 1..=3600, DEFAULT_RECONNECT_MAX)?,
-            publish_timeout: seconds(
-                launch,
-                VAR_PUBLISH_TIMEOUT,
-                1..=3600,
-                DEFAULT_PUBLISH_TIMEOUT,
-            )?,
+            reconnect_max: launch
+                .parse_within(VAR_RECONNECT_MAX, second..=hour)?
+                .unwrap_or(DEFAULT_RECONNECT_MAX),
+            publish_timeout: launch
+                .parse_within(VAR_PUBLISH_TIMEOUT, second..=hour)?
+                .unwrap_or(DEFAULT_PUBLISH_TIMEOUT),
+            drain_grace: launch.drain_timeout / 2,
         })
     }
 }
@@ -262,22 +257,6 @@ fn valid_filter(filter: &str) -> bool {
         "#" => index == levels.len() - 1,
         _ => !level.contains(['+', '#']),
     })
-}
-
-fn seconds(
-    launch: &DriverLaunchConfig,
-    var: &'static str,
-    range: std::ops::RangeInclusive<u64>,
-    default: Duration,
-) -> Result<Duration, ConfigError> {
-    let Some(raw) = launch.var(var) else { return Ok(default) };
-    match raw.trim().parse::<u64>() {
-        Ok(value) if range.contains(&value) => Ok(Duration::from_secs(value)),
-        _ => Err(invalid(
-            var,
-            format!("expected whole seconds from {} to {}", range.start(), range.end()),
-        )),
-    }
 }
 
 #[cfg(test)]
@@ -327,19 +306,20 @@ mod tests {
         std::fs::write(dir.path().join(CREDENTIAL_PASSWORD), "from-file\n").unwrap();
         let mut vars = vec![
             ("CHANNELD_CHANNEL_ID", "mqtt.lab".to_owned()),
+            ("CHANNELD_SOCKET", "/tmp/mqtt.lab.sock".to_owned()),
             ("CHANNELD_MQTT_URL", "mqtt://h".to_owned()),
             ("CHANNELD_MQTT_USERNAME", "bot".to_owned()),
             ("CHANNELD_MQTT_PASSWORD", "from-env".to_owned()),
         ];
         let env_only = DriverLaunchConfig::from_vars(vars.clone()).unwrap();
         let config = MqttConfig::from_launch(&env_only).unwrap();
-        assert_eq!(config.password.as_ref().map(Secret::expose), Some("from-env"));
+        assert_eq!(config.password.as_ref().map(Secret::as_str), Some("from-env"));
         assert_eq!(format!("{config:?}").matches("from-env").count(), 0, "secrets never print");
 
         vars.push(("CREDENTIALS_DIRECTORY", dir.path().display().to_string()));
         let with_dir = DriverLaunchConfig::from_vars(vars).unwrap();
         let config = MqttConfig::from_launch(&with_dir).unwrap();
-        assert_eq!(config.password.as_ref().map(Secret::expose), Some("from-file"));
+        assert_eq!(config.password.as_ref().map(Secret::as_str), Some("from-file"));
     }
 
     #[test]

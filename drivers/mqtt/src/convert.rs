@@ -8,7 +8,9 @@
 //!
 //! Inbound payload: a JSON object `{"text": "...", "thread": "...", "id": "..."}` (`thread`
 //! and `id` optional, strings or numbers, other fields ignored) or raw UTF-8 text (one
-//! trailing newline dropped). Outbound payload: see [`outbound_payload`].
+//! trailing newline dropped). A payload that starts with `{` must be valid JSON: one that is
+//! not is refused rather than taken as text, because its `id` would be lost and every
+//! redelivery would run again. Outbound payload: see [`outbound_payload`].
 
 use channeld_driver_sdk::PostKind;
 use channeld_driver_sdk::protocol::frame::Inbound;
@@ -213,6 +215,10 @@ pub struct InboundPayload {
 pub enum PayloadError {
     #[error("payload is empty")]
     Empty,
+    /// Starts with `{` but does not parse (bad syntax, a number out of range, nesting deeper
+    /// than the parser allows).
+    #[error("invalid JSON: {0}")]
+    InvalidJson(String),
     #[error("payload is neither a JSON object nor UTF-8 text")]
     NotUtf8,
     #[error("JSON payload has no non-empty \"text\" string")]
@@ -223,7 +229,9 @@ pub enum PayloadError {
 
 /// Decodes a payload: a JSON object with `text` (and optional `thread`, `id`), or raw text.
 pub fn parse_payload(bytes: &[u8]) -> Result<InboundPayload, PayloadError> {
-    if let Ok(object) = serde_json::from_slice::<Map<String, Value>>(bytes) {
+    if bytes.trim_ascii_start().starts_with(b"{") {
+        let object = serde_json::from_slice::<Map<String, Value>>(bytes)
+            .map_err(|err| PayloadError::InvalidJson(err.to_string()))?;
         return from_object(&object);
     }
     let text = std::str::from_utf8(bytes).map_err(|_| PayloadError::NotUtf8)?;
@@ -283,18 +291,32 @@ pub enum ConvertError {
 
 /// The event id of a message: `<sender>/<payload id>` when the payload has an id, so a broker
 /// redelivery is recognised by the hub and one sender cannot suppress another's message by
-/// reusing its id. Without an id, `generated` (unique per delivery): such messages are at
-/// least once, and a redelivery after a failure may run twice.
+/// reusing its id. When that is longer than an id may be, `sha256-<hex>` of it: still the
+/// same for every redelivery, still distinct per sender. Without an id, `generated` (unique
+/// per delivery): such messages are at least once, and a redelivery after a failure may run
+/// twice.
 pub fn event_id(
     sender: &str,
     payload_id: Option<&str>,
     generated: &str,
 ) -> Result<Id, ConvertError> {
     let raw = match payload_id {
-        Some(id) => format!("{sender}/{id}"),
+        Some(id) => bounded(format!("{sender}/{id}")),
         None => generated.to_owned(),
     };
     Id::new(raw).map_err(|source| ConvertError::Id { what: "event id", source })
+}
+
+/// `raw` itself when it fits in an id, else `sha256-<hex of raw>`.
+fn bounded(raw: String) -> String {
+    if raw.len() <= MAX_ID_BYTES {
+        return raw;
+    }
+    format!("sha256-{}", hex(&Sha256::digest(raw.as_bytes())))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// Builds the inbound message for a payload on a matched topic, and checks that its frame
@@ -348,9 +370,7 @@ pub fn outbound_message_id(kind: &PostKind) -> Id {
     let raw = if plain.len() <= MAX_ID_BYTES {
         plain
     } else {
-        let digest = Sha256::digest(source.as_str().as_bytes());
-        let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
-        format!("{prefix}-sha256-{hex}")
+        format!("{prefix}-sha256-{}", hex(&Sha256::digest(source.as_str().as_bytes())))
     };
     Id::new(raw).expect("a prefixed non-empty id without NUL within the length limit")
 }

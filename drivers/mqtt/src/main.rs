@@ -3,13 +3,11 @@
 
 use std::process::ExitCode;
 
-use channeld_driver_sdk::DriverError;
 use channeld_mqtt::{MqttConfig, MqttDriver};
 
 fn main() -> ExitCode {
     channeld_driver_sdk::main(|launch| async move {
-        let config =
-            MqttConfig::from_launch(&launch).map_err(|err| DriverError::Config(err.to_string()))?;
+        let config = MqttConfig::from_launch(&launch)?;
         tracing::info!(
             channel = %config.channel,
             broker = %config.broker,

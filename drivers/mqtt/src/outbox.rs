@@ -5,11 +5,11 @@
 //! time, each registered here just before it enters the channel, so the n-th unassigned
 //! waiter is the n-th publish rumqttc takes. A PUBACK then resolves the waiter of its pkid.
 //!
-//! When the connection drops, rumqttc moves unacknowledged publishes (with their pkid) and
-//! the requests still in its channel (pkid 0) into its replay queue. The platform removes them
-//! from that queue and tells [`Outbox::connection_lost`] how many had never been sent: those
-//! are certainly not on the broker (failed), the ones with a pkid may be (unknown). Nothing is
-//! replayed behind the hub's back; the hub decides what to do with either outcome.
+//! Each broker connection has its own rumqttc client, event loop and outbox; when the
+//! connection drops, the event loop is dropped with whatever it still held, so nothing is
+//! replayed behind the hub's back. [`Outbox::connection_lost`] then answers every waiter:
+//! the ones never written are certainly not on the broker (failed), the ones written without
+//! a PUBACK may be (unknown). The hub decides what to do with either outcome.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -52,11 +52,6 @@ impl<W> Outbox<W> {
         self.unassigned.push_back(waiter);
     }
 
-    /// Takes back the last submission when it could not enter the channel after all.
-    pub fn withdraw_last(&mut self) -> Option<W> {
-        self.unassigned.pop_back()
-    }
-
     /// `Outgoing::Publish(pkid)`: the next submission was written with `pkid` (or a collided
     /// one finally was).
     pub fn sent(&mut self, pkid: u16) -> Result<(), OutboxError> {
@@ -84,12 +79,11 @@ impl<W> Outbox<W> {
         self.inflight.remove(&pkid)
     }
 
-    /// The connection dropped and rumqttc's replay queue held `unsent` never-written publishes
-    /// (its first `unsent` submissions); every publish was removed from that queue.
-    /// Submissions beyond those entered the channel afterwards and stay waiting.
-    pub fn connection_lost(&mut self, unsent: usize) -> Lost<W> {
-        let unsent = unsent.min(self.unassigned.len());
-        let mut failed: Vec<W> = self.unassigned.drain(..unsent).collect();
+    /// The connection dropped (and its event loop with it): every waiter is answered. The
+    /// ones without a packet id were never written; a collided one waited for its packet id
+    /// and was not written either.
+    pub fn connection_lost(&mut self) -> Lost<W> {
+        let mut failed: Vec<W> = self.unassigned.drain(..).collect();
         failed.extend(self.collided.take().map(|(_, waiter)| waiter));
         let mut unknown: Vec<(u16, W)> = self.inflight.drain().collect();
         unknown.sort_by_key(|(pkid, _)| *pkid);
@@ -146,38 +140,16 @@ mod tests {
     #[test]
     fn a_lost_connection_fails_unsent_and_leaves_written_unknown() {
         let mut outbox = Outbox::default();
-        for waiter in ["written-2", "written-1", "collided", "drained", "late"] {
+        for waiter in ["written-2", "written-1", "collided", "queued"] {
             outbox.submit(waiter);
         }
         outbox.sent(2).unwrap();
         outbox.sent(1).unwrap();
         outbox.collided(1).unwrap();
-        // "drained" was still in rumqttc's channel; "late" entered it after the drop and is
-        // sent on the next connection.
-        let lost = outbox.connection_lost(1);
-        assert_eq!(lost.failed, vec!["drained", "collided"]);
+        // "queued" was still in rumqttc's channel when the event loop went away.
+        let lost = outbox.connection_lost();
+        assert_eq!(lost.failed, vec!["queued", "collided"]);
         assert_eq!(lost.unknown, vec!["written-1", "written-2"]);
-        assert_eq!(outbox.len(), 1);
-        outbox.sent(1).unwrap();
-        assert_eq!(outbox.acked(1), Some("late"));
-    }
-
-    #[test]
-    fn withdrawing_takes_back_the_last_submission() {
-        let mut outbox = Outbox::default();
-        outbox.submit("a");
-        outbox.submit("b");
-        assert_eq!(outbox.withdraw_last(), Some("b"));
-        outbox.sent(4).unwrap();
-        assert_eq!(outbox.acked(4), Some("a"));
-    }
-
-    #[test]
-    fn losing_more_than_was_submitted_is_capped() {
-        let mut outbox = Outbox::default();
-        outbox.submit("a");
-        let lost = outbox.connection_lost(5);
-        assert_eq!(lost.failed, vec!["a"]);
-        assert!(lost.unknown.is_empty());
+        assert!(outbox.is_empty());
     }
 }

@@ -5,13 +5,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use channeld_driver_sdk::DriverLaunchConfig;
 use channeld_driver_sdk::protocol::types::MessageTarget;
 use channeld_driver_sdk::protocol::{ChannelId, Id};
-use channeld_driver_sdk::testing::ConformanceHarness;
-use channeld_driver_sdk::{CancellationToken, DriverLaunchConfig, RunError, run_driver};
+use channeld_driver_sdk::testing::{ConformanceHarness, DriverTask};
 use channeld_mqtt::{MqttConfig, MqttDriver};
 use channeld_tests::mosquitto::{Mosquitto, MqttTestClient, provision_session};
-use tokio::task::JoinHandle;
 
 const PREFIX: &str = "conformance";
 const SYNC_TOPIC: &str = "conformance/sync";
@@ -27,8 +26,7 @@ struct MqttHarness {
     /// Outbound messages the observer has seen so far.
     posts: AtomicUsize,
     markers: AtomicUsize,
-    shutdown: CancellationToken,
-    task: Option<JoinHandle<Result<(), RunError>>>,
+    task: Option<DriverTask>,
 }
 
 impl MqttHarness {
@@ -39,7 +37,6 @@ impl MqttHarness {
             observer: Mutex::new(None),
             posts: AtomicUsize::new(0),
             markers: AtomicUsize::new(0),
-            shutdown: CancellationToken::new(),
             task: None,
         }
     }
@@ -61,7 +58,7 @@ impl ConformanceHarness for MqttHarness {
                 .await;
         *self.observer.lock().unwrap() = Some(observer);
         self.publisher = Some(MqttTestClient::connect(port, "publisher", &[]).await);
-        self.task = Some(tokio::spawn(run_driver(driver, launch, self.shutdown.clone())));
+        self.task = Some(DriverTask::spawn(driver, launch));
     }
 
     async fn inject_inbound(&mut self, text: &str) {
@@ -75,17 +72,16 @@ impl ConformanceHarness for MqttHarness {
     }
 
     async fn stop(&mut self) -> bool {
-        self.shutdown.cancel();
         let task = self.task.take().expect("driver started");
-        matches!(task.await, Ok(Ok(())))
+        task.stop().await.is_ok()
     }
 
     /// Messages the observer received on the outbound topics. A marker it publishes itself
     /// comes back after everything the broker took before it, so the count includes every
     /// post the broker acknowledged before this call.
-    fn platform_posts(&self) -> Option<usize> {
+    fn platform_posts(&self) -> usize {
         let mut observer = self.observer.lock().unwrap();
-        let observer = observer.as_mut()?;
+        let observer = observer.as_mut().expect("harness started");
         let marker = format!("marker-{}", self.markers.fetch_add(1, Ordering::SeqCst));
         let seen = tokio::task::block_in_place(|| {
             tokio::runtime::Handle::current().block_on(async {
@@ -101,7 +97,7 @@ impl ConformanceHarness for MqttHarness {
                 }
             })
         });
-        Some(self.posts.fetch_add(seen, Ordering::SeqCst) + seen)
+        self.posts.fetch_add(seen, Ordering::SeqCst) + seen
     }
 }
 

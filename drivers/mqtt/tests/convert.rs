@@ -103,9 +103,29 @@ fn raw_text_payloads_lose_one_trailing_newline() {
     assert_eq!(parse_payload(b"hello there\n").unwrap().text, "hello there");
     assert_eq!(parse_payload(b"two lines\r\n").unwrap().text, "two lines");
     assert_eq!(parse_payload("grüße".as_bytes()).unwrap().text, "grüße");
-    // JSON that is not an object, or not JSON at all, is text.
+    // JSON that is not an object is text.
     assert_eq!(parse_payload(b"42").unwrap().text, "42");
-    assert_eq!(parse_payload(b"{not json").unwrap().text, "{not json");
+    assert_eq!(parse_payload(b"[1, 2]").unwrap().text, "[1, 2]");
+}
+
+#[test]
+fn a_payload_that_starts_like_json_but_does_not_parse_is_refused_not_taken_as_text() {
+    // As text, its id would be lost and each redelivery would get a fresh one and run again.
+    let deep = format!("{{\"a\":{}1{}}}", "[".repeat(5000), "]".repeat(5000));
+    for bad in [
+        br#"{"text":"x","id":1e400}"#.as_slice(),
+        b"{not json",
+        b"  {\"text\":\"x\"",
+        deep.as_bytes(),
+    ] {
+        let err = parse_payload(bad).unwrap_err();
+        assert!(
+            matches!(err, PayloadError::InvalidJson(_)),
+            "{}: {err}",
+            String::from_utf8_lossy(&bad[..bad.len().min(40)])
+        );
+        assert!(err.to_string().starts_with("invalid JSON: "), "{err}");
+    }
 }
 
 #[test]
@@ -161,10 +181,26 @@ fn event_ids_are_scoped_by_sender_and_bounded() {
     assert_eq!(event_id("alice", Some("7"), "g").unwrap(), "alice/7");
     assert_eq!(event_id("bob", Some("7"), "g").unwrap(), "bob/7");
     assert_eq!(event_id("bob", None, "g-1").unwrap(), "g-1");
-    assert!(matches!(
-        event_id("alice", Some(&"x".repeat(300)), "g"),
-        Err(ConvertError::Id { what: "event id", .. })
-    ));
+}
+
+#[test]
+fn a_sender_and_id_too_long_together_get_a_stable_digest_per_sender() {
+    // Each part is a valid id alone; together they exceed 256 bytes.
+    let sender = "s".repeat(200);
+    let long_id = "x".repeat(200);
+    let first = event_id(&sender, Some(&long_id), "g-1").unwrap();
+    assert!(first.as_str().starts_with("sha256-") && first.as_str().len() == 7 + 64, "{first}");
+    assert_eq!(event_id(&sender, Some(&long_id), "g-2").unwrap(), first, "redeliveries agree");
+    let other_sender = event_id(&"t".repeat(200), Some(&long_id), "g").unwrap();
+    assert_ne!(other_sender, first, "another sender cannot collide with it");
+
+    let template = IdentityTemplate::parse("lab/in/{sender}/{conversation}").unwrap();
+    let topic = format!("lab/in/{sender}/ops");
+    let payload = parse_payload(format!(r#"{{"text":"hi","id":"{long_id}"}}"#).as_bytes()).unwrap();
+    let message =
+        inbound_message(&channel(), &topic, template.identify(&topic).unwrap(), payload, "g")
+            .unwrap();
+    assert_eq!(message.id, first, "the message is reported, not dropped");
 }
 
 #[test]

@@ -7,7 +7,8 @@
 
 use std::time::Duration;
 
-use channeld_driver_sdk::Secret;
+use channeld_driver_sdk::transport::http::{self, HttpOptions, Reached, reqwest};
+use channeld_driver_sdk::{Secret, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -205,14 +206,14 @@ impl IlinkClient {
         verify_code: Option<&str>,
         timeout: Duration,
     ) -> Result<QrStatusResponse, CallError> {
-        let mut query = vec![("qrcode", qrcode)];
+        let mut url = Url::parse(&format!("{base}/{}", op::GET_QRCODE_STATUS)).map_err(|err| {
+            CallError::Unreachable { op: op::GET_QRCODE_STATUS, reason: format!("bad URL: {err}") }
+        })?;
+        url.query_pairs_mut().append_pair("qrcode", qrcode);
         if let Some(code) = verify_code {
-            query.push(("verify_code", code));
+            url.query_pairs_mut().append_pair("verify_code", code);
         }
-        let request = self
-            .common(self.http.get(format!("{base}/{}", op::GET_QRCODE_STATUS)))
-            .query(&query)
-            .timeout(timeout);
+        let request = self.common(self.http.get(url)).timeout(timeout);
         self.read(op::GET_QRCODE_STATUS, request, timeout).await
     }
 
@@ -300,12 +301,18 @@ fn refused(op: &'static str, status: &Status) -> Result<(), CallError> {
 fn classify(op: &'static str, timeout: Duration, err: reqwest::Error) -> CallError {
     let err = err.without_url();
     if err.is_timeout() {
-        CallError::Timeout { op, timeout }
-    } else if err.is_connect() {
-        CallError::Unreachable { op, reason: error_chain(&err) }
-    } else {
-        CallError::Interrupted { op, reason: error_chain(&err) }
+        return CallError::Timeout { op, timeout };
     }
+    match http::reached(&err) {
+        Reached::No => CallError::Unreachable { op, reason: error_chain(&err) },
+        Reached::Maybe => CallError::Interrupted { op, reason: error_chain(&err) },
+    }
+}
+
+/// The HTTP client the driver and `login` use: the SDK's (rustls, connect timeout, user
+/// agent); every call sets its own timeout.
+pub fn http_client() -> Result<reqwest::Client, String> {
+    http::client(&HttpOptions::for_driver("wechat")).map_err(|err| err.to_string())
 }
 
 /// An error and its sources, one line.

@@ -1,14 +1,18 @@
-//! WeChat driver settings from the launch environment (`CHANNELD_WECHAT_*`), validated
-//! before anything connects; every error names its variable and none contains a secret.
+//! WeChat driver settings from the launch environment (`CHANNELD_WECHAT_*`), read with the
+//! SDK's typed settings and validated before anything connects; every error names its
+//! variable and none contains a secret.
 //!
-//! Durations are seconds and may be fractional (`0.5`), so tests can shorten the platform's
-//! timers without a second set of names.
+//! Durations are seconds and may be fractional (`0.5`, or `500ms`), so tests can shorten the
+//! platform's timers without a second set of names.
 
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use channeld_driver_sdk::config::Setting;
+use channeld_driver_sdk::launch::setting_var;
 use channeld_driver_sdk::protocol::ChannelId;
-use channeld_driver_sdk::{DriverLaunchConfig, Secret};
+use channeld_driver_sdk::{ConfigError, DriverLaunchConfig, Secret, Url};
 
 use crate::ilink;
 
@@ -62,21 +66,16 @@ pub const VAR_MARKDOWN: &str = "WECHAT_MARKDOWN";
 /// The longest text item the official client sends.
 pub const MAX_CHUNK_CHARS: usize = 4000;
 
-/// Why the WeChat settings are unusable.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("CHANNELD_{var} is invalid: {reason}")]
-    Invalid { var: &'static str, reason: String },
-    #[error(
-        "no state directory: set CHANNELD_{VAR_STATE_DIR} or run under systemd with StateDirectory= ($STATE_DIRECTORY)"
-    )]
-    NoStateDir,
-    #[error("the bot token (credential {CREDENTIAL_BOT_TOKEN} or CHANNELD_{VAR_BOT_TOKEN}) {0}")]
-    Token(String),
+fn invalid(var: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::invalid(setting_var(var), reason)
 }
 
-fn invalid(var: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { var, reason: reason.into() }
+/// The error when neither state directory variable is set.
+fn no_state_dir() -> ConfigError {
+    ConfigError::missing(format!(
+        "{} (or systemd's StateDirectory=, $STATE_DIRECTORY)",
+        setting_var(VAR_STATE_DIR)
+    ))
 }
 
 /// What the driver does with Markdown in replies.
@@ -149,9 +148,18 @@ impl WechatConfig {
         // Read once now so an unreadable or empty credential stops the start with a clear
         // error; the driver reads it again whenever it waits for a new token.
         if let Some(dir) = &launch.credentials_dir {
-            Secret::from_credential_file(dir, CREDENTIAL_BOT_TOKEN)
-                .map_err(|err| ConfigError::Token(err.to_string()))?;
+            Secret::from_credential_file(dir, CREDENTIAL_BOT_TOKEN)?;
         }
+        let seconds = |var: &str, range: RangeInclusive<f64>, default: f64| {
+            let range =
+                Duration::from_secs_f64(*range.start())..=Duration::from_secs_f64(*range.end());
+            Ok::<_, ConfigError>(
+                launch.parse_within(var, range)?.unwrap_or(Duration::from_secs_f64(default)),
+            )
+        };
+        let count = |var: &str, range: RangeInclusive<u32>, default: u32| {
+            Ok::<_, ConfigError>(launch.parse_within(var, range)?.unwrap_or(default))
+        };
         Ok(Self {
             channel: launch.channel.clone(),
             base_url: base_url(launch.var(VAR_BASE_URL), VAR_BASE_URL, ilink::DEFAULT_BASE_URL)?,
@@ -165,29 +173,34 @@ impl WechatConfig {
             state_dir: state_dir(launch.var(VAR_STATE_DIR), state_directory)?,
             route_tag: route_tag(launch.var(VAR_ROUTE_TAG))?,
             bot_agent: bot_agent(launch.var(VAR_BOT_AGENT))?,
-            poll_timeout: seconds(launch, VAR_POLL_TIMEOUT, 1.0..=300.0, 35.0)?,
+            poll_timeout: seconds(VAR_POLL_TIMEOUT, 1.0..=300.0, 35.0)?,
             retry: RetryPolicy {
-                retry: seconds(launch, VAR_RETRY, 0.05..=3600.0, 2.0)?,
-                backoff: seconds(launch, VAR_BACKOFF, 0.05..=3600.0, 30.0)?,
-                backoff_after: count(launch, VAR_BACKOFF_AFTER, 1..=100, 3)?,
+                retry: seconds(VAR_RETRY, 0.05..=3600.0, 2.0)?,
+                backoff: seconds(VAR_BACKOFF, 0.05..=3600.0, 30.0)?,
+                backoff_after: count(VAR_BACKOFF_AFTER, 1..=100, 3)?,
             },
-            auth_retry: match seconds(launch, VAR_AUTH_RETRY, 0.0..=86400.0, 3600.0)? {
-                zero if zero.is_zero() => None,
-                delay => Some(delay),
-            },
-            send_timeout: seconds(launch, VAR_SEND_TIMEOUT, 0.1..=300.0, 15.0)?,
-            request_timeout: seconds(launch, VAR_REQUEST_TIMEOUT, 0.1..=300.0, 10.0)?,
-            chunk_chars: count(launch, VAR_CHUNK_CHARS, 100..=MAX_CHUNK_CHARS as u32, 4000)?
-                as usize,
-            typing_interval: seconds(launch, VAR_TYPING_INTERVAL, 0.05..=60.0, 5.0)?,
-            typing_max: seconds(launch, VAR_TYPING_MAX, 1.0..=86400.0, 600.0)?,
-            dedupe_ttl: seconds(launch, VAR_DEDUPE_TTL, 60.0..=604_800.0, 86400.0)?,
-            markdown: match launch.var(VAR_MARKDOWN).map(str::trim) {
-                None | Some("simplify") => Markdown::Simplify,
-                Some("keep") => Markdown::Keep,
-                Some(_) => return Err(invalid(VAR_MARKDOWN, "expected simplify or keep")),
-            },
+            auth_retry: Some(seconds(VAR_AUTH_RETRY, 0.0..=86400.0, 3600.0)?)
+                .filter(|delay| !delay.is_zero()),
+            send_timeout: seconds(VAR_SEND_TIMEOUT, 0.1..=300.0, 15.0)?,
+            request_timeout: seconds(VAR_REQUEST_TIMEOUT, 0.1..=300.0, 10.0)?,
+            chunk_chars: count(VAR_CHUNK_CHARS, 100..=MAX_CHUNK_CHARS as u32, 4000)? as usize,
+            typing_interval: seconds(VAR_TYPING_INTERVAL, 0.05..=60.0, 5.0)?,
+            typing_max: seconds(VAR_TYPING_MAX, 1.0..=86400.0, 600.0)?,
+            dedupe_ttl: seconds(VAR_DEDUPE_TTL, 60.0..=604_800.0, 86400.0)?,
+            markdown: launch.parse_or(VAR_MARKDOWN, Markdown::Simplify)?,
         })
+    }
+}
+
+impl Setting for Markdown {
+    const EXPECTED: &'static str = "simplify or keep";
+
+    fn parse_setting(raw: &str) -> Result<Self, String> {
+        match raw {
+            "simplify" => Ok(Markdown::Simplify),
+            "keep" => Ok(Markdown::Keep),
+            _ => Err("expected simplify or keep".into()),
+        }
     }
 }
 
@@ -198,7 +211,7 @@ impl LoginConfig {
         lookup: impl Fn(&str) -> Option<String>,
         state_dir_flag: Option<PathBuf>,
     ) -> Result<Self, ConfigError> {
-        let var = |name: &str| lookup(&format!("CHANNELD_{name}")).filter(|v| !v.is_empty());
+        let var = |name: &str| lookup(&setting_var(name)).filter(|v| !v.is_empty());
         let state_dir = match state_dir_flag {
             Some(dir) => dir,
             None => {
@@ -220,24 +233,19 @@ impl LoginConfig {
 
 /// An `http(s)://host[:port][/path]` URL without credentials, query or fragment, trailing
 /// slash removed.
-pub fn base_url(
-    raw: Option<&str>,
-    var: &'static str,
-    default: &str,
-) -> Result<String, ConfigError> {
+pub fn base_url(raw: Option<&str>, var: &str, default: &str) -> Result<String, ConfigError> {
     let Some(raw) = raw.map(str::trim) else { return Ok(default.to_owned()) };
-    let rest = raw
-        .strip_prefix("https://")
-        .or_else(|| raw.strip_prefix("http://"))
-        .ok_or_else(|| invalid(var, "expected an http:// or https:// URL"))?;
-    let host = rest.split('/').next().unwrap_or_default();
-    if host.contains('@') {
+    let url = Url::parse_setting(raw).map_err(|reason| invalid(var, reason))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(invalid(var, "expected an http:// or https:// URL with a host"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
         return Err(invalid(var, "credentials do not belong in the URL"));
     }
-    if host.is_empty() || rest.contains([' ', '\t', '?', '#']) {
+    if url.query().is_some() || url.fragment().is_some() {
         return Err(invalid(var, "expected scheme://host[:port][/path] without query"));
     }
-    Ok(raw.trim_end_matches('/').to_owned())
+    Ok(url.as_str().trim_end_matches('/').to_owned())
 }
 
 fn state_dir(flag: Option<&str>, systemd: Option<&Path>) -> Result<PathBuf, ConfigError> {
@@ -246,9 +254,9 @@ fn state_dir(flag: Option<&str>, systemd: Option<&Path>) -> Result<PathBuf, Conf
         // systemd may list several directories separated by colons; the unit declares one.
         (None, Some(dir)) => {
             let first = dir.to_string_lossy().split(':').next().unwrap_or_default().to_owned();
-            if first.is_empty() { Err(ConfigError::NoStateDir) } else { Ok(first.into()) }
+            if first.is_empty() { Err(no_state_dir()) } else { Ok(first.into()) }
         }
-        (None, None) => Err(ConfigError::NoStateDir),
+        (None, None) => Err(no_state_dir()),
     }
 }
 
@@ -267,42 +275,6 @@ fn bot_agent(raw: Option<&str>) -> Result<String, ConfigError> {
         Some(_) => Err(invalid(
             VAR_BOT_AGENT,
             "expected Name/Version tokens separated by spaces (letters, digits, _ . - +)",
-        )),
-    }
-}
-
-fn seconds(
-    launch: &DriverLaunchConfig,
-    var: &'static str,
-    range: std::ops::RangeInclusive<f64>,
-    default: f64,
-) -> Result<Duration, ConfigError> {
-    let raw = launch.var(var);
-    let value = match raw.map(|raw| raw.trim().parse::<f64>()) {
-        None => default,
-        Some(Ok(value)) if range.contains(&value) => value,
-        Some(_) => {
-            return Err(invalid(
-                var,
-                format!("expected seconds from {} to {}", range.start(), range.end()),
-            ));
-        }
-    };
-    Ok(Duration::from_secs_f64(value))
-}
-
-fn count(
-    launch: &DriverLaunchConfig,
-    var: &'static str,
-    range: std::ops::RangeInclusive<u32>,
-    default: u32,
-) -> Result<u32, ConfigError> {
-    match launch.var(var).map(|raw| raw.trim().parse::<u32>()) {
-        None => Ok(default),
-        Some(Ok(value)) if range.contains(&value) => Ok(value),
-        Some(_) => Err(invalid(
-            var,
-            format!("expected a whole number from {} to {}", range.start(), range.end()),
         )),
     }
 }
@@ -345,7 +317,10 @@ mod tests {
         let launch = launch().with_var(VAR_STATE_DIR, "/srv/wechat");
         assert_eq!(config(&launch).unwrap().state_dir, PathBuf::from("/srv/wechat"));
         let err = WechatConfig::from_launch(&self::launch(), None).unwrap_err().to_string();
-        assert!(err.contains("CHANNELD_WECHAT_STATE_DIR") && err.contains("STATE_DIRECTORY"));
+        assert!(
+            err.contains("CHANNELD_WECHAT_STATE_DIR") && err.contains("STATE_DIRECTORY"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -401,6 +376,7 @@ mod tests {
         std::fs::write(dir.path().join(CREDENTIAL_BOT_TOKEN), "\n").unwrap();
         let vars = [
             ("CHANNELD_CHANNEL_ID", "wechat.lab".to_owned()),
+            ("CHANNELD_SOCKET", "/tmp/wechat-test.sock".to_owned()),
             ("CREDENTIALS_DIRECTORY", dir.path().display().to_string()),
             ("CHANNELD_WECHAT_BOT_TOKEN", "env-token-value".to_owned()),
         ];
@@ -410,7 +386,7 @@ mod tests {
 
         std::fs::write(dir.path().join(CREDENTIAL_BOT_TOKEN), "file-token\n").unwrap();
         let config = config(&launch).unwrap();
-        assert_eq!(config.env_token.as_ref().map(Secret::expose), Some("env-token-value"));
+        assert_eq!(config.env_token.as_ref().map(Secret::as_str), Some("env-token-value"));
         assert!(!format!("{config:?}").contains("env-token-value"));
     }
 
@@ -426,6 +402,7 @@ mod tests {
         assert_eq!(login.state_dir, PathBuf::from("/var/lib/channeld-wechat/a"));
         let flagged = LoginConfig::from_env(env, Some("/tmp/w".into())).unwrap();
         assert_eq!(flagged.state_dir, PathBuf::from("/tmp/w"));
-        assert!(matches!(LoginConfig::from_env(|_| None, None), Err(ConfigError::NoStateDir)));
+        let err = LoginConfig::from_env(|_| None, None).unwrap_err();
+        assert!(matches!(err, ConfigError::Missing { .. }), "{err}");
     }
 }

@@ -1,7 +1,13 @@
-//! The driver's health: the poll loop's link state and the token session's auth state,
-//! mapped to one report. Pure.
+//! The driver's link state for the SDK's health rule: what the poll loop last saw, combined
+//! with the token session. Pure.
+//!
+//! Transient trouble (server errors, an unreachable or silent server) is the SDK's Degraded;
+//! an expired token (`-14`) is Unavailable `auth_expired`, no token at all or an unreadable one
+//! Unavailable `auth_rejected`: only an operator can fix those.
 
-use channeld_driver_sdk::protocol::types::{Health, HealthState, HealthStatus};
+use std::time::Duration;
+
+use channeld_driver_sdk::LinkState;
 
 use crate::session::Auth;
 
@@ -15,69 +21,43 @@ pub enum Link {
     Starting,
     /// The last poll was answered.
     Polling,
-    /// Several polls in a row got no answer within the client timeout.
-    Silent { polls: u32 },
+    /// Several polls in a row got no answer within the client timeout, for `idle`.
+    Silent { idle: Duration },
     /// Polls fail; the next try waits.
     Retrying { attempt: u32, error: String },
 }
 
-/// The health for `link` and `auth`. Details never carry a token.
-pub fn health(link: &Link, auth: &Auth, base_url: &str) -> Health {
-    let status = |transport: &str, auth: Option<&str>, attempt: Option<u32>| HealthStatus {
-        transport: Some(transport.to_owned()),
-        auth: auth.map(str::to_owned),
-        attempt,
-        ..HealthStatus::default()
-    };
-    let (state, detail, status) = match auth {
-        Auth::Expired { source } => (
-            HealthState::Unavailable,
-            format!(
+/// The link state for `link` and `auth`. Details never carry a token.
+pub fn link_state(link: &Link, auth: &Auth, base_url: &str) -> LinkState {
+    match auth {
+        Auth::Expired { source } => LinkState::AuthExpired {
+            detail: format!(
                 "auth_expired: iLink refused the bot token from {} (-14); polling is paused until a new token appears: run `channeld-wechat login`, replace the credential, or `channelctl resume`",
                 source.describe()
             ),
-            status("paused", Some("expired"), None),
-        ),
-        Auth::Missing => (
-            HealthState::Unavailable,
-            "auth_missing: no bot token: run `channeld-wechat login` or install the wechat-bot-token credential".to_owned(),
-            status("paused", Some("missing"), None),
-        ),
-        Auth::Unreadable(reason) => (
-            HealthState::Unavailable,
-            format!("auth_unreadable: {reason}"),
-            status("paused", Some("unreadable"), None),
-        ),
-        Auth::Usable => match link {
-            Link::Starting => (
-                HealthState::Degraded,
-                format!("connecting to {base_url}"),
-                status("connecting", None, Some(0)),
-            ),
-            Link::Polling => {
-                return Health {
-                    state: HealthState::Ready,
-                    detail: Some(format!("long-polling {base_url}")),
-                    status: Some(status("connected", Some("ok"), Some(0))),
-                };
-            }
-            Link::Silent { polls } => (
-                HealthState::Degraded,
-                format!("{base_url} has not answered {polls} long polls in a row"),
-                status("silent", None, Some(*polls)),
-            ),
-            Link::Retrying { attempt, error } => (
-                HealthState::Degraded,
-                format!("{error} (attempt {attempt})"),
-                status("disconnected", None, Some(*attempt)),
-            ),
         },
-    };
-    Health { state, detail: Some(detail), status: Some(status) }
+        Auth::Missing => LinkState::AuthRejected {
+            detail: "no bot token: run `channeld-wechat login` or install the wechat-bot-token credential"
+                .to_owned(),
+        },
+        Auth::Unreadable(reason) => {
+            LinkState::AuthRejected { detail: format!("the bot token cannot be read: {reason}") }
+        }
+        Auth::Usable => match link {
+            Link::Starting => LinkState::Connecting { attempt: 0 },
+            Link::Polling => LinkState::up_as(format!("long-polling {base_url}")),
+            Link::Silent { idle } => LinkState::Stalled { idle: *idle },
+            Link::Retrying { attempt, error } => {
+                LinkState::Retrying { attempt: *attempt, error: error.clone() }
+            }
+        },
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use channeld_driver_sdk::protocol::types::HealthState;
+
     use super::*;
     use crate::session::TokenSource;
 
@@ -85,24 +65,31 @@ mod tests {
 
     #[test]
     fn polling_is_ready_and_failures_are_degraded_with_the_attempt() {
-        assert_eq!(health(&Link::Polling, &Auth::Usable, BASE).state, HealthState::Ready);
+        let up = link_state(&Link::Polling, &Auth::Usable, BASE).health();
+        assert_eq!(up.state, HealthState::Ready);
+        assert_eq!(up.detail.as_deref(), Some("long-polling https://ilinkai.weixin.qq.com"));
         let retrying = Link::Retrying { attempt: 4, error: "getupdates: HTTP 502".into() };
-        let degraded = health(&retrying, &Auth::Usable, BASE);
+        let degraded = link_state(&retrying, &Auth::Usable, BASE).health();
         assert_eq!(degraded.state, HealthState::Degraded);
         assert_eq!(degraded.status.unwrap().attempt, Some(4));
-        assert_eq!(degraded.detail.as_deref(), Some("getupdates: HTTP 502 (attempt 4)"));
-        let silent = health(&Link::Silent { polls: 3 }, &Auth::Usable, BASE);
-        assert_eq!(silent.state, HealthState::Degraded);
+        assert!(degraded.detail.unwrap().contains("getupdates: HTTP 502"));
+        let silent = Link::Silent { idle: Duration::from_secs(111) };
+        let stalled = link_state(&silent, &Auth::Usable, BASE).health();
+        assert_eq!(stalled.state, HealthState::Degraded);
+        assert_eq!(stalled.status.unwrap().idle_seconds, Some(111));
     }
 
     #[test]
-    fn an_expired_token_is_unavailable_whatever_the_link_says() {
+    fn token_trouble_is_unavailable_whatever_the_link_says() {
         let expired = Auth::Expired { source: TokenSource::Login };
-        let report = health(&Link::Polling, &expired, BASE);
+        let report = link_state(&Link::Polling, &expired, BASE).health();
         assert_eq!(report.state, HealthState::Unavailable);
         assert!(report.detail.as_deref().unwrap().starts_with("auth_expired"));
-        assert_eq!(report.status.unwrap().auth.as_deref(), Some("expired"));
-        let missing = health(&Link::Starting, &Auth::Missing, BASE);
+        let status = report.status.unwrap();
+        assert_eq!(status.reason.as_deref(), Some("auth_expired"));
+        assert_eq!(status.auth.as_deref(), Some("expired"));
+        let missing = link_state(&Link::Starting, &Auth::Missing, BASE).health();
         assert_eq!(missing.state, HealthState::Unavailable);
+        assert_eq!(missing.status.unwrap().reason.as_deref(), Some("auth_rejected"));
     }
 }

@@ -28,5 +28,5 @@ pub mod state;
 pub mod store;
 pub mod typing;
 
-pub use config::{ConfigError, WechatConfig};
+pub use config::WechatConfig;
 pub use platform::WechatDriver;

@@ -2,16 +2,15 @@
 //! the driver (settings from `CHANNELD_WECHAT_*`, see the `config` module); `login` runs the
 //! QR login and stores the bot token in the state directory.
 
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
-use std::process::ExitCode;
-use std::time::Duration;
-
 use channeld_driver_sdk::DriverError;
+use channeld_wechat::client::{IlinkClient, http_client};
 use channeld_wechat::config::{ENV_STATE_DIRECTORY, LoginConfig};
 use channeld_wechat::login::{self, LoginOutcome};
 use channeld_wechat::{WechatConfig, WechatDriver};
 use clap::{Parser, Subcommand};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
 
 /// channeld driver for WeChat iLink bots.
 #[derive(Debug, Parser)]
@@ -38,25 +37,16 @@ fn main() -> ExitCode {
         Some(Command::Login { state_dir }) => login_main(state_dir),
         None => channeld_driver_sdk::main(|launch| async move {
             let state_directory = std::env::var_os(ENV_STATE_DIRECTORY).map(PathBuf::from);
-            let config = WechatConfig::from_launch(&launch, state_directory.as_deref())
-                .map_err(|err| DriverError::Config(err.to_string()))?;
+            let config = WechatConfig::from_launch(&launch, state_directory.as_deref())?;
             tracing::info!(
                 channel = %config.channel,
                 base_url = %config.base_url,
                 state_dir = %config.state_dir.display(),
                 "starting the WeChat iLink driver"
             );
-            WechatDriver::new(config, http_client()?)
+            WechatDriver::new(config, http_client().map_err(DriverError::platform)?)
         }),
     }
-}
-
-fn http_client() -> Result<reqwest::Client, DriverError> {
-    reqwest::Client::builder()
-        .user_agent(concat!("channeld-wechat/", env!("CARGO_PKG_VERSION")))
-        .connect_timeout(Duration::from_secs(10))
-        .build()
-        .map_err(|err| DriverError::Config(format!("HTTP client: {err}")))
 }
 
 /// Exit status: 0 logged in (or already bound with a stored login), 1 failed, 78 settings.
@@ -68,8 +58,9 @@ fn login_main(state_dir: Option<PathBuf>) -> ExitCode {
             return ExitCode::from(78);
         }
     };
+    channeld_driver_sdk::init_logging("warn");
     let client = match http_client() {
-        Ok(http) => channeld_wechat::client::IlinkClient::new(
+        Ok(http) => IlinkClient::new(
             http,
             concat!("channeld-wechat/", env!("CARGO_PKG_VERSION")),
             config.route_tag.clone(),

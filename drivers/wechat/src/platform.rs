@@ -5,34 +5,37 @@
 //!   moves the cursor once the hub answered;
 //! * posts ([`Outbound`]) send replies and proactive messages with the user's context token;
 //! * [`Typing`] shows "typing…" while runs go, and on `typing` effects;
-//! * a small watcher turns changes of the token session into health reports, so a `-14` seen
-//!   by a post shows at once.
+//! * a small watcher turns changes of the token session into link states (the SDK's health
+//!   rule), so a `-14` seen by a post shows at once;
+//! * the operator action `resume` (`channelctl resume`) gives refused tokens another chance.
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use channeld_driver_sdk::protocol::types::{
-    Actions, Capabilities, DeliveryReceipt, Effect, Health,
-};
+use channeld_driver_sdk::protocol::types::{Actions, Capabilities, DeliveryReceipt, Effect};
+use channeld_driver_sdk::transport::http::reqwest;
 use channeld_driver_sdk::{
-    CancellationToken, Declaration, Driver, DriverError, EffectError, EffectRequest, Hub, Post,
-    PostError,
+    CancellationToken, Declaration, Driver, DriverError, EffectError, EffectRequest, Hub,
+    OperatorAction, OperatorActionError, Post, PostError,
 };
 
 use crate::client::IlinkClient;
 use crate::config::WechatConfig;
-use crate::health::{Link, health};
+use crate::health::{Link, link_state};
 use crate::outbound::Outbound;
 use crate::poll::{LinkReport, Poller};
-use crate::session::Session;
+use crate::session::{Auth, Session};
 use crate::state::StateDir;
 use crate::store::Store;
 use crate::typing::Typing;
 
-/// The link state and where health reports go once the hub handle exists.
+/// The operator action that gives refused tokens another chance at once.
+pub const RESUME: &str = "resume";
+
+/// The link state and where it goes once `run` has the hub handle.
 #[derive(Debug)]
 struct Reporter {
     link: Mutex<Link>,
-    hub: OnceLock<Hub>,
+    hub: Mutex<Option<Hub>>,
     session: Arc<Session>,
     config: Arc<WechatConfig>,
 }
@@ -42,15 +45,17 @@ impl Reporter {
         self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn health(&self) -> Health {
-        let base_url =
-            self.session.current().map_or_else(|| self.config.base_url.clone(), |c| c.base_url);
-        health(&self.lock(), &self.session.auth(), &base_url)
+    fn attach(&self, hub: Hub) {
+        *self.hub.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(hub);
     }
 
     fn push(&self) {
-        if let Some(hub) = self.hub.get() {
-            hub.health(self.health());
+        let base_url =
+            self.session.current().map_or_else(|| self.config.base_url.clone(), |c| c.base_url);
+        let state = link_state(&self.lock(), &self.session.auth(), &base_url);
+        if let Some(hub) = self.hub.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).as_ref()
+        {
+            hub.link_state(state);
         }
     }
 }
@@ -87,12 +92,8 @@ impl WechatDriver {
     /// [`Driver::run`].
     pub fn new(config: WechatConfig, http: reqwest::Client) -> Result<Self, DriverError> {
         let config = Arc::new(config);
-        let dir = StateDir::open(&config.state_dir)
-            .map_err(|err| DriverError::Config(err.to_string()))?;
-        let store = Arc::new(
-            Store::load(dir.clone(), config.dedupe_ttl)
-                .map_err(|err| DriverError::Config(err.to_string()))?,
-        );
+        let dir = StateDir::open(&config.state_dir).map_err(state_error)?;
+        let store = Arc::new(Store::load(dir.clone(), config.dedupe_ttl).map_err(state_error)?);
         let client = IlinkClient::new(http, &config.bot_agent, config.route_tag.clone());
         let session = Arc::new(Session::new(config.clone(), dir));
         let typing =
@@ -106,7 +107,7 @@ impl WechatDriver {
         };
         let reporter = Arc::new(Reporter {
             link: Mutex::new(Link::Starting),
-            hub: OnceLock::new(),
+            hub: Mutex::new(None),
             session: session.clone(),
             config: config.clone(),
         });
@@ -121,21 +122,22 @@ impl WechatDriver {
 
 impl Driver for WechatDriver {
     fn declaration(&self) -> Declaration {
-        let capabilities = Capabilities {
+        Declaration::new(Capabilities {
             receive: true,
             send: true,
             receive_attachments: true,
             typing: true,
             long_polling: true,
             ..Capabilities::default()
-        };
-        let actions = Actions { typing: true, ..Actions::default() };
-        Declaration { capabilities, actions }
+        })
+        .with_actions(Actions { typing: true, ..Actions::default() })
+        .with_operator_actions([RESUME])
     }
 
     async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
-        let _ = self.reporter.hub.set(hub.clone());
+        self.reporter.attach(hub.clone());
         self.reporter.push();
+        self.typing.open();
         let watcher = tokio::spawn({
             let reporter = self.reporter.clone();
             let mut auth = self.session.watch_auth();
@@ -178,7 +180,28 @@ impl Driver for WechatDriver {
         Ok(())
     }
 
-    fn health(&self) -> Health {
-        self.reporter.health()
+    async fn operator_action(
+        &self,
+        request: OperatorAction,
+    ) -> Result<serde_json::Value, OperatorActionError> {
+        if request.name != RESUME {
+            return Err(OperatorActionError::Unsupported);
+        }
+        self.session.resume();
+        let auth = match self.session.auth() {
+            Auth::Usable => "usable",
+            Auth::Expired { .. } => "expired",
+            Auth::Missing => "missing",
+            Auth::Unreadable(_) => "unreadable",
+        };
+        tracing::info!(auth, "resume: refused tokens get another chance");
+        Ok(serde_json::json!({ "auth": auth }))
     }
+}
+
+/// A state directory the driver cannot use stops it for good (exit 78): an operator must
+/// fix or move the file, restarting cannot help.
+fn state_error(err: crate::state::StateError) -> DriverError {
+    let var = channeld_driver_sdk::launch::setting_var(crate::config::VAR_STATE_DIR);
+    DriverError::Config(channeld_driver_sdk::ConfigError::invalid(var, err.to_string()))
 }

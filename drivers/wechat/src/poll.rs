@@ -1,19 +1,24 @@
 //! The inbound side: `notifystart`, the `getupdates` long poll, each batch handed to the hub,
 //! and `notifystop`.
 //!
-//! At-least-once: a batch's cursor is persisted only after the hub has answered every message
-//! in it (and the replay set recording them is on disk), so a crash or kill at any point
-//! makes the server offer the batch again. Messages the hub already took are recognised in
-//! the replay set and dropped; nothing is lost and nothing is answered twice.
+//! At-least-once: each message of a batch is tracked in the SDK's [`PendingAcks`] with a
+//! [`BatchAck`] that records the hub's answer; the batch's cursor is persisted only after the
+//! hub has answered every message in it (and the replay set recording them is on disk), so a
+//! crash or kill at any point makes the server offer the batch again. Messages the hub already
+//! took are recognised in the replay set and dropped; nothing is lost and nothing is answered
+//! twice.
 //!
 //! The client timeout follows the server's `longpolling_timeout_ms` (plus a grace); a
 //! client-side timeout is an empty poll. Failures wait the retry delay, then the longer
 //! backoff once they repeat. `-14` hands over to the token session, which pauses polling.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use channeld_driver_sdk::{Acceptance, CancellationToken, Hub, HubError, Secret};
+use channeld_driver_sdk::{
+    Acceptance, CancellationToken, Hub, HubError, PendingAcks, Secret, Settle,
+};
+use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
 use crate::client::{CallError, IlinkClient};
@@ -69,6 +74,8 @@ impl Poller<'_> {
         let mut silent = 0u32;
         let mut server_timeout: Option<Duration> = None;
         let mut announced: Option<Secret> = None;
+        let mut last_answer = Instant::now();
+        let acks = PendingAcks::new();
         loop {
             let Some(credentials) = self.session.usable(shutdown).await else { break };
             if announced.as_ref() != Some(&credentials.token) {
@@ -85,6 +92,7 @@ impl Poller<'_> {
                 Ok(response) => {
                     failures = 0;
                     silent = 0;
+                    last_answer = Instant::now();
                     if let Some(ms) = response.longpolling_timeout_ms.filter(|ms| *ms > 0) {
                         server_timeout = Some(
                             Duration::from_millis(ms).clamp(MIN_POLL_TIMEOUT, MAX_POLL_TIMEOUT),
@@ -92,7 +100,7 @@ impl Poller<'_> {
                     }
                     // Ready once the batch is handed over: by then its context tokens are
                     // on disk, so a send right after the report finds them.
-                    match self.batch(hub, response, shutdown).await {
+                    match self.batch(hub, &acks, response, shutdown).await {
                         Ok(Batch::Stopping) => break,
                         Ok(Batch::Done | Batch::Incomplete) => {
                             self.report.link(Link::Polling);
@@ -106,7 +114,7 @@ impl Poller<'_> {
                     silent += 1;
                     debug!(silent, "long poll ended without an answer: an empty poll");
                     if silent >= SILENT_AFTER {
-                        self.report.link(Link::Silent { polls: silent });
+                        self.report.link(Link::Silent { idle: last_answer.elapsed() });
                     }
                     continue;
                 }
@@ -133,6 +141,12 @@ impl Poller<'_> {
                 () = shutdown.cancelled() => break,
                 () = tokio::time::sleep(delay) => {}
             }
+        }
+        // Answers still coming settle what the hub took; the cursor stays where it was, so a
+        // message answered only now comes again and is recognised as a replay.
+        acks.drain(hub.launch().drain_timeout / 2).await;
+        if let Err(err) = self.store.save_seen().await {
+            warn!(error = %err, "replay set not saved at shutdown; the hub will see some replays");
         }
         if let Some(credentials) =
             self.session.current().filter(|c| announced.as_ref() == Some(&c.token))
@@ -162,6 +176,7 @@ impl Poller<'_> {
     async fn batch(
         &self,
         hub: &Hub,
+        acks: &PendingAcks,
         response: GetUpdatesResponse,
         shutdown: &CancellationToken,
     ) -> Result<Batch, StateError> {
@@ -201,14 +216,24 @@ impl Poller<'_> {
             self.store.save_contexts().await?;
         }
 
-        let mut tickets = Vec::with_capacity(fresh.len());
+        let answers = Arc::new(Answers::default());
         for converted in fresh {
             let event_id = converted.message.id.as_str().to_owned();
             match hub.inbound(converted.message).await {
-                Ok(ticket) => tickets.push((event_id, converted.user, ticket)),
+                Ok(ticket) => {
+                    answers.expect();
+                    let ack = BatchAck {
+                        answers: answers.clone(),
+                        store: self.store.clone(),
+                        typing: self.typing.clone(),
+                        event_id,
+                        user: converted.user,
+                    };
+                    acks.track(ticket, ack);
+                }
                 Err(HubError::ShuttingDown) => return Ok(Batch::Stopping),
-                Err(err @ HubError::TooLarge(_)) => {
-                    warn!(event_id, error = %err, "message does not fit in a frame; dropped");
+                Err(err @ (HubError::TooLarge(_) | HubError::Invalid(_))) => {
+                    warn!(event_id, error = %err, "message cannot be passed on; dropped");
                     self.store.settle(&event_id);
                 }
                 Err(err @ HubError::WrongChannel { .. }) => {
@@ -217,34 +242,10 @@ impl Poller<'_> {
                 }
             }
         }
-
-        let mut complete = true;
-        for (event_id, user, ticket) in tickets {
-            let outcome = tokio::select! {
-                () = shutdown.cancelled() => return Ok(Batch::Stopping),
-                outcome = ticket.outcome() => outcome,
-            };
-            match outcome {
-                Acceptance::Accepted { duplicate } => {
-                    debug!(event_id, duplicate, "the hub took the message");
-                    self.store.settle(&event_id);
-                    if !duplicate {
-                        self.typing.run_started(&user, &event_id);
-                    }
-                }
-                Acceptance::Rejected { code, message } => {
-                    info!(
-                        event_id,
-                        code, message, "the hub refused the message; not offered again"
-                    );
-                    self.store.settle(&event_id);
-                }
-                Acceptance::Unresolved => {
-                    debug!(event_id, "no answer from the hub; the batch comes again");
-                    complete = false;
-                }
-            }
-        }
+        let complete = tokio::select! {
+            () = shutdown.cancelled() => return Ok(Batch::Stopping),
+            complete = answers.all() => complete,
+        };
         self.store.save_seen().await?;
         if !complete {
             return Ok(Batch::Incomplete);
@@ -255,5 +256,81 @@ impl Poller<'_> {
             self.store.save_cursor(next).await?;
         }
         Ok(Batch::Done)
+    }
+}
+
+/// The hub's answers to one batch: how many are still to come, and whether every one so far
+/// was final (accepted or refused for good).
+#[derive(Debug)]
+struct Answers {
+    state: Mutex<(usize, bool)>,
+    changed: Notify,
+}
+
+impl Default for Answers {
+    fn default() -> Self {
+        Self { state: Mutex::new((0, true)), changed: Notify::new() }
+    }
+}
+
+impl Answers {
+    fn lock(&self) -> MutexGuard<'_, (usize, bool)> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn expect(&self) {
+        self.lock().0 += 1;
+    }
+
+    fn answered(&self, last_word: bool) {
+        let mut state = self.lock();
+        state.0 -= 1;
+        state.1 &= last_word;
+        drop(state);
+        self.changed.notify_one();
+    }
+
+    /// Waits for every answer; true when all were final.
+    async fn all(&self) -> bool {
+        loop {
+            let notified = self.changed.notified();
+            let (left, complete) = *self.lock();
+            if left == 0 {
+                return complete;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// One message's platform acknowledgement: the hub's answer is recorded in the replay set
+/// (and starts the typing indicator for a fresh run); the batch's cursor moves once every
+/// message of it has its answer.
+#[derive(Debug)]
+struct BatchAck {
+    answers: Arc<Answers>,
+    store: Arc<Store>,
+    typing: Arc<Typing>,
+    event_id: String,
+    user: String,
+}
+
+impl Settle for BatchAck {
+    async fn settle(self, outcome: &Acceptance) {
+        let last_word = match outcome {
+            Acceptance::Accepted { duplicate } => {
+                self.store.settle(&self.event_id);
+                if !duplicate {
+                    self.typing.run_started(&self.user, &self.event_id);
+                }
+                true
+            }
+            Acceptance::Rejected { .. } => {
+                self.store.settle(&self.event_id);
+                true
+            }
+            Acceptance::Unresolved => false,
+        };
+        self.answers.answered(last_word);
     }
 }

@@ -271,6 +271,7 @@ mod tests {
         let state_dir = tempfile::tempdir().unwrap();
         let mut vars = vec![
             ("CHANNELD_CHANNEL_ID".to_owned(), "wechat.lab".to_owned()),
+            ("CHANNELD_SOCKET".to_owned(), "/tmp/wechat-test.sock".to_owned()),
             ("CREDENTIALS_DIRECTORY".to_owned(), creds.path().display().to_string()),
             ("CHANNELD_WECHAT_AUTH_RETRY_SECONDS".to_owned(), auth_retry.to_owned()),
             ("CHANNELD_WECHAT_BASE_URL".to_owned(), "http://127.0.0.1:1".to_owned()),
@@ -310,7 +311,7 @@ mod tests {
         let session = Session::new(setup.config.clone(), setup.state.clone());
         let current = session.current().unwrap();
         assert_eq!(
-            (current.token.expose(), current.source),
+            (current.token.as_str(), current.source),
             ("file-token", TokenSource::Credential)
         );
         assert_eq!(current.base_url, "https://idc.example", "the login's base URL wins");

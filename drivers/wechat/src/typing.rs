@@ -133,6 +133,12 @@ impl Typing {
         }
     }
 
+    /// Lets indicators start again (`run` is called again after the hub refused the driver
+    /// and then took it back).
+    pub fn open(&self) {
+        self.tracker.reopen();
+    }
+
     /// Ends every indicator and waits for their "stop typing" calls.
     pub async fn stop_all(&self) {
         for (_, active) in self.lock().active.drain() {

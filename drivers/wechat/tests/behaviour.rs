@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use channeld_driver_sdk::protocol::types::{HealthState, MessageTarget};
+use channeld_driver_sdk::protocol::types::{Health, HealthState, MessageTarget};
 use channeld_driver_sdk::protocol::{ChannelId, Id};
 use channeld_driver_sdk::testing::{AckMode, FakeConnection, FakeHub};
 use channeld_driver_sdk::{CancellationToken, RunError, run_driver};
@@ -42,7 +42,8 @@ impl Rig {
             launch = launch.with_var(name, *value);
         }
         let config = WechatConfig::from_launch(&launch, None).unwrap();
-        let driver = WechatDriver::new(config, reqwest::Client::new()).unwrap();
+        let driver =
+            WechatDriver::new(config, channeld_wechat::client::http_client().unwrap()).unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(run_driver(driver, launch, shutdown.clone()));
         let mut conn = hub.accept().await;
@@ -67,15 +68,15 @@ impl Rig {
         StateDir::open(self.state.path()).unwrap().load_cursor().unwrap()
     }
 
-    /// Probes until the driver reports `state`; returns the report's detail.
-    async fn health(&mut self, state: HealthState, what: &str) -> String {
+    /// Probes until the driver reports `state`; returns the report.
+    async fn health(&mut self, state: HealthState, what: &str) -> Health {
         let deadline = Instant::now() + WITHIN;
         for probe in 0.. {
             let id = format!("probe-{probe}");
             self.conn.health_request(&id).await;
             let health = self.conn.expect_health_response(&id).await;
             if health.state == state {
-                return health.detail.unwrap_or_default();
+                return health;
             }
             assert!(
                 Instant::now() < deadline,
@@ -237,7 +238,9 @@ async fn an_expired_token_pauses_polling_until_a_new_login_appears() {
     let mut rig = Rig::quick(&[("WECHAT_AUTH_RETRY_SECONDS", "0")]).await;
     rig.health(HealthState::Ready, "polling").await;
     rig.fake.expire_bot_token();
-    let detail = rig.health(HealthState::Unavailable, "after -14").await;
+    let health = rig.health(HealthState::Unavailable, "after -14").await;
+    let detail = health.detail.unwrap_or_default();
+    assert_eq!(health.status.unwrap().reason.as_deref(), Some("auth_expired"));
     assert!(detail.starts_with("auth_expired"), "{detail}");
     let old = format!("Bearer {}", rig.fake.options().bot_token);
     let polls_with_old = |r: &channeld_tests::fakes::wechat::Records| {
@@ -296,8 +299,9 @@ async fn server_errors_are_retried_then_backed_off_with_the_attempt_in_the_healt
             (r.count("getupdates") >= first + 5).then(|| r.clone())
         })
         .await;
-    let detail = rig.health(HealthState::Degraded, "HTTP 502").await;
-    assert!(detail.contains("HTTP 502") && detail.contains("attempt"), "{detail}");
+    let health = rig.health(HealthState::Degraded, "HTTP 502").await;
+    assert!(health.detail.as_deref().is_some_and(|d| d.contains("HTTP 502")), "{health:?}");
+    assert!(health.status.and_then(|s| s.attempt).is_some_and(|n| n >= 3), "the attempt count");
     let at: Vec<Instant> = records.of("getupdates")[first..].iter().map(|p| p.at).collect();
     // Failures 1-3 are followed by the short retry; from the third on, by the backoff.
     // The bounds are far apart (0.05 s against 2 s), so a loaded machine cannot blur them.
@@ -321,8 +325,9 @@ async fn a_silent_server_is_an_empty_poll_with_the_servers_timeout_not_an_error(
         .wait_for(WITHIN, "an answered poll", |r| (r.count("getupdates") >= 2).then_some(()))
         .await;
     rig.fake.set_op_mode("getupdates", Mode::Silent);
-    let detail = rig.health(HealthState::Degraded, "three unanswered polls").await;
-    assert!(detail.contains("has not answered 3 long polls"), "{detail}");
+    let health = rig.health(HealthState::Degraded, "three unanswered polls").await;
+    let idle = health.status.and_then(|s| s.idle_seconds).unwrap_or_default();
+    assert!(idle >= 6, "stalled after three unanswered polls of 3 s: idle {idle}s");
     let records = rig.fake.records();
     let silent: Vec<Instant> =
         records.of("getupdates").iter().rev().take(3).map(|p| p.at).collect();
@@ -352,5 +357,24 @@ async fn a_reply_without_an_answer_is_unknown_and_never_sent_again() {
     assert_eq!(again.code, "send_unknown");
     assert!(again.message.contains("not sent again"), "{}", again.message);
     assert_eq!(rig.fake.records().count("sendmessage"), 1);
+    rig.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_resume_operator_action_tries_a_refused_token_again_at_once() {
+    let mut rig = Rig::quick(&[("WECHAT_AUTH_RETRY_SECONDS", "0")]).await;
+    assert!(rig.conn.hello().unwrap().operator_actions.iter().any(|a| a == "resume"));
+    rig.health(HealthState::Ready, "polling").await;
+    rig.fake.expire_bot_token();
+    rig.health(HealthState::Unavailable, "after -14").await;
+
+    // Tencent's side is fixed; the same token works again, but nothing new appeared locally.
+    let token = rig.fake.options().bot_token;
+    rig.fake.set_bot_token(&token);
+    rig.conn.operator_action("op-1", "resume", serde_json::json!({})).await;
+    let result = rig.conn.expect_operator_action_result("op-1").await;
+    assert!(result.ok, "{result:?}");
+    assert_eq!(result.data, Some(serde_json::json!({"auth": "usable"})));
+    rig.health(HealthState::Ready, "after resume").await;
     rig.stop().await;
 }

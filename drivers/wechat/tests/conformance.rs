@@ -3,33 +3,26 @@
 
 use std::time::Duration;
 
+use channeld_driver_sdk::DriverLaunchConfig;
 use channeld_driver_sdk::protocol::types::MessageTarget;
 use channeld_driver_sdk::protocol::{ChannelId, Id};
-use channeld_driver_sdk::testing::ConformanceHarness;
-use channeld_driver_sdk::{CancellationToken, DriverLaunchConfig, RunError, run_driver};
+use channeld_driver_sdk::testing::{ConformanceHarness, DriverTask, TempDir, temp_dir};
 use channeld_tests::fakes::wechat::{FakeIlink, FakeOptions};
 use channeld_wechat::state::{ContextTokens, StateDir};
 use channeld_wechat::{WechatConfig, WechatDriver};
-use tokio::task::JoinHandle;
 
 /// The person on the platform.
 const USER: &str = "o9cq800conformance@im.wechat";
 
 struct WechatHarness {
     fake: Option<FakeIlink>,
-    state: tempfile::TempDir,
-    shutdown: CancellationToken,
-    task: Option<JoinHandle<Result<(), RunError>>>,
+    state: TempDir,
+    task: Option<DriverTask>,
 }
 
 impl WechatHarness {
     fn new() -> Self {
-        Self {
-            fake: None,
-            state: tempfile::tempdir().expect("state dir"),
-            shutdown: CancellationToken::new(),
-            task: None,
-        }
+        Self { fake: None, state: temp_dir("wechat-state"), task: None }
     }
 
     fn fake(&self) -> &FakeIlink {
@@ -54,9 +47,10 @@ impl ConformanceHarness for WechatHarness {
             .with_var("WECHAT_BOT_TOKEN", fake.options().bot_token)
             .with_var("WECHAT_STATE_DIR", self.state.path().display().to_string());
         let config = WechatConfig::from_launch(&launch, None).expect("valid WeChat settings");
-        let driver = WechatDriver::new(config, reqwest::Client::new()).expect("driver builds");
+        let driver = WechatDriver::new(config, channeld_wechat::client::http_client().unwrap())
+            .expect("driver builds");
         self.fake = Some(fake);
-        self.task = Some(tokio::spawn(run_driver(driver, launch, self.shutdown.clone())));
+        self.task = Some(DriverTask::spawn(driver, launch));
     }
 
     async fn inject_inbound(&mut self, text: &str) {
@@ -68,15 +62,13 @@ impl ConformanceHarness for WechatHarness {
     }
 
     async fn stop(&mut self) -> bool {
-        self.shutdown.cancel();
-        let task = self.task.take().expect("driver started");
-        let clean = matches!(task.await, Ok(Ok(())));
+        let clean = self.task.take().expect("driver started").stop().await.is_ok();
         self.fake().assert_no_violations();
         clean
     }
 
-    fn platform_posts(&self) -> Option<usize> {
-        Some(self.fake().records().sent.len())
+    fn platform_posts(&self) -> usize {
+        self.fake().records().sent.len()
     }
 }
 

@@ -14,7 +14,11 @@ fn quick() -> FakeOptions {
 }
 
 fn client() -> IlinkClient {
-    IlinkClient::new(reqwest::Client::new(), "channeld-wechat-test/1", None)
+    IlinkClient::new(
+        channeld_wechat::client::http_client().unwrap(),
+        "channeld-wechat-test/1",
+        None,
+    )
 }
 
 fn config(fake: &FakeIlink, dir: &std::path::Path) -> LoginConfig {

@@ -14,6 +14,7 @@ use channeld_protocol::types::{HealthState, MessageBody, OutboundMessage};
 use channeld_protocol::{Frame, frame};
 use channeld_tests::peer::{id, target};
 use channeld_tests::{HubProcess, workspace_bin, write_file};
+use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 
@@ -78,13 +79,16 @@ impl Driver {
     }
 
     /// SIGTERM (the drain path logs too) and waits for the exit.
-    fn terminate(&mut self) {
+    fn terminate(&mut self) -> std::process::ExitStatus {
         // SAFETY: a plain syscall on our own child's PID.
         unsafe {
             libc::kill(self.child.id() as i32, libc::SIGTERM);
         }
         let deadline = Instant::now() + Duration::from_secs(30);
-        while self.child.try_wait().expect("wait driver").is_none() {
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait driver") {
+                return status;
+            }
             assert!(Instant::now() < deadline, "driver ignored SIGTERM:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -125,15 +129,47 @@ impl Exposed {
     }
 }
 
-/// What the driver should end up reporting.
+/// What the driver should end up reporting, by the SDK's one health rule: transient
+/// trouble is Degraded, a condition only an operator can fix is Unavailable with a reason.
+// Each secrets test includes this module and uses the cases its platform has.
+#[allow(dead_code)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Broker {
-    /// Nothing listens: Degraded.
+    /// Nothing listens: Degraded, transport `disconnected`, no reason; a send fails (exit 6).
     Unreachable,
-    /// The login is refused: Degraded.
+    /// The login is refused: Unavailable, reason `auth_rejected`, auth `rejected`; a send
+    /// fails (exit 6).
     Rejecting,
-    /// The login works: Ready, and a send is receipted.
+    /// The login works: Ready, transport `connected`, auth `ok`; a send is receipted (exit 0).
     Accepting,
+    /// The session token is refused as expired (platforms with login sessions, e.g. WeChat's
+    /// `-14`): Unavailable, reason `auth_expired`, auth `expired`; a send fails (exit 6).
+    Expiring,
+}
+
+impl Broker {
+    /// `(state, transport, auth, reason)` the health must show (`null` for absent fields).
+    fn expected_health(self) -> (&'static str, &'static str, Value, Value) {
+        match self {
+            Broker::Unreachable => ("Degraded", "disconnected", Value::Null, Value::Null),
+            Broker::Rejecting => {
+                ("Unavailable", "disconnected", "rejected".into(), "auth_rejected".into())
+            }
+            Broker::Accepting => ("Ready", "connected", "ok".into(), Value::Null),
+            Broker::Expiring => {
+                ("Unavailable", "disconnected", "expired".into(), "auth_expired".into())
+            }
+        }
+    }
+
+    /// The `channelctl send` exit status: 0 receipted, 6 the driver said the send failed (it
+    /// has no broker connection to post on).
+    fn send_exit(self) -> i32 {
+        match self {
+            Broker::Accepting => 0,
+            Broker::Unreachable | Broker::Rejecting | Broker::Expiring => 6,
+        }
+    }
 }
 
 /// Runs `binary` for `channel` against a real hub with `env`, waits for the health the
@@ -149,26 +185,31 @@ pub async fn through_the_hub(
         "[hub]\nhealth_probe_interval_secs = 1\n[instance.\"{channel}\"]\nallow_all = true\n"
     ));
     let mut driver = Driver::spawn(binary, &hub.socket(channel), channel, env, hub.dir.path());
-    // A driver that cannot reach its broker is Degraded; one whose credentials are refused
-    // may say Unavailable (retrying will not help until an operator acts).
-    let wanted: &[&str] =
-        if broker == Broker::Accepting { &["Ready"] } else { &["Degraded", "Unavailable"] };
+    let (state, transport, auth, reason) = broker.expected_health();
     let deadline = Instant::now() + SETTLE_WITHIN;
     let settled = loop {
         let status = hub.instance_status(channel);
-        let detail = status["health"]["detail"].as_str().unwrap_or_default();
-        let explained = broker == Broker::Accepting || !detail.is_empty();
-        let state = status["health"]["state"].as_str().unwrap_or_default();
-        if status["connected"] == true && wanted.contains(&state) && explained {
+        let health = &status["health"];
+        if status["connected"] == true
+            && health["state"] == state
+            && health["status"]["transport"] == transport
+        {
             break status;
         }
         assert!(
             Instant::now() < deadline,
-            "{channel} not {wanted:?} within {SETTLE_WITHIN:?}: {status}\n{}",
+            "{channel} not {state} ({transport}) within {SETTLE_WITHIN:?}: {status}\n{}",
             driver.log()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
+    let health = &settled["health"];
+    assert_eq!(health["status"]["auth"], auth, "{settled}");
+    assert_eq!(health["status"]["reason"], reason, "{settled}");
+    if broker != Broker::Accepting {
+        let detail = health["detail"].as_str().unwrap_or_default();
+        assert!(!detail.is_empty(), "trouble without an explanation: {settled}");
+    }
 
     let mut exposed = Exposed::default();
     exposed.add("status while settled", settled.to_string());
@@ -189,17 +230,17 @@ pub async fn through_the_hub(
             args.push("--json");
         }
         let out = hub.ctl(&args);
-        if broker == Broker::Accepting {
-            assert_eq!(out.status.code(), Some(0), "send failed: {out:?}\n{}", driver.log());
-        } else {
-            // Refused, unknown, failed or queued: anything but a receipt or a crash.
-            let code = out.status.code();
-            assert!(matches!(code, Some(4..=7)), "send answered {code:?}: {out:?}");
-        }
+        assert_eq!(out.status.code(), Some(broker.send_exit()), "send: {out:?}\n{}", driver.log());
         exposed.add_output(&format!("channelctl {}", args.join(" ")), &out);
     }
     exposed.add("status after the sends", hub.instance_status(channel).to_string());
-    driver.terminate();
+    let exit = driver.terminate();
+    assert_eq!(
+        exit.code(),
+        Some(0),
+        "the driver did not drain cleanly on SIGTERM: {exit:?}\n{}",
+        driver.log()
+    );
     exposed.add(format!("{binary} log"), driver.log());
     exposed.add("hub log", hub.log());
     exposed.assert_free_of(canaries);
@@ -211,7 +252,7 @@ pub async fn through_the_hub(
 }
 
 /// Plays the hub on a bare socket, recording every line the driver writes: answers `hello`,
-/// waits for a Degraded health report, then sends a probe and an outbound that cannot be
+/// waits for a health report that is not Ready, then sends a probe and an outbound that cannot be
 /// posted, and stops the driver. Asserts no line carries a canary.
 pub async fn every_frame_on_the_wire(
     binary: &str,
@@ -252,9 +293,9 @@ pub async fn every_frame_on_the_wire(
     write.write_all(&frame::encode(&ack).expect("encode")).await.expect("send hello_ack");
     loop {
         match next(&mut wire).await {
-            Some(Frame::Health(report)) if report.health.state == HealthState::Degraded => break,
+            Some(Frame::Health(report)) if report.health.state != HealthState::Ready => break,
             Some(_) => {}
-            None => panic!("the driver left before reporting Degraded; wire: {wire:#?}"),
+            None => panic!("the driver left before reporting its trouble; wire: {wire:#?}"),
         }
     }
     let probe = Frame::HealthRequest(HealthRequest { request_id: id("probe-1") });
@@ -286,7 +327,8 @@ pub async fn every_frame_on_the_wire(
             None => panic!("the driver left before answering; wire: {wire:#?}"),
         }
     }
-    driver.terminate();
+    let exit = driver.terminate();
+    assert_eq!(exit.code(), Some(0), "the driver did not drain cleanly on SIGTERM: {exit:?}");
     while next(&mut wire).await.is_some() {}
     let mut exposed = Exposed::default();
     exposed.add("frames the driver wrote", wire.join("\n"));

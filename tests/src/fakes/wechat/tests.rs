@@ -5,9 +5,15 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use channeld_driver_sdk::transport::http::{HttpOptions, client, reqwest};
 use serde_json::{Value, json};
 
 use super::*;
+
+/// The SDK's HTTP client (it installs the TLS provider reqwest needs).
+fn http() -> reqwest::Client {
+    client(&HttpOptions::for_driver("fake-test")).expect("HTTP client")
+}
 
 /// A client that sends exactly what the official plugin sends.
 struct Raw {
@@ -18,11 +24,7 @@ struct Raw {
 
 impl Raw {
     fn new(fake: &FakeIlink) -> Self {
-        Self {
-            http: reqwest::Client::new(),
-            base: fake.base_url(),
-            token: fake.options().bot_token,
-        }
+        Self { http: http(), base: fake.base_url(), token: fake.options().bot_token }
     }
 
     fn uin() -> String {
@@ -118,7 +120,7 @@ fn quick() -> FakeOptions {
 #[tokio::test]
 async fn a_bot_request_without_the_ilink_headers_is_refused_and_recorded() {
     let fake = FakeIlink::start_with(quick()).await;
-    let response = reqwest::Client::new()
+    let response = http()
         .post(format!("{}/ilink/bot/getupdates", fake.base_url()))
         .header("Content-Type", "application/json")
         .body(r#"{"get_updates_buf":""}"#)
@@ -419,7 +421,7 @@ async fn a_context_token_older_than_its_ttl_is_refused() {
 async fn a_repeated_uin_is_a_violation() {
     let fake = FakeIlink::start_with(quick()).await;
     let send = |uin: &'static str| {
-        reqwest::Client::new()
+        http()
             .post(format!("{}/ilink/bot/msg/notifystart", fake.base_url()))
             .header("Content-Type", "application/json")
             .header("AuthorizationType", "ilink_bot_token")

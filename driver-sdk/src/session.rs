@@ -1,0 +1,614 @@
+//! One hub session: the handshake (with admission reported to the lifecycle loop), the
+//! dispatch of hub frames to the [`Driver`], heartbeats, resending unanswered inbound after a
+//! reconnect, and answering a redelivered `deliver`/`outbound` without posting twice.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use channeld_link::{FrameReader, FrameSink, split_unix};
+use channeld_protocol::ext::{Extensions, PeerDeclaration};
+use channeld_protocol::frame::{
+    CommandFrame, CommandResultFrame, Delivery, EffectFrame, ErrorFrame, EventFrame,
+    HealthResponse, Hello, Lifecycle, OperatorActionFrame, OperatorActionResult, Receipt,
+};
+use channeld_protocol::types::{DeliveryReceipt, Health, LifecycleEvent};
+use channeld_protocol::{Frame, Id};
+use tokio::net::UnixStream;
+use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::driver::{
+    CommandRequest, Driver, EffectError, EffectRequest, OperatorAction, OperatorActionError, Post,
+    PostError, PostKind,
+};
+use crate::hub::{Shared, sanitise};
+use crate::launch::DriverLaunchConfig;
+use crate::pending::{Acceptance, ErrorAction};
+use crate::runtime::{Admission, HEARTBEAT_INTERVAL};
+
+/// How long the runtime waits for `hello_ack` before assuming a reference hub.
+const HELLO_ACK_WAIT: Duration = Duration::from_secs(2);
+/// Hub requests (posts, effects, commands) handled concurrently.
+pub(crate) const MAX_CONCURRENT_HANDLERS: usize = 64;
+/// Hub requests queued for a handler; the reader waits beyond this (backpressure on the socket).
+pub(crate) const MAX_QUEUED_REQUESTS: usize = 4096;
+/// Outgoing frame queue per connection.
+const SEND_QUEUE: usize = 512;
+/// Posts remembered so a redelivered `deliver`/`outbound` is answered without posting twice.
+const RECENT_POSTS: usize = 4096;
+
+/// How a session ended.
+pub(crate) enum SessionEnd {
+    /// Shutdown finished: `stop` was sent.
+    Finished,
+    /// The connection broke; reconnect.
+    Lost(String),
+    /// The hub said `stop` (it is shutting down); reconnect when it is back.
+    HubStopped,
+    /// The hub refused the hello: for now (`retryable`, e.g. another driver is connected)
+    /// or for good (e.g. the channel does not match the socket).
+    Refused { code: String, message: String, retryable: bool },
+}
+
+impl Shared {
+    fn connected(&self, sink: FrameSink, negotiated: Extensions) -> (Vec<Frame>, Option<Frame>) {
+        let mut state = self.lock();
+        state.sink = Some(sink);
+        state.negotiated = Some(negotiated);
+        state.connected_since = Some(Instant::now());
+        let health = state.health.clone().map(|h| {
+            Frame::Health(channeld_protocol::frame::HealthReport {
+                health: sanitise(h, negotiated),
+            })
+        });
+        (state.pending.frames_in_order(), health)
+    }
+
+    fn disconnected(&self) {
+        let mut state = self.lock();
+        state.sink = None;
+        state.negotiated = None;
+        state.connected_since = None;
+    }
+}
+
+pub(crate) struct Session<D> {
+    pub driver: Arc<D>,
+    pub shared: Arc<Shared>,
+    pub tracker: TaskTracker,
+    pub recent: Arc<Mutex<RecentPosts>>,
+    pub handlers: Arc<Semaphore>,
+    pub queued: Arc<Semaphore>,
+}
+
+/// A queued hub request's right to run: it holds its queue slot and waits for a handler.
+struct Permit {
+    queued: tokio::sync::OwnedSemaphorePermit,
+    handlers: Arc<Semaphore>,
+}
+
+impl Permit {
+    async fn run(
+        self,
+    ) -> Option<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit)> {
+        let handler = self.handlers.acquire_owned().await.ok()?;
+        Some((self.queued, handler))
+    }
+}
+
+impl<D: Driver> Session<D> {
+    pub async fn run(
+        self,
+        stream: UnixStream,
+        session_token: &CancellationToken,
+        admissions: &mpsc::Sender<Admission>,
+    ) -> SessionEnd {
+        let launch = &self.shared.launch;
+        let (mut reader, sink, writer) = split_unix(stream, SEND_QUEUE);
+        let hello_id = request_id(launch, "hello");
+        let hello = Frame::Hello(Hello {
+            request_id: hello_id.clone(),
+            channel: launch.channel.clone(),
+            capabilities: self.shared.declaration.capabilities,
+            actions: self.shared.declaration.actions,
+            extensions: self.shared.wanted.names(),
+            operator_actions: if self.shared.wanted.operator_action {
+                self.shared.declaration.operator_actions.clone()
+            } else {
+                Vec::new()
+            },
+        });
+        let start = Frame::Start(Lifecycle { request_id: request_id(launch, "start") });
+        if sink.send(&hello).await.is_err() || sink.send(&start).await.is_err() {
+            return SessionEnd::Lost("hub closed the socket during the handshake".into());
+        }
+
+        let (negotiated, mut first) =
+            match self.await_hello_ack(&mut reader, &sink, &hello_id).await {
+                Ok(pair) => pair,
+                Err(end) => return end,
+            };
+        info!(
+            channel = %launch.channel,
+            extensions = ?negotiated.names(),
+            "connected to the hub"
+        );
+        if admissions.send(Admission::Accepted).await.is_err() {
+            return SessionEnd::Finished;
+        }
+        let (resend, health) = self.shared.connected(sink.clone(), negotiated);
+        if let Some(health) = health {
+            let _ = sink.try_send(&health);
+        }
+        for frame in resend {
+            if sink.send(&frame).await.is_err() {
+                break;
+            }
+            self.shared.after_write(&frame);
+        }
+
+        let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
+        heartbeat.tick().await;
+        let mut sweep = tokio::time::interval(Duration::from_secs(5));
+        let end = loop {
+            let item = match first.take() {
+                Some(frame) => Ok(Some(Ok(frame))),
+                None => tokio::select! {
+                    biased;
+                    () = session_token.cancelled() => {
+                        let stop = Frame::Stop(Lifecycle { request_id: request_id(launch, "stop") });
+                        let _ = sink.send(&stop).await;
+                        break SessionEnd::Finished;
+                    }
+                    item = reader.next() => item,
+                    _ = heartbeat.tick() => {
+                        let _ = sink.try_send(&Frame::Event(EventFrame { event: LifecycleEvent::Heartbeat }));
+                        continue;
+                    }
+                    _ = sweep.tick() => {
+                        self.shared.expire(launch.reply_timeout);
+                        continue;
+                    }
+                    () = sink.closed() => break SessionEnd::Lost("write to the hub failed".into()),
+                },
+            };
+            match item {
+                Ok(Some(Ok(frame))) => {
+                    if let Some(end) = self.dispatch(frame, &sink, negotiated, &hello_id).await {
+                        break end;
+                    }
+                }
+                Ok(Some(Err(err))) => {
+                    warn!(code = err.code(), error = %err, "undecodable line from the hub");
+                    let _ = sink.try_send(&err.to_error_frame());
+                }
+                Ok(None) => break SessionEnd::Lost("hub closed the connection".into()),
+                Err(err) => break SessionEnd::Lost(format!("read failed: {err}")),
+            }
+        };
+        self.shared.disconnected();
+        drop(sink);
+        let _ = tokio::time::timeout(Duration::from_secs(2), writer.close()).await;
+        end
+    }
+
+    /// Waits briefly for the hub's `hello_ack`. A reference hub sends none; whatever it sends
+    /// first is handed back to be dispatched.
+    async fn await_hello_ack(
+        &self,
+        reader: &mut FrameReader<OwnedReadHalf>,
+        sink: &FrameSink,
+        hello_id: &Id,
+    ) -> Result<(Extensions, Option<Frame>), SessionEnd> {
+        if self.shared.wanted.is_empty() {
+            return Ok((Extensions::default(), None));
+        }
+        let deadline = tokio::time::Instant::now() + HELLO_ACK_WAIT;
+        loop {
+            match tokio::time::timeout_at(deadline, reader.next()).await {
+                Err(_) => return Ok((Extensions::default(), None)),
+                Ok(Ok(Some(Ok(Frame::HelloAck(ack))))) => {
+                    let agreed =
+                        self.shared.wanted.intersect(Extensions::from_names(&ack.extensions));
+                    return Ok((agreed, None));
+                }
+                Ok(Ok(Some(Ok(Frame::Error(err)))))
+                    if err.request_id.as_ref() == Some(hello_id) =>
+                {
+                    return Err(refusal(err));
+                }
+                Ok(Ok(Some(Ok(frame)))) => return Ok((Extensions::default(), Some(frame))),
+                Ok(Ok(Some(Err(err)))) => {
+                    // Answer the bad line as the ABI requires and keep waiting for the ack.
+                    warn!(code = err.code(), error = %err, "undecodable line from the hub");
+                    let _ = sink.try_send(&err.to_error_frame());
+                }
+                Ok(Ok(None)) => {
+                    return Err(SessionEnd::Lost(
+                        "hub closed the connection during the handshake".into(),
+                    ));
+                }
+                Ok(Err(err)) => return Err(SessionEnd::Lost(format!("read failed: {err}"))),
+            }
+        }
+    }
+
+    async fn dispatch(
+        &self,
+        frame: Frame,
+        sink: &FrameSink,
+        ext: Extensions,
+        hello_id: &Id,
+    ) -> Option<SessionEnd> {
+        match frame {
+            Frame::Accepted(accepted) => {
+                let outcome = Acceptance::Accepted { duplicate: accepted.duplicate };
+                self.shared.resolve(accepted.event_id.as_str(), outcome);
+            }
+            Frame::Deliver(delivery) => {
+                // Without `accepted`, a reply is the first sign the hub took the message.
+                self.shared.resolve(
+                    delivery.request_id.as_str(),
+                    Acceptance::Accepted { duplicate: false },
+                );
+                // A run ended, so the hub has room for an inbound it refused `busy`.
+                self.resend_waiting(sink);
+                self.spawn_post(
+                    PostKind::Reply { event_id: delivery.request_id.clone() },
+                    delivery,
+                    sink,
+                    ext,
+                )
+                .await;
+            }
+            Frame::Outbound(delivery) => {
+                let refusal = if self.shared.closing.is_cancelled() {
+                    Some(("draining", "driver is shutting down", true))
+                } else if !self.shared.declaration.capabilities.send {
+                    Some(("unsupported", "driver did not declare send", false))
+                } else {
+                    None
+                };
+                match refusal {
+                    Some((code, message, retryable)) => {
+                        let frame =
+                            Frame::error(Some(delivery.request_id), code, message, retryable);
+                        let _ = sink.send(&frame).await;
+                    }
+                    None => {
+                        let kind = PostKind::Proactive { request_id: delivery.request_id.clone() };
+                        self.spawn_post(kind, delivery, sink, ext).await;
+                    }
+                }
+            }
+            Frame::Effect(effect) => self.spawn_effect(effect, sink).await,
+            Frame::Command(command) => self.spawn_command(command, sink, ext).await,
+            Frame::OperatorAction(request) if ext.operator_action => {
+                self.spawn_operator_action(request, sink).await;
+            }
+            Frame::HealthRequest(request) => {
+                let reported = self.shared.lock().health.clone();
+                let health = sanitise(reported.unwrap_or_else(Health::ready), ext);
+                let answer = Frame::HealthResponse(HealthResponse {
+                    request_id: request.request_id,
+                    health,
+                });
+                let _ = sink.try_send(&answer);
+            }
+            Frame::Error(err) => return self.on_error(err, sink, hello_id),
+            Frame::Stop(_) => return Some(SessionEnd::HubStopped),
+            Frame::HelloAck(_) | Frame::HealthResponse(_) | Frame::Health(_) | Frame::Event(_) => {}
+            other => {
+                let kind = other.type_name();
+                debug!(frame = kind, "unexpected frame from the hub");
+                let answer = Frame::error(
+                    None,
+                    "unexpected_frame",
+                    format!("a driver does not accept {kind} frames"),
+                    false,
+                );
+                let _ = sink.try_send(&answer);
+            }
+        }
+        None
+    }
+
+    fn on_error(&self, err: ErrorFrame, sink: &FrameSink, hello_id: &Id) -> Option<SessionEnd> {
+        let Some(request_id) = err.request_id.clone() else {
+            warn!(code = %err.code, message = %err.message, "error from the hub");
+            return None;
+        };
+        if &request_id == hello_id {
+            return Some(refusal(err));
+        }
+        let action = self.shared.lock().pending.on_error(
+            request_id.as_str(),
+            &err.code,
+            &err.message,
+            err.retryable,
+        );
+        match action {
+            ErrorAction::Retry(delay) => {
+                debug!(event_id = %request_id, code = %err.code, ?delay, "hub asked to retry");
+                let shared = self.shared.clone();
+                let sink = sink.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    // Unless a finished run already resent it.
+                    let frame = shared.lock().pending.take_waiting(request_id.as_str());
+                    if let Some(frame) = frame
+                        && sink.send(&frame).await.is_ok()
+                    {
+                        shared.after_write(&frame);
+                    }
+                });
+            }
+            ErrorAction::Resolved => {
+                self.shared.slots.add_permits(1);
+                // A denied sender is the allowlist doing its job: the hub logs it already.
+                if err.code == "sender_denied" {
+                    debug!(event_id = %request_id, code = %err.code, "the hub denied the sender");
+                } else {
+                    warn!(event_id = %request_id, code = %err.code, message = %err.message, "hub rejected an inbound");
+                }
+            }
+            ErrorAction::NotPending => {
+                // Often a run that failed: a slot is free again.
+                self.resend_waiting(sink);
+                warn!(request_id = %request_id, code = %err.code, message = %err.message, "error from the hub");
+            }
+        }
+        None
+    }
+
+    /// A run ended on the hub, so a slot is free: resend the oldest inbound it refused `busy`.
+    fn resend_waiting(&self, sink: &FrameSink) {
+        let Some(frame) = self.shared.lock().pending.take_oldest_waiting() else { return };
+        let shared = self.shared.clone();
+        let sink = sink.clone();
+        tokio::spawn(async move {
+            if sink.send(&frame).await.is_ok() {
+                shared.after_write(&frame);
+            }
+        });
+    }
+
+    /// A slot in the queue of hub requests waiting for a handler. The reader waits here only
+    /// when [`MAX_QUEUED_REQUESTS`] are queued; it never waits for a handler itself, so
+    /// `accepted` and `error` frames are read even while every handler is busy.
+    async fn permit(&self) -> Option<Permit> {
+        let queued = self.queued.clone().acquire_owned().await.ok()?;
+        Some(Permit { queued, handlers: self.handlers.clone() })
+    }
+
+    /// Runs `handle(driver, sink)` as a tracked task once a handler is free (the bounded
+    /// queue and handler pool of [`permit`](Self::permit)).
+    async fn spawn_handler<F, Fut>(&self, sink: &FrameSink, handle: F)
+    where
+        F: FnOnce(Arc<D>, FrameSink) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let Some(permit) = self.permit().await else { return };
+        let driver = self.driver.clone();
+        let sink = sink.clone();
+        self.tracker.spawn(async move {
+            let Some(_permits) = permit.run().await else { return };
+            handle(driver, sink).await;
+        });
+    }
+
+    async fn spawn_post(
+        &self,
+        kind: PostKind,
+        delivery: Delivery,
+        sink: &FrameSink,
+        ext: Extensions,
+    ) {
+        let request_id = delivery.request_id.clone();
+        let is_reply = matches!(kind, PostKind::Reply { .. });
+        let answers = !is_reply || ext.reply_receipt;
+        match self.recent.lock().unwrap_or_else(|p| p.into_inner()).begin(&request_id) {
+            PostState::New => {}
+            PostState::InFlight => return,
+            PostState::Done(receipt) => {
+                debug!(%request_id, "redelivered request already posted; answering with its receipt");
+                if answers {
+                    let _ = sink.try_send(&Frame::Receipt(Receipt { request_id, receipt }));
+                }
+                return;
+            }
+        }
+        let recent = self.recent.clone();
+        self.spawn_handler(sink, move |driver, sink| async move {
+            let result = driver.post(Post { kind, message: delivery.message }).await;
+            let answer = match result {
+                Ok(receipt) => {
+                    recent
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .finish(&request_id, Some(receipt.clone()));
+                    Frame::Receipt(Receipt { request_id, receipt })
+                }
+                Err(err) => {
+                    recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, None);
+                    warn!(%request_id, code = err.code(), error = %err, "post failed");
+                    let retryable = matches!(err, PostError::Failed { retryable: true, .. });
+                    Frame::error(Some(request_id), err.code(), err.to_string(), retryable)
+                }
+            };
+            if answers {
+                let _ = sink.send(&answer).await;
+            }
+        })
+        .await;
+    }
+
+    async fn spawn_effect(&self, frame: EffectFrame, sink: &FrameSink) {
+        if !self.shared.declaration.actions.allows(&frame.effect) {
+            let message = format!("action {} not declared by this driver", frame.effect.action());
+            let _ = sink.try_send(&Frame::error(
+                Some(frame.request_id),
+                "unsupported_effect",
+                message,
+                false,
+            ));
+            return;
+        }
+        self.spawn_handler(sink, move |driver, sink| async move {
+            let request_id = frame.request_id.clone();
+            let request = EffectRequest {
+                request_id: frame.request_id,
+                target: frame.target,
+                effect: frame.effect,
+            };
+            if let Err(err) = driver.effect(request).await {
+                let code = match err {
+                    EffectError::Unsupported => "unsupported_effect",
+                    EffectError::Failed(_) => "effect_failed",
+                };
+                let _ =
+                    sink.send(&Frame::error(Some(request_id), code, err.to_string(), false)).await;
+            }
+        })
+        .await;
+    }
+
+    async fn spawn_command(&self, frame: CommandFrame, sink: &FrameSink, ext: Extensions) {
+        let own = PeerDeclaration {
+            legacy: false,
+            capabilities: self.shared.declaration.capabilities,
+            actions: self.shared.declaration.actions,
+            extensions: ext,
+        };
+        if let Err(refusal) = own.command_gate(&frame.command) {
+            let result = channeld_protocol::types::CommandResult::rejected(refusal.to_string());
+            let answer = command_result(&frame, result, None);
+            let _ = sink.try_send(&answer);
+            return;
+        }
+        self.spawn_handler(sink, move |driver, sink| async move {
+            let request = CommandRequest {
+                request_id: frame.request_id.clone(),
+                session: frame.session.clone(),
+                command_id: frame.command_id.clone(),
+                command: frame.command.clone(),
+                target: frame.target.clone(),
+            };
+            let answer = driver.command(request).await;
+            let responder = if ext.responder { answer.responder } else { None };
+            let _ = sink.send(&command_result(&frame, answer.result, responder)).await;
+        })
+        .await;
+    }
+
+    /// Answers an operator action: `unsupported` for a name the driver did not declare,
+    /// otherwise the driver's result.
+    async fn spawn_operator_action(&self, frame: OperatorActionFrame, sink: &FrameSink) {
+        let request_id = frame.request_id.clone();
+        if !self.shared.declaration.operator_actions.contains(&frame.name) {
+            let answer = operator_action_result(request_id, Err(OperatorActionError::Unsupported));
+            let _ = sink.try_send(&answer);
+            return;
+        }
+        self.spawn_handler(sink, move |driver, sink| async move {
+            let name = frame.name.clone();
+            let result = driver.operator_action(OperatorAction { name, args: frame.args }).await;
+            match &result {
+                Ok(_) => info!(%request_id, action = %frame.name, "operator action done"),
+                Err(err) => warn!(%request_id, action = %frame.name, code = err.code(), error = %err, "operator action failed"),
+            }
+            let _ = sink.send(&operator_action_result(request_id, result)).await;
+        })
+        .await;
+    }
+}
+
+fn operator_action_result(
+    request_id: Id,
+    result: Result<serde_json::Value, OperatorActionError>,
+) -> Frame {
+    let answer = match result {
+        Ok(data) => OperatorActionResult {
+            request_id,
+            ok: true,
+            code: None,
+            message: None,
+            data: (!data.is_null()).then_some(data),
+        },
+        Err(err) => OperatorActionResult {
+            request_id,
+            ok: false,
+            code: Some(err.code().to_owned()),
+            message: Some(err.to_string()),
+            data: None,
+        },
+    };
+    Frame::OperatorActionResult(answer)
+}
+
+fn command_result(
+    frame: &CommandFrame,
+    result: channeld_protocol::types::CommandResult,
+    responder: Option<channeld_protocol::types::Participant>,
+) -> Frame {
+    Frame::CommandResult(CommandResultFrame {
+        request_id: frame.request_id.clone(),
+        session: frame.session.clone(),
+        command_id: frame.command_id.clone(),
+        result,
+        responder,
+    })
+}
+
+fn refusal(err: ErrorFrame) -> SessionEnd {
+    SessionEnd::Refused { code: err.code, message: err.message, retryable: err.retryable }
+}
+
+fn request_id(launch: &DriverLaunchConfig, suffix: &str) -> Id {
+    Id::new(launch.request_id(suffix))
+        .unwrap_or_else(|_| Id::new(suffix).expect("static suffix is a valid id"))
+}
+
+enum PostState {
+    New,
+    InFlight,
+    Done(DeliveryReceipt),
+}
+
+/// Recently handled `deliver`/`outbound` request ids, so a redelivery is not posted twice.
+#[derive(Debug, Default)]
+pub(crate) struct RecentPosts {
+    in_flight: HashSet<Id>,
+    done: HashMap<Id, DeliveryReceipt>,
+    order: VecDeque<Id>,
+}
+
+impl RecentPosts {
+    fn begin(&mut self, request_id: &Id) -> PostState {
+        if let Some(receipt) = self.done.get(request_id) {
+            return PostState::Done(receipt.clone());
+        }
+        if !self.in_flight.insert(request_id.clone()) {
+            return PostState::InFlight;
+        }
+        PostState::New
+    }
+
+    /// Records the outcome; failed posts are forgotten so a retry may post.
+    fn finish(&mut self, request_id: &Id, receipt: Option<DeliveryReceipt>) {
+        self.in_flight.remove(request_id);
+        let Some(receipt) = receipt else { return };
+        if self.done.insert(request_id.clone(), receipt).is_none() {
+            self.order.push_back(request_id.clone());
+        }
+        while self.order.len() > RECENT_POSTS {
+            if let Some(old) = self.order.pop_front() {
+                self.done.remove(&old);
+            }
+        }
+    }
+}
