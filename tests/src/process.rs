@@ -230,12 +230,21 @@ impl DriverProcess {
         unsafe {
             libc::kill(self.pid(), libc::SIGTERM);
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
+        self.wait_exit(Duration::from_secs(20))
+    }
+
+    /// Waits (bounded) for the process to exit by itself and returns its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().expect("wait driver") {
                 return status;
             }
-            assert!(Instant::now() < deadline, "driver ignored SIGTERM:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "driver did not exit within {limit:?}:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
