@@ -2,9 +2,12 @@
 //!
 //! Exit status: 0 success; 1 unexpected error; 2 usage; 3 hub unreachable (no socket, or the
 //! hub refused this process or has no room for another control connection); 4 refused
-//! (unknown instance, driver offline, capability not declared, invalid input); 5 outcome
+//! (unknown instance, driver offline, capability not declared, invalid input, no such outbox
+//! record, a record that cannot be retried); 5 outcome
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
-//! 7 queued (the driver is offline; the hub sends it when the driver connects).
+//! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
+//! (the idempotency key was already used for a different message); 9 `health`: the
+//! instance is Unavailable (no driver, or it does not answer).
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -13,15 +16,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use channeld_control::{
-    CatalogResult, HealthResult, InstanceStatus, Op, OutboxEntry, OutboxResult, Request, Response,
-    SendResult, StatusResult, code,
-};
+use channeld_control::{Op, Request, Response, code};
 use channeld_protocol::framing::{LineEvent, LineFramer};
-use channeld_protocol::types::Health;
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
+
+mod print;
+
+use print::print_text;
 
 #[derive(Debug, Parser)]
 #[command(name = "channelctl", version, about = "Control a running channeld hub")]
@@ -38,7 +41,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum OutboxCmd {
-    /// Send an `unknown` or `failed` record again (it may post a second copy).
+    /// Send an `unknown` or `failed` record again (it may post a second copy) and print
+    /// where it ended; exits as `send` would.
     Retry { id: i64 },
 }
 
@@ -59,12 +63,14 @@ enum Cmd {
         #[arg(long, default_value_t = 30)]
         timeout: u64,
         /// Sending again with the same key never posts twice: the first send's record answers.
+        /// The key may only repeat the same message; another one is a conflict (exit 8).
         #[arg(long)]
         key: Option<String>,
         /// The message text.
         text: String,
     },
-    /// List outbox records (newest first), or retry one.
+    /// List outbox records (newest first, text cut to a preview), show one in full, or
+    /// retry one.
     Outbox {
         /// Only this instance.
         #[arg(long)]
@@ -72,12 +78,19 @@ enum Cmd {
         /// Only this state: queued, sent, receipted, failed, unknown.
         #[arg(long)]
         state: Option<String>,
+        /// Records per page (at most 1000).
         #[arg(long, default_value_t = 50)]
         limit: usize,
+        /// Only records older than this id (the next page: the id a listing points to).
+        #[arg(long, value_name = "ID")]
+        before: Option<i64>,
+        /// Show this one record with its whole text and error.
+        #[arg(long, value_name = "ID", conflicts_with_all = ["instance", "state", "before"])]
+        full: Option<i64>,
         #[command(subcommand)]
         action: Option<OutboxCmd>,
     },
-    /// Ask an instance's driver for its health.
+    /// Ask an instance's driver for its health (exit 9 when it is Unavailable).
     Health { instance: String },
     /// Every instance: connection, health, in-flight runs, counters, last error.
     Status,
@@ -91,6 +104,8 @@ const EXIT_REFUSED: u8 = 4;
 const EXIT_UNKNOWN: u8 = 5;
 const EXIT_FAILED: u8 = 6;
 const EXIT_QUEUED: u8 = 7;
+const EXIT_CONFLICT: u8 = 8;
+const EXIT_UNAVAILABLE: u8 = 9;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -122,10 +137,18 @@ fn main() -> ExitCode {
         Cmd::Status => (Op::Status, Duration::from_secs(10)),
         Cmd::Catalog => (Op::Catalog, Duration::from_secs(10)),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
-            (Op::OutboxRetry { id: *id }, Duration::from_secs(60))
+            (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
-        Cmd::Outbox { instance, state, limit, action: None } => (
-            Op::Outbox { instance: instance.clone(), state: state.clone(), limit: Some(*limit) },
+        Cmd::Outbox { full: Some(id), action: None, .. } => {
+            (Op::OutboxGet { outbox_id: *id }, Duration::from_secs(10))
+        }
+        Cmd::Outbox { instance, state, limit, before, full: None, action: None } => (
+            Op::Outbox {
+                instance: instance.clone(),
+                state: state.clone(),
+                limit: Some(*limit),
+                before: *before,
+            },
             Duration::from_secs(10),
         ),
     };
@@ -150,9 +173,17 @@ fn main() -> ExitCode {
         return ExitCode::from(exit_code(&error.code));
     }
     let result = response.result.unwrap_or(serde_json::Value::Null);
-    let queued = matches!(cli.command, Cmd::Send { .. })
-        && result.get("state").and_then(|s| s.as_str()) == Some("queued");
-    let success = if queued { ExitCode::from(EXIT_QUEUED) } else { ExitCode::SUCCESS };
+    let state = result.get("state").and_then(|s| s.as_str()).unwrap_or_default();
+    let success = match &cli.command {
+        Cmd::Send { .. } if state == "queued" => ExitCode::from(EXIT_QUEUED),
+        Cmd::Outbox { action: Some(OutboxCmd::Retry { .. }), .. } => {
+            ExitCode::from(retried_exit_code(state))
+        }
+        Cmd::Health { .. } if result["health"]["state"] == "Unavailable" => {
+            ExitCode::from(EXIT_UNAVAILABLE)
+        }
+        _ => ExitCode::SUCCESS,
+    };
     if cli.json {
         println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
         return success;
@@ -170,6 +201,7 @@ fn main() -> ExitCode {
 fn exit_code(error_code: &str) -> u8 {
     match error_code {
         code::OUTCOME_UNKNOWN => EXIT_UNKNOWN,
+        code::CONFLICT => EXIT_CONFLICT,
         code::SEND_FAILED => EXIT_FAILED,
         code::UNKNOWN_INSTANCE
         | code::DRIVER_OFFLINE
@@ -180,7 +212,19 @@ fn exit_code(error_code: &str) -> u8 {
         // The hub is there but will not serve this process (now): as unreachable as a socket
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
+        code::NOT_FOUND | code::NOT_RETRYABLE => EXIT_REFUSED,
         _ => EXIT_UNEXPECTED,
+    }
+}
+
+/// The exit status of `outbox retry`, from the state the record reached: as `send` would
+/// have exited for it.
+fn retried_exit_code(state: &str) -> u8 {
+    match state {
+        "receipted" => 0,
+        "queued" => EXIT_QUEUED,
+        "failed" => EXIT_FAILED,
+        _ => EXIT_UNKNOWN,
     }
 }
 
@@ -253,186 +297,9 @@ async fn call(
     }
 }
 
-fn print_text(command: &Cmd, result: serde_json::Value) -> Result<(), serde_json::Error> {
-    match command {
-        Cmd::Send { .. } => {
-            let sent: SendResult = serde_json::from_value(result)?;
-            match sent.receipt {
-                Some(receipt) => {
-                    println!("receipted {} (request {})", receipt.message_id, sent.request_id)
-                }
-                None => println!("{} (request {})", sent.state, sent.request_id),
-            }
-        }
-        Cmd::Health { .. } => {
-            let health: HealthResult = serde_json::from_value(result)?;
-            match health_reason(&health.health).as_str() {
-                "" => println!("{} {}", health.instance, health.health.state.as_str()),
-                reason => {
-                    println!("{} {}: {reason}", health.instance, health.health.state.as_str())
-                }
-            }
-        }
-        Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
-        Cmd::Outbox { action: Some(_), .. } => {
-            let entry: OutboxEntry = serde_json::from_value(result)?;
-            println!("{} {} ({})", entry.id, entry.state, entry.request_id);
-        }
-        Cmd::Outbox { action: None, .. } => {
-            let list: OutboxResult = serde_json::from_value(result)?;
-            println!(
-                "{:>6} {:<20} {:<10} {:<20} {:<24} TEXT",
-                "ID", "INSTANCE", "STATE", "CONVERSATION", "RECEIPT / ERROR"
-            );
-            for r in list.records {
-                let detail = match (&r.receipt, &r.error) {
-                    (Some(receipt), _) => receipt.message_id.to_string(),
-                    (None, Some(error)) => error.clone(),
-                    _ => String::new(),
-                };
-                let text: String = r.text.chars().take(40).collect();
-                println!(
-                    "{:>6} {:<20} {:<10} {:<20} {:<24} {}",
-                    r.id, r.instance, r.state, r.conversation, detail, text
-                );
-            }
-        }
-        Cmd::Catalog => {
-            let catalog: CatalogResult = serde_json::from_value(result)?;
-            println!("{:<10} {:<18} {:<10} TRANSPORT", "FAMILY", "BINARY", "INSTALLED");
-            for family in catalog.families {
-                let installed = if family.installed { "yes" } else { "no" };
-                println!(
-                    "{:<10} {:<18} {:<10} {}",
-                    family.family, family.binary, installed, family.transport
-                );
-            }
-        }
-    }
-    Ok(())
-}
-
-fn print_status(status: &StatusResult) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    println!("{} (pid {}), up {}", status.hub, status.pid, ago(now, status.started_ms));
-    println!(
-        "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  REASON / LAST ERROR",
-        "INSTANCE",
-        "FAMILY",
-        "CONNECTED",
-        "HEALTH",
-        "RUNS",
-        "INBOUND",
-        "OUTBOUND",
-        "DENIED",
-        "ERRORS"
-    );
-    for row in &status.instances {
-        let connected =
-            row.connected_since_ms.map_or_else(|| "-".to_owned(), |since| ago(now, since));
-        let reason = match process_note(row) {
-            Some(note) => format!("{note}; {}", health_reason(&row.health)),
-            None => health_reason(&row.health),
-        };
-        let last =
-            row.last_error.as_deref().map(|e| format!(" | last error: {e}")).unwrap_or_default();
-        println!(
-            "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  {}{}",
-            row.instance,
-            row.family,
-            connected,
-            row.health.state.as_str(),
-            row.in_flight,
-            row.counters.inbound,
-            row.counters.outbound,
-            row.counters.denied,
-            row.counters.errors,
-            reason,
-            last
-        );
-    }
-}
-
-/// What an operator must know about a supervised driver process that is not running.
-fn process_note(row: &InstanceStatus) -> Option<String> {
-    let process = row.driver_process.as_ref()?;
-    match process.state.as_str() {
-        "running" => None,
-        state => Some(match &process.last_exit {
-            Some(exit) => format!("driver process {state} ({exit})"),
-            None => format!("driver process {state}"),
-        }),
-    }
-}
-
-/// The driver's free-text detail, then its structured status (extension `health_status`)
-/// when it sent one, e.g. `broker unreachable [transport=connecting auth=ok idle=42s]`.
-fn health_reason(health: &Health) -> String {
-    let mut fields = Vec::new();
-    if let Some(status) = &health.status {
-        if let Some(transport) = &status.transport {
-            fields.push(format!("transport={transport}"));
-        }
-        if let Some(auth) = &status.auth {
-            fields.push(format!("auth={auth}"));
-        }
-        if let Some(idle) = status.idle_seconds {
-            fields.push(format!("idle={idle}s"));
-        }
-        if let Some(backlog) = status.backlog {
-            fields.push(format!("backlog={backlog}"));
-        }
-        if let Some(attempt) = status.attempt {
-            fields.push(format!("attempt={attempt}"));
-        }
-    }
-    let detail = health.detail.as_deref().unwrap_or_default();
-    match (detail.is_empty(), fields.is_empty()) {
-        (_, true) => detail.to_owned(),
-        (true, false) => format!("[{}]", fields.join(" ")),
-        (false, false) => format!("{detail} [{}]", fields.join(" ")),
-    }
-}
-
-fn ago(now_ms: u64, then_ms: u64) -> String {
-    let secs = now_ms.saturating_sub(then_ms) / 1000;
-    match secs {
-        0..=59 => format!("{secs}s"),
-        60..=3599 => format!("{}m{}s", secs / 60, secs % 60),
-        _ => format!("{}h{}m", secs / 3600, (secs % 3600) / 60),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use channeld_protocol::types::{HealthState, HealthStatus};
-
     use super::*;
-
-    #[test]
-    fn health_reason_shows_detail_and_structured_status() {
-        let mut health = Health::new(HealthState::Degraded, Some("broker unreachable".into()));
-        assert_eq!(health_reason(&health), "broker unreachable");
-        health.status = Some(HealthStatus {
-            transport: Some("connecting".into()),
-            auth: Some("rejected".into()),
-            idle_seconds: Some(42),
-            backlog: Some(3),
-            attempt: Some(5),
-            reason: None,
-        });
-        assert_eq!(
-            health_reason(&health),
-            "broker unreachable [transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
-        );
-        health.detail = None;
-        assert_eq!(
-            health_reason(&health),
-            "[transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
-        );
-    }
 
     #[test]
     fn refused_peers_and_a_full_hub_exit_as_unreachable_and_known_codes_keep_their_status() {
@@ -440,24 +307,12 @@ mod tests {
         assert_eq!(exit_code("too_many_connections"), EXIT_UNREACHABLE);
         assert_eq!(exit_code("outcome_unknown"), EXIT_UNKNOWN);
         assert_eq!(exit_code("send_failed"), EXIT_FAILED);
+        assert_eq!(exit_code("conflict"), EXIT_CONFLICT);
         for refused in ["unknown_instance", "driver_offline", "not_declared", "invalid_target"] {
             assert_eq!(exit_code(refused), EXIT_REFUSED, "{refused}");
         }
         assert_eq!(exit_code("invalid_request"), EXIT_REFUSED);
         assert_eq!(exit_code("too_large"), EXIT_REFUSED);
         assert_eq!(exit_code("ledger_unavailable"), EXIT_UNEXPECTED);
-    }
-
-    #[test]
-    fn a_stopped_driver_process_is_named_in_the_status_reason() {
-        let row: InstanceStatus = serde_json::from_value(serde_json::json!({
-            "instance": "a.b", "family": "a", "socket": "/s", "runtime": "default",
-            "connected": false, "health": {"state": "Unavailable"}, "health_updated_ms": 0,
-            "in_flight": 0, "counters": {"inbound": 0, "denied": 0, "busy": 0, "replies": 0,
-            "runs_failed": 0, "outbound": 0, "receipts": 0, "errors": 0},
-            "driver_process": {"state": "stopped", "starts": 1, "last_exit": "exit status: 78"}
-        }))
-        .unwrap();
-        assert_eq!(process_note(&row).as_deref(), Some("driver process stopped (exit status: 78)"));
     }
 }

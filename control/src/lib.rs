@@ -30,6 +30,10 @@ pub mod code {
     pub const LEDGER_UNAVAILABLE: &str = "ledger_unavailable";
     pub const NOT_FOUND: &str = "not_found";
     pub const NOT_RETRYABLE: &str = "not_retryable";
+    /// An idempotency key reused for a different message on the same instance.
+    pub const CONFLICT: &str = "conflict";
+    /// The answer would exceed [`MAX_CONTROL_LINE`](super::MAX_CONTROL_LINE).
+    pub const ANSWER_TOO_LARGE: &str = "answer_too_large";
     pub const INTERNAL: &str = "internal";
     /// The connecting process's credentials are not admitted (`control_allow_uids` /
     /// `control_allow_gids`); sent with `id` 0 before the hub closes the connection.
@@ -74,17 +78,25 @@ pub enum Op {
     Status,
     /// Driver families this build knows.
     Catalog,
-    /// Outbox records, newest first.
+    /// Outbox records, newest first, text and error cut to previews; one page at a time.
     Outbox {
         #[serde(default)]
         instance: Option<String>,
         #[serde(default)]
         state: Option<String>,
+        /// At most this many (default 100, at most [`MAX_OUTBOX_PAGE`]); fewer when the
+        /// answer would otherwise exceed the line limit.
         #[serde(default)]
         limit: Option<usize>,
+        /// Only records with a smaller id: the `next_before` of the previous page.
+        #[serde(default)]
+        before: Option<i64>,
     },
+    /// One outbox record in full (its whole text and error).
+    OutboxGet { outbox_id: i64 },
     /// Sends an `unknown` or `failed` record again, on an operator's explicit request.
-    OutboxRetry { id: i64 },
+    /// (Not `id`: that key is the request's own.)
+    OutboxRetry { outbox_id: i64 },
 }
 
 fn yes() -> bool {
@@ -135,9 +147,14 @@ pub struct OutboxEntry {
     #[serde(default)]
     pub idempotency_key: Option<String>,
     pub conversation: String,
+    /// The whole text from `outbox_get`; its first 100 characters in an `outbox` listing.
     pub text: String,
+    /// The whole text's length in bytes (more than `text` holds when it is a preview).
+    #[serde(default)]
+    pub text_bytes: usize,
     #[serde(default)]
     pub receipt: Option<DeliveryReceipt>,
+    /// Whole from `outbox_get`; its first 100 characters in an `outbox` listing.
     #[serde(default)]
     pub error: Option<String>,
     pub attempts: u32,
@@ -145,10 +162,16 @@ pub struct OutboxEntry {
     pub updated_ms: u64,
 }
 
+/// Most records one `outbox` page holds.
+pub const MAX_OUTBOX_PAGE: usize = 1000;
+
 /// The result of `outbox`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutboxResult {
     pub records: Vec<OutboxEntry>,
+    /// Set when more records match: pass it as `before` for the next page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_before: Option<i64>,
 }
 
 /// The result of `health`.
@@ -233,4 +256,40 @@ pub struct Family {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CatalogResult {
     pub families: Vec<Family>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every op a client can build reads back as itself: no op field may collide with the
+    /// request's own keys (`id`, `op`), which the flattened layout shares.
+    #[test]
+    fn every_request_round_trips_through_its_json_line() {
+        let ops = [
+            Op::Send {
+                instance: "a.b".into(),
+                conversation: "c".into(),
+                thread: None,
+                text: "t".into(),
+                metadata: BTreeMap::new(),
+                wait: true,
+                timeout_ms: Some(5),
+                idempotency_key: Some("k".into()),
+            },
+            Op::Health { instance: "a.b".into() },
+            Op::Status,
+            Op::Catalog,
+            Op::Outbox { instance: Some("a.b".into()), state: None, limit: Some(3), before: None },
+            Op::OutboxRetry { outbox_id: 17 },
+            Op::OutboxGet { outbox_id: 17 },
+        ];
+        for op in ops {
+            let request = Request { id: 9, op };
+            let line = serde_json::to_string(&request).unwrap();
+            let back: Request =
+                serde_json::from_str(&line).unwrap_or_else(|err| panic!("{line}: {err}"));
+            assert_eq!(back, request);
+        }
+    }
 }

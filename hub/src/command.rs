@@ -7,10 +7,10 @@ use std::time::Duration;
 use channeld_protocol::ext::CommandRefusal;
 use channeld_protocol::frame::CommandFrame;
 use channeld_protocol::types::{Command, CommandAnswer, CommandResult, MessageTarget};
-use channeld_protocol::{Frame, Id};
+use channeld_protocol::{ChannelId, Frame, Id};
 use tracing::{info, warn};
 
-use crate::config::{Allowlist, InstanceConfig};
+use crate::config::Allowlist;
 use crate::connection::Connection;
 
 /// Why a command did not get an answer from a person.
@@ -78,11 +78,11 @@ pub async fn present(
 /// `value` result is turned into a rejection unless the driver negotiated `responder` and
 /// named someone the allowlist permits (with `allow_all`, anyone). Pure.
 pub fn vet_answer(
-    instance: &InstanceConfig,
+    instance: &ChannelId,
+    allow: &Allowlist,
     responder_negotiated: bool,
     answer: CommandAnswer,
 ) -> CommandAnswer {
-    let allow = &instance.allow;
     if matches!(answer.result, CommandResult::Rejected { .. }) {
         return answer;
     }
@@ -93,7 +93,7 @@ pub fn vet_answer(
     match responder {
         Some(who) if allow.permits(who.id.as_str()) => answer,
         Some(who) => {
-            info!(instance = %instance.id, responder = %who.id, "command answered by someone not on the allowlist; rejected");
+            info!(%instance, responder = %who.id, "command answered by someone not on the allowlist; rejected");
             CommandAnswer::rejected("answered by a participant who is not allowed")
         }
         None => CommandAnswer::rejected("the driver did not say who answered"),
@@ -114,10 +114,7 @@ mod tests {
     }
 
     fn vet(allow: &Allowlist, negotiated: bool, answer: CommandAnswer) -> CommandAnswer {
-        let id = channeld_protocol::ChannelId::new("a.b").unwrap();
-        let instance =
-            InstanceConfig { allow: allow.clone(), ..InstanceConfig::new(id, "/s".into()) };
-        vet_answer(&instance, negotiated, answer)
+        vet_answer(&ChannelId::new("a.b").unwrap(), allow, negotiated, answer)
     }
 
     fn is_rejected(answer: &CommandAnswer) -> bool {

@@ -52,7 +52,7 @@ pub(crate) async fn probe_loop(hub: Arc<Hub>) {
             () = hub.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        for inst in hub.instances.values() {
+        for inst in hub.instances.snapshot().values() {
             let Some(conn) = inst.live() else { continue };
             let idle = conn.idle_for();
             if idle > hub.config.liveness {

@@ -13,8 +13,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::HubConfig;
 use crate::ids::Ids;
-use crate::instance::{Instance, Instances};
+use crate::instance::{Instance, Instances, Registry};
 use crate::ledger::Ledger;
+use crate::liveness::Probes;
 use crate::outbox::Outbox;
 
 /// Extensions this hub implements and offers to peers that declare them.
@@ -33,8 +34,13 @@ pub const HUB_NAME: &str = concat!("channeld/", env!("CARGO_PKG_VERSION"));
 /// The running hub, shared by every task.
 #[derive(Debug)]
 pub struct Hub {
+    /// As loaded at start: the hub-wide settings, which only a restart changes. Instances and
+    /// runtimes a reload changes live in `instances` (and `applied`).
     pub config: HubConfig,
-    pub instances: Arc<Instances>,
+    pub instances: Arc<Registry>,
+    /// The configuration in effect (the start's, then each reload's applied part); held by a
+    /// reload while it applies the next one, so reloads never overlap.
+    pub applied: tokio::sync::Mutex<HubConfig>,
     pub ledger: Ledger,
     pub outbox: Outbox,
     pub ids: Arc<Ids>,
@@ -52,21 +58,26 @@ pub struct Hub {
     /// Short background work — receipt waits, reply sweeps, probes, ledger writes off the
     /// reader — that ends by itself once connections close: drained last.
     pub tasks: TaskTracker,
+    /// Accept loops and the hub's own loops (health, housekeeping): they stop first.
+    pub loops: TaskTracker,
+    /// One task per driver process the hub spawns: stopped after the runs drained.
+    pub supervisors: TaskTracker,
+    /// What the systemd watchdog asks (each accept loop).
+    pub probes: Arc<Probes>,
     pub started: SystemTime,
 }
 
 impl Hub {
     pub fn new(config: HubConfig, ledger: Ledger, shutdown: CancellationToken) -> Arc<Self> {
-        let instances: Arc<Instances> = Arc::new(
-            config
-                .instances
-                .iter()
-                .map(|inst| {
-                    let runtime = config.runtime_for(inst).clone();
-                    (inst.id.clone(), Arc::new(Instance::new(inst.clone(), runtime)))
-                })
-                .collect(),
-        );
+        let instances: Instances = config
+            .instances
+            .iter()
+            .map(|inst| {
+                let policy = config.policy_of(inst);
+                (inst.id.clone(), Arc::new(Instance::new(inst.clone(), policy)))
+            })
+            .collect();
+        let instances = Arc::new(Registry::new(instances));
         let ids = Arc::new(Ids::new());
         let tasks = TaskTracker::new();
         let outbox = Outbox::new(
@@ -78,6 +89,7 @@ impl Hub {
             config.receipt_timeout,
         );
         Arc::new(Self {
+            applied: tokio::sync::Mutex::new(config.clone()),
             config,
             instances,
             ledger,
@@ -89,11 +101,15 @@ impl Hub {
             runs: TaskTracker::new(),
             connections: TaskTracker::new(),
             tasks,
+            loops: TaskTracker::new(),
+            supervisors: TaskTracker::new(),
+            probes: Arc::default(),
             started: SystemTime::now(),
         })
     }
 
-    pub fn instance(&self, id: &str) -> Option<&Arc<Instance>> {
+    /// The instance served as `id` now.
+    pub fn instance(&self, id: &str) -> Option<Arc<Instance>> {
         self.instances.get(id)
     }
 }

@@ -1,16 +1,19 @@
-//! Per-instance state: the one live driver connection, health, counters, session
-//! generations, the replies being handed over, and the supervised driver process.
+//! Per-instance state: the one live driver connection, the live settings a reload may
+//! change, health, counters, session generations, the replies being handed over, and the
+//! supervised driver process; and the registry of the instances served.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use channeld_protocol::Id;
 use channeld_protocol::types::{Health, HealthState};
+use tokio_util::sync::CancellationToken;
 
-use crate::config::{InstanceConfig, RuntimeConfig};
+use crate::config::{InstanceConfig, InstancePolicy};
 use crate::connection::{Connection, lock};
+use crate::notice::NoticeLimiter;
 
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms(time: SystemTime) -> u64 {
@@ -75,9 +78,15 @@ pub struct HealthView {
 /// One configured channel instance.
 #[derive(Debug)]
 pub struct Instance {
+    /// As configured when the instance was created. A reload may change its live settings
+    /// (`allow`, `deny_notice`, `deny_notice_interval`, the runtime): read those through
+    /// [`Instance::policy`], never from here.
     pub config: InstanceConfig,
-    pub runtime: RuntimeConfig,
     pub counters: Counters,
+    policy: Mutex<Arc<InstancePolicy>>,
+    /// Cancelled when a reload removes the instance: its accept loop ends, its driver is told
+    /// `stop`, its supervised process is stopped.
+    pub removed: CancellationToken,
     live: Mutex<Option<Arc<Connection>>>,
     health: Mutex<HealthView>,
     last_error: Mutex<Option<(SystemTime, String)>>,
@@ -86,14 +95,17 @@ pub struct Instance {
     /// undelivered replies leaves them alone, so a reply is not sent twice.
     replying: Mutex<HashSet<Id>>,
     process: Mutex<Option<ProcessView>>,
+    /// Which denied senders were sent the deny notice, and when.
+    notices: Mutex<NoticeLimiter>,
 }
 
 impl Instance {
-    pub fn new(config: InstanceConfig, runtime: RuntimeConfig) -> Self {
+    pub fn new(config: InstanceConfig, policy: InstancePolicy) -> Self {
         Self {
             config,
-            runtime,
             counters: Counters::default(),
+            policy: Mutex::new(Arc::new(policy)),
+            removed: CancellationToken::new(),
             live: Mutex::new(None),
             health: Mutex::new(HealthView {
                 health: Health::new(HealthState::Unavailable, Some("no driver connected".into())),
@@ -103,7 +115,25 @@ impl Instance {
             generations: Mutex::new(HashMap::new()),
             replying: Mutex::new(HashSet::new()),
             process: Mutex::new(None),
+            notices: Mutex::new(NoticeLimiter::default()),
         }
+    }
+
+    /// The live settings: who may talk, the deny notice, the runtime. A run keeps the ones it
+    /// started with.
+    pub fn policy(&self) -> Arc<InstancePolicy> {
+        lock(&self.policy).clone()
+    }
+
+    /// Applies reloaded live settings to what arrives from now on.
+    pub fn set_policy(&self, policy: InstancePolicy) {
+        *lock(&self.policy) = Arc::new(policy);
+    }
+
+    /// Whether denied `sender` is sent the deny notice now (once per interval).
+    pub fn may_notify(&self, sender: &str) -> bool {
+        let interval = self.policy().deny_notice_interval;
+        lock(&self.notices).allow(sender, Instant::now(), interval)
     }
 
     /// The live driver connection, if any.
@@ -199,5 +229,52 @@ impl Instance {
     }
 }
 
-/// Every configured instance, by id.
+/// Instances by id.
 pub type Instances = std::collections::BTreeMap<channeld_protocol::ChannelId, Arc<Instance>>;
+
+/// The instances the hub serves now: a reload adds and removes them. Readers take a snapshot
+/// (or one instance) and never hold the lock across an await.
+#[derive(Debug, Default)]
+pub struct Registry {
+    current: Mutex<Arc<Instances>>,
+}
+
+impl Registry {
+    pub fn new(instances: Instances) -> Self {
+        Self { current: Mutex::new(Arc::new(instances)) }
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Instance>> {
+        lock(&self.current).get(id).cloned()
+    }
+
+    /// Every instance served at this moment.
+    pub fn snapshot(&self) -> Arc<Instances> {
+        lock(&self.current).clone()
+    }
+
+    pub fn len(&self) -> usize {
+        lock(&self.current).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Serves `inst` from now on (replacing one with the same id).
+    pub fn insert(&self, inst: Arc<Instance>) {
+        let mut current = lock(&self.current);
+        let mut next = Instances::clone(&current);
+        next.insert(inst.config.id.clone(), inst);
+        *current = Arc::new(next);
+    }
+
+    /// Stops serving `id`; returns the instance that was served.
+    pub fn remove(&self, id: &str) -> Option<Arc<Instance>> {
+        let mut current = lock(&self.current);
+        let mut next = Instances::clone(&current);
+        let removed = next.remove(id);
+        *current = Arc::new(next);
+        removed
+    }
+}

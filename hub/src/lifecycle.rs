@@ -4,15 +4,17 @@
 //! and remove the sockets — every task the hub spawned has ended when [`run_hub`] returns.
 
 use std::io;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::config::{DurabilityMode, HubConfig};
 use crate::hub::Hub;
+use crate::instance::Instance;
 use crate::ledger::{Durability, Ledger, LedgerError};
 use crate::listen::{Listeners, remove_sockets};
 use crate::liveness::{self, Liveness};
@@ -46,15 +48,26 @@ pub fn open_ledger(config: &HubConfig) -> Result<Ledger, LedgerError> {
     }
 }
 
+/// Serves `inst` on its bound `listener`: its accept loop (asked by the watchdog) and, when
+/// the hub spawns its driver, the driver's supervisor. At start and when a reload adds it.
+pub(crate) fn start_instance(hub: &Arc<Hub>, inst: Arc<Instance>, listener: UnixListener) {
+    let (probe, responder) = liveness::pair(accept_loop_name(&inst));
+    hub.probes.add(probe);
+    hub.loops.spawn(crate::serve::accept_loop(hub.clone(), inst.clone(), listener, responder));
+    if !inst.config.spawn.is_empty() {
+        hub.supervisors.spawn(crate::supervisor::supervise(hub.clone(), inst));
+    }
+}
+
+/// The watchdog's name for the accept loop of `inst`.
+pub(crate) fn accept_loop_name(inst: &Instance) -> String {
+    format!("the accept loop of {}", inst.config.id)
+}
+
 /// [`run`] for a hub built by the caller (which keeps a handle to it).
 pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
-    for inst in hub.instances.values() {
-        if inst.config.allow.denies_everyone() {
-            warn!(
-                instance = %inst.config.id,
-                "sender allowlist is empty: every inbound message will be denied (set allow = [...] or allow_all = true)"
-            );
-        }
+    for warning in hub.config.warnings() {
+        warn!("{warning}");
     }
     match (hub.ledger.is_on(), hub.ledger.path()) {
         (true, Some(path)) => info!(ledger = %path.display(), "ledger on"),
@@ -65,30 +78,21 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
     }
     crate::recovery::restore(&hub).await;
 
-    let Listeners { control, instances, paths } = listeners;
-    let loops = TaskTracker::new();
-    let mut probes = Vec::new();
+    let Listeners { control, instances } = listeners;
     for (id, listener) in instances {
-        let inst = hub.instances[&id].clone();
-        let (probe, responder) = liveness::pair(format!("the accept loop of {id}"));
-        probes.push(probe);
-        loops.spawn(crate::serve::accept_loop(hub.clone(), inst, listener, responder));
-    }
-    let (probe, responder) = liveness::pair("the control accept loop");
-    probes.push(probe);
-    loops.spawn(crate::control::accept_loop(hub.clone(), control, responder));
-    let supervisors = TaskTracker::new();
-    for inst in hub.instances.values() {
-        if !inst.config.spawn.is_empty() {
-            supervisors.spawn(crate::supervisor::supervise(hub.clone(), inst.clone()));
+        if let Some(inst) = hub.instance(id.as_str()) {
+            start_instance(&hub, inst, listener);
         }
     }
-    loops.spawn(crate::health::probe_loop(hub.clone()));
-    loops.spawn(crate::recovery::housekeeping(hub.clone()));
+    let (probe, responder) = liveness::pair("the control accept loop");
+    hub.probes.add(probe);
+    hub.loops.spawn(crate::control::accept_loop(hub.clone(), control, responder));
+    hub.loops.spawn(crate::health::probe_loop(hub.clone()));
+    hub.loops.spawn(crate::recovery::housekeeping(hub.clone()));
     let finished = CancellationToken::new();
     let systemd = tokio::spawn(crate::systemd::notify(
         hub.clone(),
-        Liveness::new(probes, hub.ledger.clone()),
+        Liveness::new(hub.probes.clone(), hub.ledger.clone()),
         finished.clone(),
     ));
     info!(
@@ -100,8 +104,8 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
 
     hub.shutdown.cancelled().await;
     info!("shutting down: no new connections, draining runs");
-    loops.close();
-    loops.wait().await;
+    hub.loops.close();
+    hub.loops.wait().await;
     hub.runs.close();
     if tokio::time::timeout(hub.config.drain_timeout, hub.runs.wait()).await.is_err() {
         warn!(
@@ -110,8 +114,8 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
         );
     }
     hub.close_connections.cancel();
-    supervisors.close();
-    supervisors.wait().await;
+    hub.supervisors.close();
+    hub.supervisors.wait().await;
     hub.connections.close();
     if tokio::time::timeout(CLOSE_GRACE, hub.connections.wait()).await.is_err() {
         warn!(connections = hub.connections.len(), "some connections did not close in time");
@@ -121,7 +125,12 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
         warn!(tasks = hub.tasks.len(), "some background work did not end in time");
     }
     hub.ledger.close().await;
-    remove_sockets(&paths);
+    // The sockets of the instances served now (a reload may have added some and removed
+    // others, whose sockets it removed then), and the control socket.
+    let mut sockets: Vec<PathBuf> =
+        hub.instances.snapshot().values().map(|inst| inst.config.socket.clone()).collect();
+    sockets.push(hub.config.control_socket.clone());
+    remove_sockets(&sockets);
     finished.cancel();
     let _ = systemd.await;
     info!("hub stopped");

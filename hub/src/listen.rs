@@ -25,7 +25,6 @@ pub enum HubError {
 pub struct Listeners {
     pub control: UnixListener,
     pub instances: Vec<(ChannelId, UnixListener)>,
-    pub(crate) paths: Vec<PathBuf>,
 }
 
 /// Binds the control socket and one socket per instance (mode 0660), removing stale socket
@@ -54,8 +53,12 @@ pub fn bind(config: &HubConfig) -> Result<Listeners, HubError> {
             return Err(err);
         }
     };
-    paths.push(config.control_socket.clone());
-    Ok(Listeners { control, instances, paths })
+    Ok(Listeners { control, instances })
+}
+
+/// Binds the socket of an instance a reload added (mode 0660, a stale file removed).
+pub(crate) fn bind_instance(path: &Path) -> Result<UnixListener, HubError> {
+    bind_one(path)
 }
 
 fn bind_one(path: &Path) -> Result<UnixListener, HubError> {

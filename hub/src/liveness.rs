@@ -2,6 +2,7 @@
 //! progress answer — each accept loop between accepts, and the ledger thread by committing a
 //! batch. A wedged part stops the watchdog pings, so systemd restarts the hub.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
@@ -9,7 +10,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::ledger::Ledger;
 
 /// Asks one part of the hub whether it is alive.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Probe {
     name: String,
     /// Capacity 1: a question still unanswered when the next is asked is itself a "no".
@@ -52,15 +53,37 @@ pub enum Stalled {
     Ledger(Duration),
 }
 
+/// The parts the watchdog asks: accept loops come with their instances (a reload adds and
+/// retires them) and go with them.
+#[derive(Debug, Default)]
+pub struct Probes {
+    list: Mutex<Vec<Probe>>,
+}
+
+impl Probes {
+    pub fn add(&self, probe: Probe) {
+        self.list.lock().unwrap_or_else(|p| p.into_inner()).push(probe);
+    }
+
+    /// Stops asking the part called `name` (it ended on purpose).
+    pub fn retire(&self, name: &str) {
+        self.list.lock().unwrap_or_else(|p| p.into_inner()).retain(|probe| probe.name != name);
+    }
+
+    fn current(&self) -> Vec<Probe> {
+        self.list.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 /// Every part the watchdog asks.
 #[derive(Debug)]
 pub struct Liveness {
-    probes: Vec<Probe>,
+    probes: Arc<Probes>,
     ledger: Ledger,
 }
 
 impl Liveness {
-    pub fn new(probes: Vec<Probe>, ledger: Ledger) -> Self {
+    pub fn new(probes: Arc<Probes>, ledger: Ledger) -> Self {
         Self { probes, ledger }
     }
 
@@ -68,8 +91,9 @@ impl Liveness {
     /// loops stop first in a shutdown) are no longer required.
     pub async fn check(&self, limit: Duration, stopping: bool) -> Result<(), Stalled> {
         let deadline = Instant::now() + limit;
-        let mut answers = Vec::with_capacity(self.probes.len());
-        for probe in &self.probes {
+        let probes = self.probes.current();
+        let mut answers = Vec::with_capacity(probes.len());
+        for probe in &probes {
             let (question, answer) = oneshot::channel();
             match probe.tx.try_send(question) {
                 Ok(()) => answers.push((probe, answer)),
@@ -105,6 +129,26 @@ mod tests {
 
     const LIMIT: Duration = Duration::from_millis(200);
 
+    fn probes(list: Vec<Probe>) -> Arc<Probes> {
+        let probes = Arc::new(Probes::default());
+        for probe in list {
+            probes.add(probe);
+        }
+        probes
+    }
+
+    #[tokio::test]
+    async fn a_retired_part_is_no_longer_asked() {
+        let (probe, responder) = pair("the accept loop of a.b");
+        let probes = probes(vec![probe]);
+        let liveness = Liveness::new(probes.clone(), Ledger::off());
+        // The instance was removed: its accept loop ended on purpose.
+        drop(responder);
+        assert!(matches!(liveness.check(LIMIT, false).await, Err(Stalled::Gone(_))));
+        probes.retire("the accept loop of a.b");
+        liveness.check(LIMIT, false).await.unwrap();
+    }
+
     #[tokio::test]
     async fn a_hub_whose_parts_answer_is_alive() {
         let (probe, mut responder) = pair("accept loop");
@@ -113,7 +157,7 @@ mod tests {
                 responder.answer().await;
             }
         });
-        let liveness = Liveness::new(vec![probe], Ledger::in_memory().unwrap());
+        let liveness = Liveness::new(probes(vec![probe]), Ledger::in_memory().unwrap());
         for _ in 0..3 {
             liveness.check(LIMIT, false).await.unwrap();
         }
@@ -124,7 +168,7 @@ mod tests {
     async fn a_part_that_stops_answering_stalls_the_hub() {
         // The responder exists but its loop is stuck elsewhere: it never answers.
         let (probe, _responder) = pair("accept loop test.one");
-        let liveness = Liveness::new(vec![probe], Ledger::off());
+        let liveness = Liveness::new(probes(vec![probe]), Ledger::off());
         assert_eq!(
             liveness.check(LIMIT, false).await,
             Err(Stalled::Silent("accept loop test.one".into(), LIMIT))
@@ -137,7 +181,7 @@ mod tests {
     async fn a_part_that_ended_stalls_the_hub_unless_it_is_stopping() {
         let (probe, responder) = pair("control accept loop");
         drop(responder);
-        let liveness = Liveness::new(vec![probe], Ledger::off());
+        let liveness = Liveness::new(probes(vec![probe]), Ledger::off());
         assert_eq!(
             liveness.check(LIMIT, false).await,
             Err(Stalled::Gone("control accept loop".into()))
@@ -149,7 +193,7 @@ mod tests {
     async fn a_ledger_that_stopped_committing_stalls_the_hub() {
         let ledger = Ledger::in_memory().unwrap();
         ledger.close().await;
-        let liveness = Liveness::new(Vec::new(), ledger);
+        let liveness = Liveness::new(Arc::default(), ledger);
         assert_eq!(liveness.check(LIMIT, false).await, Err(Stalled::Ledger(LIMIT)));
     }
 }

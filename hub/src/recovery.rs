@@ -21,7 +21,7 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
         return;
     }
     let now = unix_ms(SystemTime::now());
-    for inst in hub.instances.values() {
+    for inst in hub.instances.snapshot().values() {
         match hub.ledger.generations(inst.config.id.to_string()).await {
             Ok(generations) => inst.load_generations(generations),
             Err(err) => {
@@ -48,7 +48,7 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
         info!(runs = recovered.len(), "starting interrupted runs again (flagged redelivered)");
     }
     for run in recovered {
-        let Some(inst) = hub.instance(&run.instance).cloned() else {
+        let Some(inst) = hub.instance(&run.instance) else {
             warn!(instance = %run.instance, event_id = %run.event_id, "interrupted run for an instance no longer configured; left as is");
             continue;
         };

@@ -76,6 +76,10 @@ pub enum SendError {
     Unknown { request_id: Id, reason: String },
     #[error("idempotency keys need the ledger: configure hub.state_dir")]
     NeedsLedger,
+    #[error(
+        "the idempotency key was already used for a different message (outbox record {outbox_id})"
+    )]
+    Conflict { outbox_id: i64 },
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
 }
@@ -93,9 +97,18 @@ impl SendError {
             SendError::Failed { .. } => code::SEND_FAILED,
             SendError::Unknown { .. } => code::OUTCOME_UNKNOWN,
             SendError::NeedsLedger => code::INVALID_REQUEST,
+            SendError::Conflict { .. } => code::CONFLICT,
             SendError::Ledger(_) => code::LEDGER_UNAVAILABLE,
         }
     }
+}
+
+/// Refuses a message whose `outbound` frame with `request_id` would exceed the line limit,
+/// before anything is recorded or handed over.
+pub fn fits(request_id: &Id, message: &OutboundMessage) -> Result<(), SendError> {
+    let frame =
+        Frame::Outbound(Delivery { request_id: request_id.clone(), message: message.clone() });
+    channeld_protocol::encode(&frame).map(drop).map_err(|err| SendError::TooLarge(err.to_string()))
 }
 
 /// Hands an `outbound` to `conn` and registers for its receipt. Fails without sending when

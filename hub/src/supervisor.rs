@@ -24,7 +24,7 @@ pub(crate) async fn supervise(hub: Arc<Hub>, inst: Arc<Instance>) {
     let mut view =
         ProcessView { state: ProcessState::Running, pid: None, starts: 0, last_exit: None };
     loop {
-        if hub.shutdown.is_cancelled() {
+        if hub.shutdown.is_cancelled() || inst.removed.is_cancelled() {
             break;
         }
         match spawn(&inst.config, Stdio::null()) {
@@ -41,6 +41,11 @@ pub(crate) async fn supervise(hub: Arc<Hub>, inst: Arc<Instance>) {
                 let status = tokio::select! {
                     status = child.wait() => status,
                     () = hub.close_connections.cancelled() => {
+                        terminate(&mut child, hub.config.drain_timeout + Duration::from_secs(2)).await;
+                        break;
+                    }
+                    () = inst.removed.cancelled() => {
+                        info!(instance = %id, "instance removed by a reload; stopping its driver process");
                         terminate(&mut child, hub.config.drain_timeout + Duration::from_secs(2)).await;
                         break;
                     }
@@ -75,6 +80,7 @@ pub(crate) async fn supervise(hub: Arc<Hub>, inst: Arc<Instance>) {
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             () = hub.shutdown.cancelled() => break,
+            () = inst.removed.cancelled() => break,
         }
     }
     inst.set_process(ProcessView { state: ProcessState::Stopped, pid: None, ..view });

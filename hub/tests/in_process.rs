@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
-use channeld_hub::ledger::{DB_FILE, Durability, Ledger};
+use channeld_hub::ledger::{
+    Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxState, Recorded, RunEnd,
+};
 use channeld_hub::outbox::SendRequest;
 use channeld_hub::send::SendState;
 use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
@@ -251,4 +253,122 @@ async fn an_entry_fingerprinted_by_an_older_hub_still_replays_after_the_upgrade(
         other => panic!("expected conflict, got {other:?}"),
     }
     hub.ledger.close().await;
+}
+
+fn outbound(text: String) -> OutboundMessage {
+    OutboundMessage {
+        target: MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1")),
+        body: MessageBody::text(text).unwrap(),
+        metadata: Default::default(),
+    }
+}
+
+fn outbound_text(frame: Frame) -> String {
+    match frame {
+        Frame::Outbound(outbound) => outbound.message.body.text_str().to_owned(),
+        other => panic!("expected outbound, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_behind_it() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    // Queued by a hub that did not check sizes first: small, too large, small.
+    let mut ids = Vec::new();
+    for text in ["first".to_owned(), "x".repeat(300_000), "second".to_owned()] {
+        let added = hub
+            .ledger
+            .outbox_add(NewSend {
+                instance: ONE.into(),
+                idempotency_key: None,
+                message: serde_json::to_vec(&outbound(text)).unwrap(),
+                state: OutboxState::Queued,
+                now_ms: 1,
+                expires_ms: u64::MAX / 2,
+            })
+            .await
+            .unwrap();
+        match added {
+            Added::New(id) => ids.push(id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    // A send made as the driver connects queues behind them instead of overtaking.
+    let third = {
+        let hub = hub.clone();
+        let request = SendRequest {
+            instance: ONE.into(),
+            message: outbound("third".into()),
+            wait: None,
+            idempotency_key: None,
+        };
+        tokio::spawn(async move { hub.outbox.submit(request).await })
+    };
+    for expected in ["first", "second", "third"] {
+        assert_eq!(outbound_text(driver.frame().await), expected);
+    }
+    third.await.unwrap().unwrap();
+    let big = hub.ledger.outbox_get(ids[1]).await.unwrap().unwrap();
+    assert_eq!(big.state, OutboxState::Failed);
+    assert!(big.error.as_deref().unwrap_or_default().starts_with("too_large"), "{big:?}");
+
+    // Every handed-over send waits for its receipt: the driver leaving makes them unknown.
+    drop(driver);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    for id in [ids[0], ids[2]] {
+        loop {
+            let record = hub.ledger.outbox_get(id).await.unwrap().unwrap();
+            if record.state == OutboxState::Unknown {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "record {id} stayed {}", record.state);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_reply_an_older_hub_stranded_as_too_big_is_fitted_and_delivered_on_reconnect() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    // What a hub that cut replies by raw length left behind: a reply whose deliver frame
+    // is twice the line limit once escaped, still owed to the driver.
+    let inbound = Frame::Inbound(Inbound {
+        event_id: id("big-1"),
+        message: InboundMessage {
+            id: id("big-1"),
+            target: MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1")),
+            sender: Participant::new(id("alice")),
+            body: MessageBody::text("quote me").unwrap(),
+            timestamp_ms: None,
+            metadata: Default::default(),
+        },
+    });
+    let line = channeld_protocol::encode(&inbound).unwrap();
+    let new = NewInbound {
+        instance: ONE.into(),
+        event_id: "big-1".into(),
+        content_hash: channeld_hub::inbound::fingerprint::fingerprint(&inbound).unwrap(),
+        hash_version: channeld_hub::inbound::fingerprint::FINGERPRINT_VERSION,
+        frame: line[..line.len() - 1].to_vec(),
+        run_id: "run-big-1".into(),
+        now_ms: 1,
+    };
+    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash);
+    assert_eq!(recorded.await.unwrap(), Recorded::New);
+    let stranded = RunEnd::Reply("\"".repeat(200_000));
+    assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, 2).await.unwrap());
+
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    let text = reply_text(driver.frame().await);
+    assert!(text.ends_with("[reply truncated]"));
+    assert!(text.len() > 100_000, "cut to fit, not dropped");
+    // Recorded as delivered: the next driver is not handed it again.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !hub.ledger.pending_replies(ONE.into()).await.unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the reply is still owed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

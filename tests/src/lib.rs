@@ -11,7 +11,7 @@ pub mod rabbitmq;
 use std::path::{Path, PathBuf};
 
 pub use peer::RawPeer;
-pub use process::{DriverProcess, HubProcess, channelctl, rss_kib};
+pub use process::{DriverProcess, HubProcess, alive, channelctl, rss_kib};
 
 /// The directory holding the workspace's built binaries (`target/<profile>`).
 pub fn bin_dir() -> PathBuf {

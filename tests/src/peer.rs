@@ -168,3 +168,32 @@ pub fn caps(names: &[&str]) -> Capabilities {
     }
     caps
 }
+
+/// The `deliver` in `frame`; panics on anything else.
+pub fn expect_deliver(frame: Frame) -> channeld_protocol::frame::Delivery {
+    match frame {
+        Frame::Deliver(delivery) => delivery,
+        other => panic!("expected deliver, got {other:?}"),
+    }
+}
+
+/// The `outbound` in `frame`; panics on anything else.
+pub fn expect_outbound(frame: Frame) -> channeld_protocol::frame::Delivery {
+    match frame {
+        Frame::Outbound(delivery) => delivery,
+        other => panic!("expected outbound, got {other:?}"),
+    }
+}
+
+/// A driver's `receipt` for `request_id`: posted as `message_id` in `conversation`.
+pub fn receipt_for(channel: &str, request_id: &Id, conversation: &str, message_id: &str) -> Frame {
+    Frame::Receipt(channeld_protocol::frame::Receipt {
+        request_id: request_id.clone(),
+        receipt: channeld_protocol::types::DeliveryReceipt {
+            channel: ChannelId::new(channel).expect("channel id"),
+            message_id: id(message_id),
+            target: target(channel, conversation),
+            timestamp_ms: Some(1),
+        },
+    })
+}

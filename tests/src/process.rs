@@ -107,6 +107,28 @@ impl HubProcess {
         std::fs::read_to_string(self.dir.path().join("channeld.log")).unwrap_or_default()
     }
 
+    /// Waits until the hub's log holds `needle` at least `times` times; panics with the log
+    /// after `limit`.
+    pub fn wait_log(&self, needle: &str, times: usize, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.log().matches(needle).count() < times {
+            assert!(
+                Instant::now() < deadline,
+                "{needle:?} not logged {times} time(s) within {limit:?}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends `signal` to the hub.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: plain syscall on our own child.
+        unsafe {
+            libc::kill(self.pid(), signal);
+        }
+    }
+
     /// Sends SIGTERM and waits for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         // SAFETY: plain syscall on our own child.
@@ -148,6 +170,16 @@ impl HubProcess {
     pub fn ctl(&self, args: &[&str]) -> Output {
         channelctl(&self.control_socket(), args)
     }
+
+    /// Runs `channelctl` on a blocking thread, so the test can play the driver meanwhile.
+    pub fn ctl_async(&self, args: &[&str]) -> tokio::task::JoinHandle<Output> {
+        let socket = self.control_socket();
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        tokio::task::spawn_blocking(move || {
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            channelctl(&socket, &refs)
+        })
+    }
 }
 
 impl Drop for HubProcess {
@@ -168,6 +200,12 @@ pub fn channelctl(socket: &Path, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run channelctl")
+}
+
+/// Whether process `pid` exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
 }
 
 /// Resident set size of a process, in KiB.

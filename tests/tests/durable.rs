@@ -385,12 +385,16 @@ async fn outbox_sends_end_receipted_once_or_unknown_across_kills_and_driver_rest
     for (key, outcome) in &outcomes {
         assert_eq!(states[key.as_str()], outcome, "{key}");
     }
-    // Repeating every key posts nothing new.
+    // Repeating every key (with its message: another one would be a conflict) posts nothing
+    // new.
     let before: usize = posts.values().sum();
     for n in (0..total).step_by(10) {
         let key = format!("key-{n:04}");
         let answer = admin
-            .call(json!({"op": "send", "instance": CHANNEL, "conversation": "room-0", "text": "again", "idempotency_key": key, "wait": true}))
+            .call(json!({
+                "op": "send", "instance": CHANNEL, "conversation": format!("room-{}", key.len() % 3),
+                "text": format!("notice {key}"), "idempotency_key": key, "wait": true,
+            }))
             .await
             .unwrap();
         let expected: Value =

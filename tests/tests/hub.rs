@@ -584,7 +584,7 @@ async fn sigterm_drains_runs_says_stop_and_removes_sockets() {
 async fn channelctl_reports_status_health_catalog_and_exit_codes() {
     let hub = echo_hub();
     let out = hub.ctl(&["health", ONE]);
-    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.status.code(), Some(9), "Unavailable has its own exit status");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("test.one Unavailable: no driver connected")
     );
@@ -612,6 +612,7 @@ async fn channelctl_reports_status_health_catalog_and_exit_codes() {
         String::from_utf8_lossy(&out.stdout).trim(),
         "test.one Degraded: broker reconnecting"
     );
+    assert_eq!(out.status.code(), Some(0), "Degraded is not Unavailable");
 
     let out = hub.ctl(&["status"]);
     assert_eq!(out.status.code(), Some(0));

@@ -1,15 +1,31 @@
 //! `channeld`: the hub daemon, and `channeld demo`, the one-command local chat.
+//!
+//! Exit status: 0 stopped (SIGTERM, SIGINT); 1 failed (a socket or the ledger could not be
+//! opened, the hub failed); 75 another hub uses the state directory (the message names its
+//! pid) or listens on a socket; 78 invalid configuration.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::sync::Arc;
+
+use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
+use channeld_hub::ledger::LedgerError;
+use channeld_hub::listen::HubError;
 use clap::{Parser, Subcommand};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
-use tracing::error;
+use tracing::{error, info};
 
 /// Default configuration file.
 const DEFAULT_CONFIG: &str = "/etc/channeld/channeld.toml";
+
+/// Exit status: another hub uses this state directory or listens on one of the sockets
+/// (`EX_TEMPFAIL`: it may be gone soon, e.g. an old hub still draining; try again later).
+const EXIT_IN_USE: u8 = 75;
+/// Exit status: the configuration is invalid (`EX_CONFIG`; restarting cannot help).
+const EXIT_CONFIG: u8 = 78;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -64,6 +80,9 @@ fn main() -> ExitCode {
             Cmd::Demo => demo_main().await,
             Cmd::Check => match HubConfig::load(&cli.config, &overrides) {
                 Ok(config) => {
+                    for warning in config.warnings() {
+                        eprintln!("channeld: warning: {warning}");
+                    }
                     println!(
                         "{}: {} instance(s), configuration is valid",
                         cli.config.display(),
@@ -73,7 +92,7 @@ fn main() -> ExitCode {
                 }
                 Err(err) => {
                     eprintln!("channeld: {err}");
-                    ExitCode::from(78)
+                    ExitCode::from(EXIT_CONFIG)
                 }
             },
             Cmd::Run => run_main(&cli.config, &overrides).await,
@@ -82,15 +101,29 @@ fn main() -> ExitCode {
 }
 
 async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
+    // First of all: from here on SIGHUP reloads (once the hub serves) instead of killing it.
+    let hangups = match signal(SignalKind::hangup()) {
+        Ok(hangups) => hangups,
+        Err(err) => {
+            error!(error = %err, "cannot install the SIGHUP handler");
+            return ExitCode::FAILURE;
+        }
+    };
     let config = match HubConfig::load(path, overrides) {
         Ok(config) => config,
         Err(err) => {
             error!(error = %err, "invalid configuration");
-            return ExitCode::from(78);
+            return ExitCode::from(EXIT_CONFIG);
         }
     };
+    // First the state directory's lock: a second hub must not touch the ledger (it would
+    // start the first one's runs again) nor the sockets.
     let ledger = match channeld_hub::open_ledger(&config) {
         Ok(ledger) => ledger,
+        Err(err @ LedgerError::InUse { .. }) => {
+            error!(error = %err, "not starting: another hub uses this state directory");
+            return ExitCode::from(EXIT_IN_USE);
+        }
         Err(err) => {
             error!(error = %err, "cannot open the ledger");
             return ExitCode::FAILURE;
@@ -98,19 +131,45 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
     };
     let listeners = match channeld_hub::bind(&config) {
         Ok(listeners) => listeners,
+        Err(err @ HubError::InUse(_)) => {
+            error!(error = %err, "not starting: another hub is serving");
+            return ExitCode::from(EXIT_IN_USE);
+        }
         Err(err) => {
             error!(error = %err, "cannot bind sockets");
             return ExitCode::FAILURE;
         }
     };
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
-    match channeld_hub::run(config, ledger, listeners, shutdown).await {
+    spawn_signal_handler(shutdown.clone(), false);
+    let hub = Hub::new(config, ledger, shutdown);
+    let reloads =
+        tokio::spawn(reload_on_hangup(hub.clone(), hangups, path.to_owned(), overrides.clone()));
+    let result = channeld_hub::run_hub(hub, listeners).await;
+    let _ = reloads.await;
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             error!(error = %err, "hub failed");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Each SIGHUP re-reads the configuration file, once the hub serves; a SIGHUP during startup
+/// is applied when it is ready, one during shutdown is ignored. Ends with the hub.
+async fn reload_on_hangup(hub: Arc<Hub>, mut hangups: Signal, path: PathBuf, overrides: Overrides) {
+    tokio::select! {
+        () = hub.ready.cancelled() => {}
+        () = hub.shutdown.cancelled() => return,
+    }
+    loop {
+        tokio::select! {
+            received = hangups.recv() => if received.is_none() { return },
+            () = hub.shutdown.cancelled() => return,
+        }
+        info!(config = %path.display(), "SIGHUP: reloading the configuration");
+        channeld_hub::reload::reload_from(&hub, &path, &overrides).await;
     }
 }
 
@@ -122,7 +181,7 @@ async fn demo_main() -> ExitCode {
         return ExitCode::FAILURE;
     };
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    spawn_signal_handler(shutdown.clone(), true);
     match channeld_hub::demo::run(console, shutdown).await {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(err) => {
@@ -144,18 +203,22 @@ fn init_logging(default: &str) {
         .try_init();
 }
 
-fn spawn_signal_handler(token: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
+/// SIGTERM and SIGINT (and, with `hangup_stops`, SIGHUP: the demo's terminal closed) start
+/// the shutdown.
+fn spawn_signal_handler(token: CancellationToken, hangup_stops: bool) {
     tokio::spawn(async move {
-        let (Ok(mut term), Ok(mut int)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-        else {
+        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
+        ) else {
             error!("cannot install signal handlers");
             return;
         };
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
+            _ = hup.recv(), if hangup_stops => {}
         }
         token.cancel();
     });

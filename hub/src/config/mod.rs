@@ -11,6 +11,10 @@ use serde::Deserialize;
 
 pub use crate::peer::PeerRule;
 use crate::peer::Principal;
+pub use reload::{InstancePolicy, Reload};
+
+pub mod reload;
+mod warnings;
 
 /// Runtime directory when neither the config nor `--runtime-dir` names one.
 pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
@@ -18,6 +22,11 @@ pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
 pub const DEFAULT_RUNTIME: &str = "default";
 /// Inbound runs per driver connection unless `max_inflight` says otherwise.
 pub const DEFAULT_MAX_INFLIGHT: usize = 4;
+/// A denied sender is told at most once an hour unless `deny_notice_interval_secs` says
+/// otherwise.
+pub const DEFAULT_DENY_NOTICE_INTERVAL_SECS: u64 = 3600;
+/// Longest deny notice: far below the line limit, so its `deliver` frame always fits.
+pub const MAX_DENY_NOTICE_BYTES: usize = 16 * 1024;
 
 /// Why a configuration is unusable.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +116,7 @@ struct RawInstance {
     identity_isolation: bool,
     max_inflight: Option<usize>,
     deny_notice: Option<String>,
+    deny_notice_interval_secs: Option<u64>,
     allow_uids: Option<Vec<Principal>>,
     allow_gids: Option<Vec<Principal>>,
 }
@@ -194,6 +204,8 @@ pub struct InstanceConfig {
     pub max_inflight: usize,
     /// Reply sent to a denied sender; `None` (the default) answers nothing on the platform.
     pub deny_notice: Option<String>,
+    /// A denied sender is sent the notice at most once per this interval.
+    pub deny_notice_interval: Duration,
     /// Which local processes may connect to the socket (`allow_uids` / `allow_gids`).
     pub peers: PeerRule,
 }
@@ -212,6 +224,7 @@ impl InstanceConfig {
             identity_isolation: false,
             max_inflight: DEFAULT_MAX_INFLIGHT,
             deny_notice: None,
+            deny_notice_interval: Duration::from_secs(DEFAULT_DENY_NOTICE_INTERVAL_SECS),
             peers: PeerRule::SocketMode,
         }
     }
@@ -360,7 +373,12 @@ impl HubConfig {
                     &format!("{key}.max_inflight"),
                     inst.max_inflight.unwrap_or(max_inflight),
                 )?,
-                deny_notice: inst.deny_notice,
+                deny_notice: deny_notice(&key, inst.deny_notice)?,
+                deny_notice_interval: secs(
+                    &format!("{key}.deny_notice_interval_secs"),
+                    inst.deny_notice_interval_secs,
+                    DEFAULT_DENY_NOTICE_INTERVAL_SECS,
+                )?,
                 peers: peer_rule(
                     &key,
                     "allow_uids",
@@ -428,6 +446,19 @@ fn peer_rule(
         let field = if err.in_gids { gids_key } else { uids_key };
         invalid(format!("{key}.{field}"), err.message)
     })
+}
+
+/// A deny notice must be a message body that fits in a frame.
+fn deny_notice(key: &str, notice: Option<String>) -> Result<Option<String>, ConfigError> {
+    let key = format!("{key}.deny_notice");
+    match notice {
+        Some(text) if text.trim().is_empty() => Err(invalid(key, "must not be empty")),
+        Some(text) if text.contains('\0') => Err(invalid(key, "must not contain NUL")),
+        Some(text) if text.len() > MAX_DENY_NOTICE_BYTES => {
+            Err(invalid(key, format!("must be at most {MAX_DENY_NOTICE_BYTES} bytes")))
+        }
+        other => Ok(other),
+    }
 }
 
 fn positive(key: &str, value: usize) -> Result<usize, ConfigError> {

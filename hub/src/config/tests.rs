@@ -83,3 +83,36 @@ fn allowlist_semantics() {
     assert!(!Allowlist::Senders(vec!["u1".into()]).permits("u2"));
     assert!(Allowlist::All.permits("anyone"));
 }
+
+#[test]
+fn allowlist_entries_with_stray_or_invisible_characters_are_warned_about() {
+    let text = "[instance.\"a.b\"]\nallow = [\"alice\", \" bob\", \"carol\\u200b\", \"d\\u00a0e\", \"zoë\", \"two words\"]\n\
+                [instance.\"a.c\"]\n";
+    let warnings = parse(text).unwrap().warnings();
+    assert_eq!(
+        warnings,
+        vec![
+            "instance.\"a.b\".allow: \" bob\" has leading or trailing whitespace".to_owned(),
+            "instance.\"a.b\".allow: \"carol\\u{200b}\" contains an invisible character (U+200B)"
+                .to_owned(),
+            "instance.\"a.b\".allow: \"d\\u{a0}e\" contains an invisible character (U+00A0)"
+                .to_owned(),
+            "instance.\"a.c\".allow: sender allowlist is empty: every inbound message will be denied (set allow = [...] or allow_all = true)".to_owned(),
+        ]
+    );
+    assert!(parse("[instance.\"a.b\"]\nallow_all = true\n").unwrap().warnings().is_empty());
+}
+
+#[test]
+fn deny_notices_are_rate_limited_and_must_be_a_body() {
+    let config = parse("[instance.\"a.b\"]\ndeny_notice = \"private\"\n").unwrap();
+    assert_eq!(config.instances[0].deny_notice_interval, Duration::from_secs(3600));
+    let text = "[instance.\"a.b\"]\ndeny_notice = \"private\"\ndeny_notice_interval_secs = 60\n";
+    assert_eq!(parse(text).unwrap().instances[0].deny_notice_interval, Duration::from_secs(60));
+    let err = parse("[instance.\"a.b\"]\ndeny_notice = \" \"\n").unwrap_err().to_string();
+    assert_eq!(err, "instance.\"a.b\".deny_notice: must not be empty");
+    let text = format!("[instance.\"a.b\"]\ndeny_notice = \"{}\"\n", "x".repeat(20_000));
+    assert!(parse(&text).unwrap_err().to_string().contains("at most 16384 bytes"));
+    let err = parse("[instance.\"a.b\"]\ndeny_notice_interval_secs = 0\n").unwrap_err().to_string();
+    assert_eq!(err, "instance.\"a.b\".deny_notice_interval_secs: must be at least 1");
+}

@@ -1,13 +1,15 @@
 //! Answers control requests: `send` through the outbox, `health` by probing, `status` and
-//! `catalog` from the hub's state, `outbox` and `outbox_retry` from the ledger.
+//! `catalog` from the hub's state, `outbox` (paged, previews), `outbox_get` and
+//! `outbox_retry` from the ledger.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_control::{
-    CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus, Op,
-    OutboxEntry, OutboxResult, Request, SendResult, StatusResult, code,
+    CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
+    MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, Request, SendResult,
+    StatusResult, code,
 };
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
@@ -16,7 +18,7 @@ use tracing::debug;
 use super::server::{failure, success};
 use crate::hub::{HUB_NAME, Hub};
 use crate::instance::unix_ms;
-use crate::ledger::{LedgerError, OutboxRecord, OutboxState};
+use crate::ledger::{LedgerError, OutboxRecord, OutboxState, OutboxSummary};
 use crate::outbox::SendRequest;
 use crate::send::{SendError, SendOutcome};
 
@@ -74,7 +76,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         }
         Op::Health { instance } => match hub.instance(&instance) {
             Some(inst) => {
-                let health = crate::health::probe(hub, inst).await;
+                let health = crate::health::probe(hub, &inst).await;
                 success(id, HealthResult { instance, health })
             }
             None => {
@@ -84,7 +86,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         },
         Op::Status => success(id, status(hub)),
         Op::Catalog => success(id, catalog(std::env::current_exe().ok().as_deref())),
-        Op::Outbox { instance, state, limit } => {
+        Op::Outbox { instance, state, limit, before } => {
             let state = match state.as_deref().map(|s| OutboxState::parse(s).ok_or(s)) {
                 None => None,
                 Some(Ok(state)) => Some(state),
@@ -94,15 +96,24 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                     return failure(id, code::INVALID_REQUEST, message, None);
                 }
             };
-            match hub.ledger.outbox_list(instance, state, limit.unwrap_or(100).min(10_000)).await {
-                Ok(records) => success(
-                    id,
-                    OutboxResult { records: records.iter().map(|r| entry(hub, r)).collect() },
-                ),
+            let limit = limit.unwrap_or(100).clamp(1, MAX_OUTBOX_PAGE);
+            // One more than asked for tells whether another page follows.
+            match hub.ledger.outbox_list(instance, state, before, limit + 1).await {
+                Ok(summaries) => {
+                    let more = summaries.len() > limit;
+                    let entries =
+                        summaries.iter().take(limit).map(|r| summary_entry(hub, r)).collect();
+                    success(id, page(entries, more, PAGE_BUDGET))
+                }
                 Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
             }
         }
-        Op::OutboxRetry { id: record } => match hub.outbox.retry(record).await {
+        Op::OutboxGet { outbox_id } => match hub.ledger.outbox_get(outbox_id).await {
+            Ok(Some(record)) => success(id, entry(hub, &record)),
+            Ok(None) => failure(id, code::NOT_FOUND, format!("no outbox record {outbox_id}"), None),
+            Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
+        },
+        Op::OutboxRetry { outbox_id: record } => match hub.outbox.retry(record).await {
             Ok(record) => success(id, entry(hub, &record)),
             Err(SendError::Ledger(LedgerError::NoSuchRecord(_))) => {
                 failure(id, code::NOT_FOUND, format!("no outbox record {record}"), None)
@@ -122,8 +133,50 @@ fn ledger_code(err: &LedgerError) -> &'static str {
     }
 }
 
+/// Room an `outbox` page's records may take in the answer line; the rest of the line (ids,
+/// keys, the cursor) fits in what is left.
+const PAGE_BUDGET: usize = MAX_CONTROL_LINE - 4096;
+
+/// The records that fit in `budget` bytes of JSON, newest first, and the cursor to the next
+/// page when some were left out (or `more` says the ledger holds more). Pure.
+fn page(entries: Vec<OutboxEntry>, more: bool, budget: usize) -> OutboxResult {
+    let mut used = 0;
+    let mut records = Vec::with_capacity(entries.len());
+    let total = entries.len();
+    for entry in entries {
+        let size = serde_json::to_vec(&entry).map_or(usize::MAX, |json| json.len() + 1);
+        if used + size > budget && !records.is_empty() {
+            break;
+        }
+        used = used.saturating_add(size);
+        records.push(entry);
+    }
+    let cut = records.len() < total;
+    let next_before = (more || cut).then(|| records.last().map(|r| r.id)).flatten();
+    OutboxResult { records, next_before }
+}
+
+fn summary_entry(hub: &Hub, summary: &OutboxSummary) -> OutboxEntry {
+    OutboxEntry {
+        id: summary.id,
+        request_id: hub.ledger.outbox_request_id(summary.id),
+        instance: summary.instance.clone(),
+        state: summary.state.as_str().to_owned(),
+        idempotency_key: summary.idempotency_key.clone(),
+        conversation: summary.conversation.clone(),
+        text: summary.text_preview.clone(),
+        text_bytes: summary.text_bytes,
+        receipt: summary.receipt.as_ref().and_then(|r| serde_json::from_slice(r).ok()),
+        error: summary.error_preview.clone(),
+        attempts: summary.attempts,
+        created_ms: summary.created_ms,
+        updated_ms: summary.updated_ms,
+    }
+}
+
 fn entry(hub: &Hub, record: &OutboxRecord) -> OutboxEntry {
     let message: Option<OutboundMessage> = serde_json::from_slice(&record.message).ok();
+    let text = message.as_ref().map(|m| m.body.text_str().to_owned()).unwrap_or_default();
     OutboxEntry {
         id: record.id,
         request_id: hub.ledger.outbox_request_id(record.id),
@@ -134,7 +187,8 @@ fn entry(hub: &Hub, record: &OutboxRecord) -> OutboxEntry {
             .as_ref()
             .map(|m| m.target.conversation.to_string())
             .unwrap_or_default(),
-        text: message.as_ref().map(|m| m.body.text_str().to_owned()).unwrap_or_default(),
+        text_bytes: text.len(),
+        text,
         receipt: record.receipt.as_ref().and_then(|r| serde_json::from_slice(r).ok()),
         error: record.error.clone(),
         attempts: record.attempts,
@@ -165,6 +219,7 @@ fn status(hub: &Hub) -> StatusResult {
     use std::sync::atomic::Ordering::Relaxed;
     let instances = hub
         .instances
+        .snapshot()
         .values()
         .map(|inst| {
             let live = inst.live();
@@ -175,7 +230,7 @@ fn status(hub: &Hub) -> StatusResult {
                 instance: inst.config.id.to_string(),
                 family: inst.config.id.family().to_owned(),
                 socket: inst.config.socket.display().to_string(),
-                runtime: inst.runtime.name.clone(),
+                runtime: inst.policy().runtime.name.clone(),
                 connected: live.is_some(),
                 connected_since_ms: live.as_ref().map(|conn| unix_ms(conn.connected_at)),
                 driver_pid: live.as_ref().and_then(|conn| conn.peer_pid),
@@ -232,4 +287,47 @@ pub fn catalog(exe: Option<&Path>) -> CatalogResult {
         })
         .collect();
     CatalogResult { families }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(id: i64, text_len: usize) -> OutboxEntry {
+        OutboxEntry {
+            id,
+            request_id: format!("ob-x-{id}"),
+            instance: "a.b".into(),
+            state: "queued".into(),
+            idempotency_key: None,
+            conversation: "c".into(),
+            text: "t".repeat(text_len),
+            text_bytes: text_len,
+            receipt: None,
+            error: None,
+            attempts: 0,
+            created_ms: 0,
+            updated_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_page_stops_before_its_budget_and_points_to_the_next() {
+        let entries: Vec<_> = (0..10).rev().map(|id| entry(id, 900)).collect();
+        let page = page(entries.clone(), false, 3500);
+        assert_eq!(page.records.iter().map(|r| r.id).collect::<Vec<_>>(), vec![9, 8, 7]);
+        assert_eq!(page.next_before, Some(7));
+        let json = serde_json::to_vec(&page.records).unwrap();
+        assert!(json.len() <= 3500, "{}", json.len());
+        // Everything fits: no cursor, unless the ledger said more follow.
+        assert_eq!(super::page(entries.clone(), false, 1 << 20).next_before, None);
+        assert_eq!(super::page(entries, true, 1 << 20).next_before, Some(0));
+    }
+
+    #[test]
+    fn a_single_record_larger_than_the_budget_still_makes_progress() {
+        let page = page(vec![entry(5, 5000), entry(4, 10)], false, 1000);
+        assert_eq!(page.records.len(), 1);
+        assert_eq!(page.next_before, Some(5));
+    }
 }

@@ -104,6 +104,7 @@ where
     let limit = Arc::new(Semaphore::new(MAX_CONCURRENT_REQUESTS));
     let mut framer = LineFramer::new(MAX_CONTROL_LINE);
     let requests = TaskTracker::new();
+    let mut eof = false;
     'read: loop {
         while let Some(event) = framer.next_line() {
             let parsed = match event {
@@ -136,10 +137,19 @@ where
                 }
             }
         }
+        if eof {
+            break;
+        }
         tokio::select! {
             () = hub.close_connections.cancelled() => break,
             read = read.read_buf(framer.buffer_for_read()) => match read {
-                Ok(0) | Err(_) => break,
+                // A last request that the end of input cut off before its newline is still
+                // a request: end it, answer it, then stop reading.
+                Ok(0) => {
+                    eof = true;
+                    framer.extend(b"\n");
+                }
+                Err(_) => break,
                 Ok(_) => {}
             },
         }
@@ -166,6 +176,14 @@ pub(super) fn success(id: u64, result: impl Serialize) -> Vec<u8> {
     line.extend_from_slice(id.to_string().as_bytes());
     line.extend_from_slice(b",\"ok\":true,\"result\":");
     match serde_json::to_writer(&mut line, &result) {
+        // A client cannot read a longer line: answer what happened instead.
+        Ok(()) if line.len() + 2 > MAX_CONTROL_LINE => {
+            let message = format!(
+                "the answer would be {} bytes, over the {MAX_CONTROL_LINE}-byte line limit",
+                line.len() + 2
+            );
+            failure(id, code::ANSWER_TOO_LARGE, message, None)
+        }
         Ok(()) => {
             line.extend_from_slice(b"}\n");
             line

@@ -59,6 +59,9 @@ pub enum SlashCommand {
     NewSession,
 }
 
+/// The error code of a run that ended without a reply.
+pub const EMPTY_REPLY: &str = "empty_reply";
+
 /// What a redelivery of an event with a recorded entry gets: never a second run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Replay {
@@ -66,9 +69,8 @@ pub enum Replay {
     Wait,
     /// The stored reply, delivered again.
     Reply(String),
-    /// The run ended without a reply: nothing to send.
-    Nothing,
-    /// The run failed: the same error again.
+    /// The run failed (or, recorded by an older hub, ended without a reply): the same error
+    /// again.
     Failure { code: String, message: String },
 }
 
@@ -133,7 +135,11 @@ fn replay(run: &StoredRun) -> Replay {
         InboundState::Running => Replay::Wait,
         InboundState::Replied | InboundState::Delivered => match &run.reply {
             Some(text) => Replay::Reply(text.clone()),
-            None => Replay::Nothing,
+            // Every run ends with a `deliver` or an `error`, its replay too.
+            None => Replay::Failure {
+                code: EMPTY_REPLY.to_owned(),
+                message: "the agent produced no reply".to_owned(),
+            },
         },
         InboundState::Failed => {
             let (code, message) = run
@@ -235,7 +241,13 @@ mod tests {
             (stored(InboundState::Running, None), Replay::Wait),
             (stored(InboundState::Replied, Some("hello")), Replay::Reply("hello".into())),
             (stored(InboundState::Delivered, Some("hello")), Replay::Reply("hello".into())),
-            (stored(InboundState::Delivered, None), Replay::Nothing),
+            (
+                stored(InboundState::Delivered, None),
+                Replay::Failure {
+                    code: "empty_reply".into(),
+                    message: "the agent produced no reply".into(),
+                },
+            ),
             (
                 stored(InboundState::Failed, None),
                 Replay::Failure { code: "agent_timeout".into(), message: "too slow".into() },

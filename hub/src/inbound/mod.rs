@@ -20,6 +20,7 @@ use channeld_protocol::types::{MessageBody, OutboundMessage};
 use channeld_protocol::{Frame, encode};
 use tracing::{info, warn};
 
+use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::inflight::Slot;
@@ -66,11 +67,16 @@ fn view(admitted: &Admitted) -> InboundView<'_> {
     }
 }
 
-fn instance_view(inst: &Instance, slot: Slot) -> InstanceView<'_> {
+/// The instance's side of the decision, under its live settings as they are now.
+fn instance_view<'a>(
+    inst: &'a Instance,
+    policy: &'a InstancePolicy,
+    slot: Slot,
+) -> InstanceView<'a> {
     InstanceView {
         channel: inst.config.id.as_str(),
-        allow: &inst.config.allow,
-        deny_notice: inst.config.deny_notice.is_some(),
+        allow: &policy.allow,
+        deny_notice: policy.deny_notice.is_some(),
         slot,
     }
 }
@@ -80,10 +86,11 @@ fn instance_view(inst: &Instance, slot: Slot) -> InstanceView<'_> {
 async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admitted: Admitted) {
     Counters::bump(&inst.counters.inbound);
     let ledger = if hub.ledger.is_on() { Lookup::NotAsked } else { Lookup::Off };
+    let policy = inst.policy();
     let action = {
         let mut inflight = lock(&conn.inflight);
         let slot = inflight.slot(&admitted.event_id);
-        let action = decide(view(&admitted), instance_view(inst, slot), ledger);
+        let action = decide(view(&admitted), instance_view(inst, &policy, slot), ledger);
         if matches!(action, Action::Record | Action::Run | Action::Answer(_)) {
             inflight.admit(&admitted.event_id);
         }
@@ -136,7 +143,8 @@ async fn record(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, ad
             Lookup::Failed
         }
     };
-    let action = decide(view(&admitted), instance_view(inst, Slot::Taken), lookup);
+    let policy = inst.policy();
+    let action = decide(view(&admitted), instance_view(inst, &policy, Slot::Taken), lookup);
     carry_out(hub, inst, conn, admitted, action, Some(run_id)).await;
 }
 
@@ -182,7 +190,7 @@ async fn carry_out(
             tracing::debug!(instance = %inst.config.id, %event_id, ?replay, "redelivered event; replaying");
             match replay {
                 // Its reply goes to the instance's live driver when the run ends.
-                Replay::Wait | Replay::Nothing => {}
+                Replay::Wait => {}
                 Replay::Reply(text) => {
                     let target = admitted.reply_target();
                     reply::deliver(hub, inst, conn, event_id, target, text).await;
@@ -215,7 +223,8 @@ async fn carry_out(
 }
 
 /// A sender off the allowlist: counted, logged, told so on the platform when a deny notice
-/// is configured, and refused `sender_denied`.
+/// is configured (once per sender per `deny_notice_interval_secs`), and refused
+/// `sender_denied`.
 async fn deny(inst: &Instance, conn: &Connection, admitted: &Admitted, notice: bool) {
     let event_id = &admitted.event_id;
     Counters::bump(&inst.counters.denied);
@@ -225,8 +234,11 @@ async fn deny(inst: &Instance, conn: &Connection, admitted: &Admitted, notice: b
         sender = admitted.sender.as_ref().map_or("<none>", |p| p.id.as_str()),
         "sender not on the allowlist; denied"
     );
+    let policy = inst.policy();
     if notice
-        && let Some(text) = &inst.config.deny_notice
+        && let Some(text) = &policy.deny_notice
+        && let Some(sender) = &admitted.sender
+        && inst.may_notify(sender.id.as_str())
         && let Ok(body) = MessageBody::text(text.clone())
     {
         let frame = Frame::Deliver(Delivery {

@@ -7,15 +7,20 @@ use std::time::SystemTime;
 
 use channeld_protocol::frame::{Accepted, Delivery};
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
-use channeld_protocol::{Frame, Id, MAX_LINE_BYTES};
+use channeld_protocol::{EncodeError, Frame, Id, MAX_LINE_BYTES, encode};
 use tracing::{debug, info, warn};
 
+use super::decide::EMPTY_REPLY;
 use crate::connection::Connection;
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, unix_ms};
 
-/// Replies are cut to this many bytes so the `deliver` frame fits in one line.
-pub const MAX_REPLY_BYTES: usize = MAX_LINE_BYTES - 16 * 1024;
+/// Ends a reply that was cut so that its `deliver` frame fits in one line.
+pub const CUT_MARKER: &str = "\n[reply truncated]";
+
+/// More than the envelope, the event id and the target's ids (each at most 256 bytes,
+/// escaped at most six times over) add to a reply's escaped text in its `deliver` frame.
+const FRAME_SLACK: usize = 16 * 1024;
 
 fn now_ms() -> u64 {
     unix_ms(SystemTime::now())
@@ -52,25 +57,78 @@ pub fn reply_target(origin: &MessageTarget, reply_to: Option<Id>) -> MessageTarg
     }
 }
 
-/// Removes NULs and cuts an over-long reply at a character boundary, saying so.
-pub fn fit_reply(mut text: String) -> String {
+/// What a reply becomes so that its `deliver` frame fits in one line: NULs removed (no body
+/// holds one) and, when the frame would exceed [`MAX_LINE_BYTES`] once JSON-escaped, cut at
+/// a character boundary and marked with [`CUT_MARKER`]. Cut rather than split: an event gets
+/// exactly one `deliver`, and drivers split text for their platform's own limits. Pure.
+pub fn fit_reply(event_id: &Id, target: &MessageTarget, mut text: String) -> String {
     if text.contains('\0') {
         text = text.replace('\0', "");
     }
-    if text.len() <= MAX_REPLY_BYTES {
+    // Escaping at most sextuples a byte, and ids and envelope add less than the slack: a
+    // reply this short fits without measuring.
+    if text.len() * 6 + FRAME_SLACK <= MAX_LINE_BYTES {
         return text;
     }
-    let mut end = MAX_REPLY_BYTES - 32;
-    while !text.is_char_boundary(end) {
-        end -= 1;
+    let len = match MessageBody::text(text.clone())
+        .map(|body| encode(&deliver_frame(event_id, target, body)))
+    {
+        Ok(Err(EncodeError::TooLong { len, .. })) => len,
+        _ => return text,
+    };
+    // Escaping is per character, so dropping characters from the end shortens the frame by
+    // exactly their escaped length.
+    let excess = len - MAX_LINE_BYTES + escaped_len(CUT_MARKER);
+    let mut dropped = 0;
+    let mut cut = text.len();
+    for (at, c) in text.char_indices().rev() {
+        if dropped >= excess {
+            break;
+        }
+        dropped += escaped_char_len(c);
+        cut = at;
     }
-    text.truncate(end);
-    text.push_str("\n[reply truncated]");
+    text.truncate(cut);
+    text.push_str(CUT_MARKER);
     text
 }
 
+/// How many bytes `c` takes inside a JSON string as `serde_json` writes it.
+fn escaped_char_len(c: char) -> usize {
+    match c {
+        '"' | '\\' | '\n' | '\r' | '\t' | '\u{08}' | '\u{0c}' => 2,
+        c if (c as u32) < 0x20 => 6,
+        c => c.len_utf8(),
+    }
+}
+
+fn escaped_len(text: &str) -> usize {
+    text.chars().map(escaped_char_len).sum()
+}
+
+fn deliver_frame(event_id: &Id, target: &MessageTarget, body: MessageBody) -> Frame {
+    Frame::Deliver(Delivery {
+        request_id: event_id.clone(),
+        message: OutboundMessage { target: target.clone(), body, metadata: Default::default() },
+    })
+}
+
+/// The encoded `deliver` line of a reply, fitted; or the `error` the driver gets instead
+/// when the reply cannot be a frame (nothing left after removing NULs).
+fn deliver_line(
+    event_id: &Id,
+    target: &MessageTarget,
+    text: String,
+) -> Result<Vec<u8>, (&'static str, String)> {
+    let body = MessageBody::text(fit_reply(event_id, target, text))
+        .map_err(|err| (EMPTY_REPLY, format!("the reply is not a message body: {err}")))?;
+    encode(&deliver_frame(event_id, target, body))
+        .map_err(|err| ("agent_output_too_large", err.to_string()))
+}
+
 /// Sends the reply for `event_id` on `conn` and records that it was handed over (or, with
-/// `reply_receipt`, leaves that to the driver's receipt).
+/// `reply_receipt`, leaves that to the driver's receipt). A reply that cannot be a frame is
+/// answered with an `error` instead and recorded as handed over: it never becomes one.
 pub async fn deliver(
     hub: &Hub,
     inst: &Instance,
@@ -79,34 +137,38 @@ pub async fn deliver(
     target: MessageTarget,
     text: String,
 ) {
-    let body = match MessageBody::text(fit_reply(text)) {
-        Ok(body) => body,
-        Err(err) => {
-            warn!(instance = %inst.config.id, %event_id, error = %err, "reply is not a valid body; dropped");
+    let line = match deliver_line(event_id, &target, text) {
+        Ok(line) => line,
+        Err((code, message)) => {
+            inst.record_error(format!("reply for {event_id} not deliverable: {message}"));
+            warn!(instance = %inst.config.id, %event_id, code, error = %message, "reply cannot be a frame; the driver gets an error instead");
+            refuse(conn, event_id, code, message, false).await;
+            mark_delivered(hub, inst, event_id).await;
             return;
         }
     };
-    let frame = Frame::Deliver(Delivery {
-        request_id: event_id.clone(),
-        message: OutboundMessage { target, body, metadata: Default::default() },
-    });
-    match conn.sink.send(&frame).await {
+    match conn.sink.send_encoded(line).await {
         Ok(()) => {
             Counters::bump(&inst.counters.replies);
-            if hub.ledger.is_on()
-                && !conn.declaration.extensions.reply_receipt
-                && let Err(err) = hub
-                    .ledger
-                    .mark_delivered(inst.config.id.to_string(), event_id.to_string(), now_ms())
-                    .await
-            {
-                warn!(instance = %inst.config.id, %event_id, error = %err, "delivery not recorded");
+            if !conn.declaration.extensions.reply_receipt {
+                mark_delivered(hub, inst, event_id).await;
             }
         }
         Err(err) => {
             inst.record_error(format!("reply for {event_id} not delivered: {err}"));
             warn!(instance = %inst.config.id, %event_id, error = %err, "reply not delivered: driver connection gone");
         }
+    }
+}
+
+async fn mark_delivered(hub: &Hub, inst: &Instance, event_id: &Id) {
+    if !hub.ledger.is_on() {
+        return;
+    }
+    let recorded =
+        hub.ledger.mark_delivered(inst.config.id.to_string(), event_id.to_string(), now_ms()).await;
+    if let Err(err) = recorded {
+        warn!(instance = %inst.config.id, %event_id, error = %err, "delivery not recorded");
     }
 }
 
@@ -157,14 +219,78 @@ pub async fn deliver_missed(hub: &Hub, inst: &Instance, conn: &Connection) {
 
 #[cfg(test)]
 mod tests {
+    use channeld_protocol::ChannelId;
+
     use super::*;
 
+    fn target(conversation: &str) -> MessageTarget {
+        let channel = ChannelId::new("test.one").unwrap();
+        let mut target = MessageTarget::new(channel, Id::new(conversation).unwrap());
+        target.reply_to = Some(Id::new(conversation).unwrap());
+        target
+    }
+
+    fn frame_len(event_id: &Id, target: &MessageTarget, text: &str) -> usize {
+        let body = MessageBody::text(text.to_owned()).unwrap();
+        match encode(&deliver_frame(event_id, target, body)) {
+            Ok(line) => line.len(),
+            Err(EncodeError::TooLong { len, .. }) => len,
+            Err(err) => panic!("{err}"),
+        }
+    }
+
     #[test]
-    fn long_replies_are_cut_to_fit_a_frame() {
-        let text = "é".repeat(MAX_REPLY_BYTES);
-        let fitted = fit_reply(text);
-        assert!(fitted.len() <= MAX_REPLY_BYTES);
-        assert!(fitted.ends_with("[reply truncated]"));
-        assert_eq!(fit_reply("a\0b".into()), "ab");
+    fn escaped_lengths_are_what_serde_json_writes() {
+        let mut samples: Vec<char> = (0u8..0x80).map(char::from).collect();
+        samples.extend(['é', '€', '😀', '\u{2028}', '\u{feff}']);
+        for c in samples {
+            let written = serde_json::to_string(&c.to_string()).unwrap().len() - 2;
+            assert_eq!(escaped_char_len(c), written, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn a_reply_that_fits_is_left_alone_and_nuls_are_removed() {
+        let event = Id::new("e-1").unwrap();
+        assert_eq!(fit_reply(&event, &target("c1"), "a\0b".into()), "ab");
+        let text = "x".repeat(100_000);
+        assert_eq!(fit_reply(&event, &target("c1"), text.clone()), text);
+    }
+
+    #[test]
+    fn a_reply_too_big_once_escaped_is_cut_to_exactly_fit_its_frame() {
+        let event = Id::new("e-1").unwrap();
+        // Quotes and backslashes double, control characters take six bytes, é two, the
+        // emoji four; the conversation id is escaped too.
+        let cases = [
+            "\"".repeat(200_000),
+            "\\".repeat(140_000),
+            "\u{1}".repeat(50_000),
+            "é".repeat(150_000),
+            format!("{}{}", "a".repeat(262_000), "😀".repeat(10)),
+            "\"é\u{2}😀x\n".repeat(30_000),
+        ];
+        for conversation in ["c1", &"\"".repeat(256)] {
+            let target = target(conversation);
+            for text in &cases {
+                let fitted = fit_reply(&event, &target, text.clone());
+                let kept = fitted.strip_suffix(CUT_MARKER).expect("marked as cut");
+                assert!(text.starts_with(kept));
+                let len = frame_len(&event, &target, &fitted);
+                assert!(len <= MAX_LINE_BYTES, "{len}");
+                // Nothing more than needed was cut: one more character would not fit.
+                let next = text[kept.len()..].chars().next().unwrap();
+                let longer = format!("{kept}{next}{CUT_MARKER}");
+                assert!(frame_len(&event, &target, &longer) > MAX_LINE_BYTES);
+                assert!(deliver_line(&event, &target, text.clone()).is_ok());
+            }
+        }
+    }
+
+    #[test]
+    fn a_reply_of_only_nuls_becomes_an_empty_reply_error() {
+        let event = Id::new("e-1").unwrap();
+        let refused = deliver_line(&event, &target("c1"), "\0\0".into()).unwrap_err();
+        assert_eq!(refused.0, "empty_reply");
     }
 }

@@ -150,12 +150,21 @@ pub fn spawn(
                     session: request.session.clone(),
                     target: target.clone(),
                 };
-                runtime::run(&inst.runtime, &request, &io).await
+                // The runtime as configured when the run starts: a reload does not change it.
+                let policy = inst.policy();
+                runtime::run(&policy.runtime, &request, &io).await
             }
         };
+        // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
+        let result = result.and_then(|output| {
+            output
+                .reply
+                .map(|text| reply::fit_reply(&event_id, &target, text))
+                .filter(|text| !text.trim().is_empty())
+                .ok_or(RunError::EmptyReply)
+        });
         let end = match &result {
-            Ok(RunOutput { reply: Some(text) }) => RunEnd::Reply(reply::fit_reply(text.clone())),
-            Ok(RunOutput { reply: None }) => RunEnd::NoReply,
+            Ok(text) => RunEnd::Reply(text.clone()),
             Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
         };
         // From the moment the outcome is recorded until the reply is handed over, the
@@ -177,21 +186,19 @@ pub fn spawn(
         // The reply goes back on the connection that carried the inbound, or, if that one is
         // gone, on the instance's current driver; with neither it waits in the ledger.
         let conn = origin.clone().filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
-        match (end, conn) {
-            (RunEnd::Reply(text), Some(conn)) => {
+        match (result, conn) {
+            (Ok(text), Some(conn)) => {
                 reply::deliver(&hub, &inst, &conn, &event_id, target, text).await;
             }
-            (RunEnd::Reply(_), None) => {
+            (Ok(_), None) => {
                 debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
             }
-            (RunEnd::NoReply, _) => debug!(instance = %inst.config.id, %event_id, "run finished without a reply"),
-            (RunEnd::Failed { code, message }, conn) => {
+            (Err(err), conn) => {
                 Counters::bump(&inst.counters.runs_failed);
-                let err = result.err().map(|e| e.to_string()).unwrap_or_default();
                 inst.record_error(format!("run {}: {err}", request.run_id));
                 warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
                 if let Some(conn) = conn {
-                    refuse(&conn, &event_id, &code, message, false).await;
+                    refuse(&conn, &event_id, err.code(), public_message(&err), false).await;
                 }
             }
         }
@@ -277,8 +284,10 @@ impl RunIo for ConnectionIo {
             target: Some(MessageTarget { reply_to: None, ..self.target.clone() }),
         };
         match command::present(conn, presented, self.hub.config.command_timeout).await {
+            // Vetted against the allowlist as it is when the answer comes.
             Ok(answer) => command::vet_answer(
-                &self.inst.config,
+                &self.inst.config.id,
+                &self.inst.policy().allow,
                 conn.declaration.extensions.responder,
                 answer,
             ),

@@ -11,6 +11,7 @@
 //! Architecture invariant: the ledger imports nothing from the rest of the hub.
 
 pub mod inbound;
+mod lock;
 pub mod outbox;
 mod schema;
 pub mod sessions;
@@ -25,8 +26,10 @@ use std::thread::JoinHandle;
 use rusqlite::Transaction;
 use tokio::sync::{mpsc, oneshot};
 
+use lock::StateLock;
+
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
-pub use outbox::{Added, Claimed, NewSend, OutboxRecord};
+pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
 pub use store::QUEUE_CAPACITY;
@@ -47,10 +50,16 @@ pub enum LedgerError {
     Sql(String),
     #[error("cannot open the ledger at {path}: {message}")]
     Open { path: PathBuf, message: String },
+    #[error("the state directory {} is in use by another hub ({})", .dir.display(), holder(*.pid))]
+    InUse { dir: PathBuf, pid: Option<u32> },
     #[error("outbox record {0} does not exist")]
     NoSuchRecord(i64),
     #[error("outbox record {id} is {state}; only unknown or failed records can be retried")]
     NotRetryable { id: i64, state: OutboxState },
+}
+
+fn holder(pid: Option<u32>) -> String {
+    pid.map_or_else(|| "pid unknown".to_owned(), |pid| format!("pid {pid}"))
 }
 
 impl From<rusqlite::Error> for LedgerError {
@@ -64,6 +73,8 @@ impl From<rusqlite::Error> for LedgerError {
 pub struct Ledger {
     tx: Option<mpsc::Sender<store::Message>>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+    /// The state directory's lock, released once the ledger thread has ended.
+    lock: Arc<Mutex<Option<StateLock>>>,
     id: String,
     path: Option<PathBuf>,
 }
@@ -71,10 +82,18 @@ pub struct Ledger {
 impl Ledger {
     /// A ledger that records nothing.
     pub fn off() -> Self {
-        Self { tx: None, thread: Arc::default(), id: String::new(), path: None }
+        Self {
+            tx: None,
+            thread: Arc::default(),
+            lock: Arc::default(),
+            id: String::new(),
+            path: None,
+        }
     }
 
     /// Opens `dir/ledger.sqlite3`, creating the directory (mode 0700) and schema as needed.
+    /// Only one ledger (one hub) at a time may use `dir`: another gets
+    /// [`LedgerError::InUse`] naming the holder's pid.
     pub fn open(dir: &Path, durability: Durability) -> Result<Self, LedgerError> {
         let path = dir.join(DB_FILE);
         let open_err = |message: String| LedgerError::Open { path: path.clone(), message };
@@ -83,20 +102,31 @@ impl Ledger {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
         }
+        let lock = StateLock::acquire(dir)?;
         let conn = schema::open(&path, durability).map_err(|err| open_err(err.to_string()))?;
-        Self::start(conn, Some(path.clone())).map_err(|err| open_err(err.to_string()))
+        Self::start(conn, Some(path.clone()), Some(lock)).map_err(|err| open_err(err.to_string()))
     }
 
     /// A ledger in memory: everything works, nothing survives the process (tests).
     pub fn in_memory() -> Result<Self, LedgerError> {
         let conn = schema::open_in_memory()?;
-        Self::start(conn, None)
+        Self::start(conn, None, None)
     }
 
-    fn start(conn: rusqlite::Connection, path: Option<PathBuf>) -> Result<Self, LedgerError> {
+    fn start(
+        conn: rusqlite::Connection,
+        path: Option<PathBuf>,
+        lock: Option<StateLock>,
+    ) -> Result<Self, LedgerError> {
         let id = schema::ledger_id(&conn)?;
         let (tx, thread) = store::spawn(conn).map_err(|err| LedgerError::Sql(err.to_string()))?;
-        Ok(Self { tx: Some(tx), thread: Arc::new(Mutex::new(Some(thread))), id, path })
+        Ok(Self {
+            tx: Some(tx),
+            thread: Arc::new(Mutex::new(Some(thread))),
+            lock: Arc::new(Mutex::new(lock)),
+            id,
+            path,
+        })
     }
 
     pub fn is_on(&self) -> bool {
@@ -149,6 +179,8 @@ impl Ledger {
         if let Some(thread) = thread {
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
+        // The database is checkpointed and closed: another hub may have the directory now.
+        drop(self.lock.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
     /// Records an inbound unless its event id is known; see [`Recorded`].
@@ -259,14 +291,15 @@ impl Ledger {
         self.call(move |txn| outbox::get(txn, id)).await
     }
 
-    /// Lists records, newest first.
+    /// Lists records as summaries, newest first; see [`outbox::list`].
     pub async fn outbox_list(
         &self,
         instance: Option<String>,
         state: Option<OutboxState>,
+        before: Option<i64>,
         limit: usize,
-    ) -> Result<Vec<OutboxRecord>, LedgerError> {
-        self.call(move |txn| outbox::list(txn, instance.as_deref(), state, limit)).await
+    ) -> Result<Vec<OutboxSummary>, LedgerError> {
+        self.call(move |txn| outbox::list(txn, instance.as_deref(), state, before, limit)).await
     }
 
     /// An operator's explicit retry: an `unknown` or `failed` record goes back to `queued`.

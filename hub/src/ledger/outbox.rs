@@ -209,20 +209,76 @@ pub fn get(txn: &Transaction<'_>, id: i64) -> Result<Option<OutboxRecord>, Ledge
         .optional()?)
 }
 
-/// Lists records, newest first.
+/// One record as a listing shows it: the message's text and the error cut to previews, so
+/// a page of records stays small however large the messages are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxSummary {
+    pub id: i64,
+    pub instance: String,
+    pub idempotency_key: Option<String>,
+    pub state: OutboxState,
+    pub conversation: String,
+    /// The first [`PREVIEW_CHARS`] characters of the text.
+    pub text_preview: String,
+    /// The whole text's length in bytes.
+    pub text_bytes: usize,
+    pub receipt: Option<Vec<u8>>,
+    /// The first [`PREVIEW_CHARS`] characters of the error.
+    pub error_preview: Option<String>,
+    pub attempts: u32,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+}
+
+/// How many characters of a record's text and error a listing shows.
+pub const PREVIEW_CHARS: usize = 100;
+
+/// Lists records newest first: at most `limit`, only ids below `before` when given. The
+/// previews are cut in SQL (the stored message is an `OutboundMessage` as JSON), so no whole
+/// message is read into memory.
 pub fn list(
     txn: &Transaction<'_>,
     instance: Option<&str>,
     state: Option<OutboxState>,
+    before: Option<i64>,
     limit: usize,
-) -> Result<Vec<OutboxRecord>, LedgerError> {
-    let mut stmt = txn.prepare(&format!(
-        "SELECT {COLUMNS} FROM outbox
+) -> Result<Vec<OutboxSummary>, LedgerError> {
+    let mut stmt = txn.prepare_cached(
+        "SELECT id, instance, idempotency_key, state,
+             COALESCE(json_extract(json, '$.target.conversation'), ''),
+             COALESCE(substr(json_extract(json, '$.body.text'), 1, ?5), ''),
+             COALESCE(length(CAST(json_extract(json, '$.body.text') AS BLOB)), 0),
+             receipt, substr(error, 1, ?5), attempts, created_ms, updated_ms
+         FROM (SELECT *, CASE WHEN json_valid(message) THEN message END AS json FROM outbox)
          WHERE (?1 IS NULL OR instance = ?1) AND (?2 IS NULL OR state = ?2)
-         ORDER BY id DESC LIMIT ?3"
-    ))?;
-    let rows =
-        stmt.query_map(params![instance, state.map(OutboxState::as_str), limit as i64], row)?;
+             AND (?3 IS NULL OR id < ?3)
+         ORDER BY id DESC LIMIT ?4",
+    )?;
+    let rows = stmt.query_map(
+        params![
+            instance,
+            state.map(OutboxState::as_str),
+            before,
+            limit as i64,
+            PREVIEW_CHARS as i64
+        ],
+        |row| {
+            Ok(OutboxSummary {
+                id: row.get(0)?,
+                instance: row.get(1)?,
+                idempotency_key: row.get(2)?,
+                state: state_column(row, 3)?,
+                conversation: row.get(4)?,
+                text_preview: row.get(5)?,
+                text_bytes: row.get::<_, i64>(6)? as usize,
+                receipt: row.get(7)?,
+                error_preview: row.get(8)?,
+                attempts: row.get(9)?,
+                created_ms: row.get::<_, i64>(10)? as u64,
+                updated_ms: row.get::<_, i64>(11)? as u64,
+            })
+        },
+    )?;
     Ok(rows.collect::<Result<Vec<_>, _>>()?)
 }
 
@@ -266,15 +322,19 @@ fn parse_state(value: &str) -> Result<OutboxState, LedgerError> {
         .ok_or_else(|| LedgerError::Sql(format!("unknown outbox state {value:?}")))
 }
 
-fn row(row: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
-    let state: String = row.get(4)?;
-    let state = OutboxState::parse(&state).ok_or_else(|| {
+fn state_column(row: &rusqlite::Row<'_>, index: usize) -> rusqlite::Result<OutboxState> {
+    let state: String = row.get(index)?;
+    OutboxState::parse(&state).ok_or_else(|| {
         rusqlite::Error::FromSqlConversionFailure(
-            4,
+            index,
             rusqlite::types::Type::Text,
             format!("unknown outbox state {state:?}").into(),
         )
-    })?;
+    })
+}
+
+fn row(row: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
+    let state = state_column(row, 4)?;
     Ok(OutboxRecord {
         id: row.get(0)?,
         instance: row.get(1)?,
@@ -368,11 +428,11 @@ mod tests {
         assert_eq!(messages, vec![b"1".as_slice(), b"3".as_slice()]);
         assert!(claimed.records.iter().all(|r| r.state == OutboxState::Sent && r.attempts == 1));
         assert_eq!(claimed.expired, vec![ids[1]]);
-        let failed = list(&txn, None, Some(OutboxState::Failed), 10).unwrap();
+        let failed = list(&txn, None, Some(OutboxState::Failed), None, 10).unwrap();
         assert_eq!(failed.len(), 1);
-        assert_eq!(failed[0].error.as_deref(), Some(EXPIRED));
+        assert_eq!(failed[0].error_preview.as_deref(), Some(EXPIRED));
         assert_eq!(restart(&txn, 11).unwrap(), 2);
-        assert_eq!(list(&txn, None, Some(OutboxState::Unknown), 10).unwrap().len(), 2);
+        assert_eq!(list(&txn, None, Some(OutboxState::Unknown), None, 10).unwrap().len(), 2);
     }
 
     #[test]
@@ -386,8 +446,8 @@ mod tests {
         add(&txn, &send(None, OutboxState::Sent, "c", 5)).unwrap();
         assert_eq!(expire(&txn, 10).unwrap(), vec![due]);
         assert!(expire(&txn, 10).unwrap().is_empty(), "expired once");
-        assert_eq!(list(&txn, None, Some(OutboxState::Queued), 10).unwrap().len(), 1);
-        assert_eq!(list(&txn, None, Some(OutboxState::Sent), 10).unwrap().len(), 1);
+        assert_eq!(list(&txn, None, Some(OutboxState::Queued), None, 10).unwrap().len(), 1);
+        assert_eq!(list(&txn, None, Some(OutboxState::Sent), None, 10).unwrap().len(), 1);
     }
 
     #[test]
@@ -401,6 +461,55 @@ mod tests {
         add(&txn, &send(None, OutboxState::Queued, "b", 500)).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         assert!(get(&txn, done).unwrap().is_none());
-        assert_eq!(list(&txn, None, None, 10).unwrap().len(), 1);
+        assert_eq!(list(&txn, None, None, None, 10).unwrap().len(), 1);
+    }
+}
+
+#[cfg(test)]
+mod listing_tests {
+    use super::*;
+    use crate::ledger::schema;
+
+    fn message(conversation: &str, text: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "target": {"channel": "a.b", "conversation": conversation},
+            "body": {"text": text},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_listing_pages_newest_first_with_previews_of_text_and_error() {
+        let mut db = schema::open_in_memory().unwrap();
+        let txn = db.transaction().unwrap();
+        let mut ids = Vec::new();
+        for n in 0..5 {
+            let text = format!("{n}{}", "é".repeat(300));
+            let send = NewSend {
+                instance: "a.b".into(),
+                idempotency_key: None,
+                message: message("room", &text),
+                state: OutboxState::Sent,
+                now_ms: 1,
+                expires_ms: 100,
+            };
+            let Added::New(id) = add(&txn, &send).unwrap() else { panic!() };
+            ids.push(id);
+        }
+        let long_error = "x".repeat(10_000);
+        transition(&txn, ids[4], OutboxState::Failed, None, Some(&long_error), 2).unwrap();
+
+        let page = list(&txn, None, None, None, 2).unwrap();
+        assert_eq!(page.iter().map(|r| r.id).collect::<Vec<_>>(), vec![ids[4], ids[3]]);
+        assert_eq!(page[0].conversation, "room");
+        assert_eq!(page[0].text_preview.chars().count(), PREVIEW_CHARS);
+        assert!(page[0].text_preview.starts_with('4'));
+        assert_eq!(page[0].text_bytes, 1 + 600);
+        assert_eq!(page[0].error_preview.as_deref().map(str::len), Some(PREVIEW_CHARS));
+        let next = list(&txn, None, None, Some(ids[3]), 2).unwrap();
+        assert_eq!(next.iter().map(|r| r.id).collect::<Vec<_>>(), vec![ids[2], ids[1]]);
+        let only_failed = list(&txn, Some("a.b"), Some(OutboxState::Failed), None, 10).unwrap();
+        assert_eq!(only_failed.len(), 1);
+        assert!(list(&txn, Some("x.y"), None, None, 10).unwrap().is_empty());
     }
 }

@@ -5,14 +5,15 @@
 //! `receipts.rs` takes the driver's answers (`receipt` and `error` frames) to what was
 //! handed over; `waiters.rs` holds the callers waiting for a record to settle.
 
+mod backlog;
 pub mod receipts;
 mod waiters;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use channeld_protocol::Id;
 use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
+use channeld_protocol::{Id, MAX_LINE_BYTES};
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
@@ -21,9 +22,9 @@ pub use waiters::{OutboxOutcome, Waiters, Watch};
 
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
-use crate::instance::{Instance, Instances, unix_ms};
+use crate::instance::{Instance, Registry, unix_ms};
 use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
-use crate::send::{self, SendError, SendOutcome};
+use crate::send::{self, SendError, SendOutcome, SendState};
 
 /// Metadata key carrying the caller's idempotency key to the driver (as the reference does).
 pub const IDEMPOTENCY_METADATA: &str = "idempotency_key";
@@ -33,6 +34,10 @@ const SETTLE_MARGIN: Duration = Duration::from_secs(2);
 
 /// How many queued records are claimed per dispatch round.
 const DISPATCH_BATCH: usize = 256;
+
+/// More than the envelope, `type` and longest request id add to an encoded message: a
+/// message this far under the line limit certainly fits in its `outbound` frame.
+const FRAME_SLACK: usize = 4096;
 
 /// A proactive send as the control socket asks for it.
 #[derive(Debug, Clone)]
@@ -49,11 +54,12 @@ pub struct SendRequest {
 #[derive(Debug, Clone)]
 pub struct Outbox {
     ledger: Ledger,
-    instances: Arc<Instances>,
+    instances: Arc<Registry>,
     ids: Arc<Ids>,
     /// Where receipt waits run; the hub drains it at shutdown.
     tasks: TaskTracker,
     waiters: Arc<Waiters>,
+    backlogs: Arc<backlog::Backlogs>,
     ttl: Duration,
     receipt_timeout: Duration,
 }
@@ -65,13 +71,22 @@ fn now_ms() -> u64 {
 impl Outbox {
     pub fn new(
         ledger: Ledger,
-        instances: Arc<Instances>,
+        instances: Arc<Registry>,
         ids: Arc<Ids>,
         tasks: TaskTracker,
         ttl: Duration,
         receipt_timeout: Duration,
     ) -> Self {
-        Self { ledger, instances, ids, tasks, waiters: Arc::default(), ttl, receipt_timeout }
+        Self {
+            ledger,
+            instances,
+            ids,
+            tasks,
+            waiters: Arc::default(),
+            backlogs: Arc::default(),
+            ttl,
+            receipt_timeout,
+        }
     }
 
     /// Callers waiting for a record to settle (for tests and status).
@@ -85,8 +100,7 @@ impl Outbox {
         let inst = self
             .instances
             .get(instance.as_str())
-            .ok_or_else(|| SendError::UnknownInstance(instance.clone()))?
-            .clone();
+            .ok_or_else(|| SendError::UnknownInstance(instance.clone()))?;
         if message.target.channel != inst.config.id {
             return Err(SendError::WrongChannel {
                 expected: inst.config.id.to_string(),
@@ -110,45 +124,63 @@ impl Outbox {
             return send::send_on(&inst, &conn, self.ids.request("out"), message, wait).await;
         }
 
-        let now = now_ms();
         let encoded =
             serde_json::to_vec(&message).map_err(|err| SendError::TooLarge(err.to_string()))?;
-        let state = if live.is_some() { OutboxState::Sent } else { OutboxState::Queued };
-        let added = self
-            .ledger
-            .outbox_add(NewSend {
-                instance: instance.clone(),
-                idempotency_key,
-                message: encoded,
-                state,
-                now_ms: now,
-                expires_ms: now + self.ttl.as_millis() as u64,
-            })
-            .await?;
+        // Refused now rather than queued: a send that can never be a frame would otherwise
+        // fail only when a driver connects.
+        if encoded.len() + FRAME_SLACK > MAX_LINE_BYTES {
+            send::fits(&self.request_id(i64::MAX), &message)?;
+        }
+        let backlog = self.backlogs.of(&instance);
+        // Straight to a connected driver only when nothing is queued before it.
+        let direct = live.as_ref().filter(|_| backlog.is_clear());
+        let state = if direct.is_some() { OutboxState::Sent } else { OutboxState::Queued };
+        let now = now_ms();
+        let new = NewSend {
+            instance: instance.clone(),
+            idempotency_key,
+            message: encoded,
+            state,
+            now_ms: now,
+            expires_ms: now + self.ttl.as_millis() as u64,
+        };
+        let added = {
+            let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
+            self.ledger.outbox_add(new).await?
+        };
         let id = match added {
             Added::New(id) => id,
-            Added::Existing(record) => return self.existing(record, wait).await,
+            Added::Existing(record) if same_send(&record.message, &message) => {
+                return self.existing(&inst, record, wait).await;
+            }
+            Added::Existing(record) => {
+                return Err(SendError::Conflict { outbox_id: record.id });
+            }
         };
         let request_id = self.request_id(id);
         let mut settled = self.waiters.watch(id);
-        match live {
+        // Where the send stands now, when known without asking the ledger.
+        let known = match direct {
             Some(conn) => {
                 let timeout = wait.unwrap_or(self.receipt_timeout);
-                match send::handover(&inst, &conn, &request_id, message).await {
+                match send::handover(&inst, conn, &request_id, message).await {
                     Ok(waiter) => {
                         self.spawn_settle(
                             inst.clone(),
-                            conn,
+                            conn.clone(),
                             id,
                             request_id.clone(),
                             waiter,
                             timeout,
                         );
+                        Some(SendState::Handed)
                     }
                     Err(SendError::Offline(_)) => {
                         // The frame never left the hub: back to the queue, nothing is lost.
                         debug!(instance = %inst.config.id, id, "driver left before the send; queued");
+                        let _queuing = backlog.queuing();
                         self.record_outcome(id, OutboxState::Queued, None, None).await;
+                        Some(SendState::Queued)
                     }
                     Err(err) => {
                         let error = format!("{}: {err}", err.code());
@@ -157,21 +189,36 @@ impl Outbox {
                     }
                 }
             }
-            None => debug!(instance = %instance, id, "driver offline; send queued"),
-        }
+            None => match inst.live() {
+                // Queued behind earlier sends: dispatching hands them over in order, this one
+                // last (unless the driver leaves meanwhile).
+                Some(conn) => {
+                    self.dispatch_queued(&inst, &conn).await;
+                    None
+                }
+                None => {
+                    debug!(instance = %instance, id, "driver offline; send queued");
+                    return Ok(SendOutcome::queued(request_id, Some(id)));
+                }
+            },
+        };
         let Some(wait) = wait else {
-            let queued = inst.live().is_none() && state == OutboxState::Queued;
-            return Ok(if queued {
-                SendOutcome::queued(request_id, Some(id))
-            } else {
-                SendOutcome::handed(request_id, Some(id))
-            });
+            return match known {
+                Some(SendState::Handed) => Ok(SendOutcome::handed(request_id, Some(id))),
+                Some(_) => Ok(SendOutcome::queued(request_id, Some(id))),
+                None => self.current(request_id, id).await,
+            };
         };
         // The settle task decides at `wait`; give it a moment to record the outcome.
         if let Some(outcome) = settled.outcome(wait + SETTLE_MARGIN).await {
             return outcome_result(request_id, id, outcome);
         }
         drop(settled);
+        self.current(request_id, id).await
+    }
+
+    /// Where record `id` stands now, as a send's answer.
+    async fn current(&self, request_id: Id, id: i64) -> Result<SendOutcome, SendError> {
         match self.ledger.outbox_get(id).await? {
             Some(record) if record.state == OutboxState::Queued => {
                 Ok(SendOutcome::queued(request_id, Some(id)))
@@ -185,24 +232,32 @@ impl Outbox {
     }
 
     /// The answer for a repeated idempotency key: the existing record, never a second send.
+    /// A queued one with no driver connected is answered at once: nothing will settle it
+    /// before a driver comes.
     async fn existing(
         &self,
+        inst: &Instance,
         record: OutboxRecord,
         wait: Option<Duration>,
     ) -> Result<SendOutcome, SendError> {
         let request_id = self.request_id(record.id);
-        let pending = matches!(record.state, OutboxState::Queued | OutboxState::Sent);
-        if pending {
-            if let Some(wait) = wait {
-                let mut settled = self.waiters.watch(record.id);
-                if let Some(outcome) = settled.outcome(wait).await {
-                    return outcome_result(request_id, record.id, outcome);
-                }
+        // Wait for the first send to settle, unless nothing can settle it before a driver
+        // connects.
+        let may_settle = match record.state {
+            OutboxState::Queued => inst.live().is_some(),
+            OutboxState::Sent => true,
+            _ => false,
+        };
+        if may_settle && let Some(wait) = wait {
+            let mut settled = self.waiters.watch(record.id);
+            if let Some(outcome) = settled.outcome(wait).await {
+                return outcome_result(request_id, record.id, outcome);
             }
-            return Ok(match record.state {
-                OutboxState::Queued => SendOutcome::queued(request_id, Some(record.id)),
-                _ => SendOutcome::handed(request_id, Some(record.id)),
-            });
+        }
+        match record.state {
+            OutboxState::Queued => return Ok(SendOutcome::queued(request_id, Some(record.id))),
+            OutboxState::Sent => return Ok(SendOutcome::handed(request_id, Some(record.id))),
+            _ => {}
         }
         outcome_result(request_id, record.id, record_outcome(&record))
     }
@@ -278,16 +333,22 @@ impl Outbox {
         Ok(expired.len())
     }
 
-    /// Sends every queued record of `inst` on `conn`, oldest first: frames go out in order,
-    /// receipts are awaited concurrently.
+    /// Sends every queued record of `inst` on `conn`, oldest first: frames go out in order
+    /// (one dispatcher per instance at a time), receipts are awaited concurrently. A record
+    /// that can never be sent (too large for a frame) fails with its reason and the ones
+    /// behind it go on; when the driver leaves, the claimed records that were not handed over
+    /// go back to the queue — none is left `sent` without a wait for its receipt.
     pub async fn dispatch_queued(&self, inst: &Arc<Instance>, conn: &Arc<Connection>) {
         if !self.ledger.is_on() || !conn.declaration.can_send() {
             return;
         }
+        let instance = inst.config.id.to_string();
+        let backlog = self.backlogs.of(&instance);
+        let _turn = backlog.turn().await;
         loop {
             let claimed = match self
                 .ledger
-                .outbox_claim_queued(inst.config.id.to_string(), now_ms(), DISPATCH_BATCH)
+                .outbox_claim_queued(instance.clone(), now_ms(), DISPATCH_BATCH)
                 .await
             {
                 Ok(claimed) => claimed,
@@ -298,9 +359,11 @@ impl Outbox {
             };
             self.expired(&claimed.expired);
             if claimed.records.is_empty() {
+                backlog.drained();
                 return;
             }
-            for record in claimed.records {
+            let mut records = claimed.records.into_iter();
+            while let Some(record) = records.next() {
                 let request_id = self.request_id(record.id);
                 let message: OutboundMessage = match serde_json::from_slice(&record.message) {
                     Ok(message) => message,
@@ -317,27 +380,59 @@ impl Outbox {
                         let (inst, conn) = (inst.clone(), conn.clone());
                         self.spawn_settle(inst, conn, record.id, request_id, waiter, timeout);
                     }
-                    Err(err) => {
-                        self.record_outcome(record.id, OutboxState::Queued, None, None).await;
-                        debug!(instance = %inst.config.id, error = %err, "dispatch stopped; records stay queued");
+                    Err(SendError::Offline(_)) => {
+                        let unsent: Vec<i64> =
+                            std::iter::once(record.id).chain(records.map(|r| r.id)).collect();
+                        debug!(instance = %inst.config.id, records = unsent.len(), "driver left during dispatch; records stay queued");
+                        let _queuing = backlog.queuing();
+                        for id in unsent {
+                            self.record_outcome(id, OutboxState::Queued, None, None).await;
+                        }
                         return;
+                    }
+                    Err(err) => {
+                        warn!(instance = %inst.config.id, id = record.id, error = %err, "queued send can never be sent; failed");
+                        let error = format!("{}: {err}", err.code());
+                        self.record_outcome(record.id, OutboxState::Failed, None, Some(error))
+                            .await;
                     }
                 }
             }
         }
     }
 
-    /// An operator's explicit retry of an `unknown` or `failed` send.
+    /// An operator's explicit retry of an `unknown` or `failed` send: queued again, handed
+    /// to the driver when one is connected, and answered once it settled (or the receipt
+    /// timeout passed) — at once when it stays queued.
     pub async fn retry(&self, id: i64) -> Result<OutboxRecord, SendError> {
         let now = now_ms();
-        let record = self.ledger.outbox_requeue(id, now, now + self.ttl.as_millis() as u64).await?;
+        let mut settled = self.waiters.watch(id);
+        let expires = now + self.ttl.as_millis() as u64;
+        let record = match self.ledger.outbox_get(id).await? {
+            Some(record) => {
+                let backlog = self.backlogs.of(&record.instance);
+                let _queuing = backlog.queuing();
+                self.ledger.outbox_requeue(id, now, expires).await?
+            }
+            None => return Err(SendError::Ledger(LedgerError::NoSuchRecord(id))),
+        };
         if let Some(inst) = self.instances.get(record.instance.as_str())
             && let Some(conn) = inst.live()
         {
-            self.dispatch_queued(inst, &conn).await;
+            self.dispatch_queued(&inst, &conn).await;
+            let handed = self.ledger.outbox_get(id).await?;
+            if handed.as_ref().is_some_and(|r| r.state == OutboxState::Sent) {
+                settled.outcome(self.receipt_timeout + SETTLE_MARGIN).await;
+            }
         }
         Ok(self.ledger.outbox_get(id).await?.unwrap_or(record))
     }
+}
+
+/// Whether a new send repeats the stored one: an idempotency key may only repeat the same
+/// message (conversation, thread, text, metadata) on its instance.
+fn same_send(stored: &[u8], new: &OutboundMessage) -> bool {
+    serde_json::from_slice::<OutboundMessage>(stored).is_ok_and(|stored| stored == *new)
 }
 
 fn record_outcome(record: &OutboxRecord) -> OutboxOutcome {
@@ -369,5 +464,36 @@ fn outcome_result(
         (OutboxState::Queued, _) => Ok(SendOutcome::queued(request_id, Some(id))),
         (OutboxState::Sent, _) => Ok(SendOutcome::handed(request_id, Some(id))),
         _ => Err(SendError::Unknown { request_id, reason }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::ChannelId;
+    use channeld_protocol::types::{MessageBody, MessageTarget};
+
+    use super::*;
+
+    fn message(conversation: &str, text: &str) -> OutboundMessage {
+        let channel = ChannelId::new("a.b").unwrap();
+        let mut message = OutboundMessage {
+            target: MessageTarget::new(channel, Id::new(conversation).unwrap()),
+            body: MessageBody::text(text).unwrap(),
+            metadata: Default::default(),
+        };
+        message.metadata.insert(IDEMPOTENCY_METADATA.into(), "k1".into());
+        message
+    }
+
+    #[test]
+    fn a_key_may_repeat_only_the_same_message() {
+        let stored = serde_json::to_vec(&message("c1", "deploy 881 finished")).unwrap();
+        assert!(same_send(&stored, &message("c1", "deploy 881 finished")));
+        assert!(!same_send(&stored, &message("c1", "deploy 882 finished")));
+        assert!(!same_send(&stored, &message("c2", "deploy 881 finished")));
+        let mut threaded = message("c1", "deploy 881 finished");
+        threaded.target.thread = Some(Id::new("t").unwrap());
+        assert!(!same_send(&stored, &threaded));
+        assert!(!same_send(b"not json", &message("c1", "deploy 881 finished")));
     }
 }

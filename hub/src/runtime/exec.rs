@@ -2,7 +2,8 @@
 //! text on stdout. See PROTOCOL.md, "Agent contract".
 
 use std::path::Path;
-use std::process::Stdio;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
 
 use channeld_protocol::Id;
 use channeld_protocol::framing::{LineEvent, LineFramer};
@@ -10,6 +11,7 @@ use channeld_protocol::types::{Choice, Command, Effect, Participant};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin};
+use tokio::time::{Instant, sleep_until};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
@@ -24,6 +26,10 @@ const PASS_THROUGH_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMP
 
 /// How much of an agent's stderr is kept for the log line of a failed run.
 const STDERR_TAIL: usize = 2048;
+
+/// How long output is still read after the agent exited: enough for what it wrote before
+/// exiting, short enough that a background process holding the pipe does not hold the run.
+const EXIT_DRAIN_GRACE: Duration = Duration::from_millis(250);
 
 #[derive(Serialize)]
 struct Envelope<'a> {
@@ -86,6 +92,39 @@ enum AgentLine {
     },
 }
 
+/// What one line of agent output is (see PROTOCOL.md, "Agent contract").
+#[derive(Debug)]
+enum Output {
+    /// Reply text: anything that is not a JSON object with a string `type`.
+    Text,
+    /// An action the hub carries out.
+    Action(AgentLine),
+    /// A JSON object with a string `type` the hub does not know, or a known one with missing
+    /// or invalid fields: logged and ignored, never shown to the user.
+    Unusable { kind: String, error: String },
+}
+
+/// Just the `type` of a JSON object line.
+#[derive(Deserialize)]
+struct Tagged {
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+fn classify(line: &str) -> Output {
+    let trimmed = line.trim();
+    if !trimmed.starts_with('{') {
+        return Output::Text;
+    }
+    match serde_json::from_str::<AgentLine>(trimmed) {
+        Ok(action) => Output::Action(action),
+        Err(err) => match serde_json::from_str::<Tagged>(trimmed) {
+            Ok(Tagged { kind }) => Output::Unusable { kind, error: err.to_string() },
+            Err(_) => Output::Text,
+        },
+    }
+}
+
 #[derive(Serialize)]
 struct CommandResultLine<'a> {
     #[serde(rename = "type")]
@@ -103,7 +142,7 @@ pub(super) async fn run(
     let mut child = spawn(config, request).map_err(RunError::Spawn)?;
     let pid = child.id();
     let result =
-        tokio::time::timeout(config.timeout, converse(config, request, io, &mut child)).await;
+        tokio::time::timeout(config.timeout, converse(config, request, io, &mut child, pid)).await;
     match result {
         Ok(Ok(output)) => Ok(output),
         Ok(Err(err)) => {
@@ -161,13 +200,19 @@ fn spawn(config: &RuntimeConfig, request: &RunRequest) -> std::io::Result<Child>
 }
 
 async fn kill_group(pid: Option<u32>, child: &mut Child) {
+    signal_group(pid);
+    let _ = child.kill().await;
+}
+
+/// SIGKILL to the agent's process group (`pid` is its leader's, recorded at spawn: the
+/// group outlives the leader, and the kernel does not reuse a pid while its group exists).
+fn signal_group(pid: Option<u32>) {
     if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
         // SAFETY: plain syscall; the group was created for this agent by process_group(0).
         unsafe {
             libc::kill(-pid, libc::SIGKILL);
         }
     }
-    let _ = child.kill().await;
 }
 
 async fn converse(
@@ -175,6 +220,7 @@ async fn converse(
     request: &RunRequest,
     io: &impl RunIo,
     child: &mut Child,
+    pid: Option<u32>,
 ) -> Result<RunOutput, RunError> {
     let mut stdin = child.stdin.take();
     let stdout = child.stdout.take().ok_or_else(|| RunError::Io(missing("stdout")))?;
@@ -214,6 +260,10 @@ async fn converse(
     let mut reader = stdout;
     let mut total = 0usize;
     let mut commands = 0u32;
+    // The run ends when the agent process exits, not when its stdout closes: a process it
+    // left in the background may hold the pipe open for as long as it lives. What is already
+    // written is read for up to `EXIT_DRAIN_GRACE` after the exit.
+    let mut exited: Option<(ExitStatus, Instant)> = None;
     loop {
         while let Some(event) = framer.next_line() {
             let LineEvent::Line(raw) = event else {
@@ -222,7 +272,18 @@ async fn converse(
             let text = String::from_utf8_lossy(raw).into_owned();
             handle_line(&text, request, io, &mut transcript, &mut stdin, &mut commands).await;
         }
-        let read = reader.read_buf(framer.buffer_for_read()).await.map_err(RunError::Io)?;
+        let drained_by = exited.map(|(_, at)| at + EXIT_DRAIN_GRACE);
+        let read = tokio::select! {
+            read = reader.read_buf(framer.buffer_for_read()) => read.map_err(RunError::Io)?,
+            status = child.wait(), if exited.is_none() => {
+                exited = Some((status.map_err(RunError::Io)?, Instant::now()));
+                continue;
+            }
+            () = sleep_until(drained_by.unwrap_or_else(Instant::now)), if drained_by.is_some() => {
+                debug!(run_id = %request.run_id, "the agent exited; a process it left behind still holds its stdout");
+                break;
+            }
+        };
         if read == 0 {
             break;
         }
@@ -236,8 +297,15 @@ async fn converse(
         handle_line(&text, request, io, &mut transcript, &mut stdin, &mut commands).await;
     }
     drop(stdin);
-    let status = child.wait().await.map_err(RunError::Io)?;
-    let stderr = stderr_task.await.unwrap_or_default();
+    let status = match exited {
+        Some((status, _)) => status,
+        None => child.wait().await.map_err(RunError::Io)?,
+    };
+    // Whatever the agent left running ends with its run (and so releases its pipes).
+    signal_group(pid);
+    let stderr =
+        tokio::time::timeout(EXIT_DRAIN_GRACE, stderr_task).await.ok().and_then(Result::ok);
+    let stderr = stderr.unwrap_or_default();
     if !status.success() {
         return Err(RunError::Failed { status: status.to_string(), stderr });
     }
@@ -274,19 +342,14 @@ async fn handle_line(
     stdin: &mut Option<ChildStdin>,
     commands: &mut u32,
 ) {
-    let trimmed = line.trim_start();
-    if !trimmed.starts_with('{') {
-        transcript.plain.push(line.trim_end_matches('\r').to_owned());
-        return;
-    }
-    let parsed: AgentLine = match serde_json::from_str(trimmed) {
-        Ok(parsed) => parsed,
-        Err(err) => {
-            if serde_json::from_str::<serde::de::IgnoredAny>(trimmed).is_ok() {
-                warn!(run_id = %request.run_id, error = %err, "agent wrote a JSON line the hub does not understand; ignored");
-            } else {
-                transcript.plain.push(line.to_owned());
-            }
+    let parsed = match classify(line) {
+        Output::Text => {
+            transcript.plain.push(line.trim_end_matches('\r').to_owned());
+            return;
+        }
+        Output::Action(parsed) => parsed,
+        Output::Unusable { kind, error } => {
+            warn!(run_id = %request.run_id, action = %kind, %error, "agent wrote an action the hub does not understand; ignored");
             return;
         }
     };
@@ -358,4 +421,46 @@ async fn read_tail(mut pipe: impl AsyncRead + Unpin, keep: usize) -> String {
         }
     }
     String::from_utf8_lossy(&tail).trim().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_json_objects_with_a_string_type_are_actions() {
+        assert!(matches!(classify("hello"), Output::Text));
+        assert!(matches!(classify("{\"answer\":42}"), Output::Text));
+        assert!(matches!(classify("{\"type\":7}"), Output::Text));
+        assert!(matches!(classify("{not json"), Output::Text));
+        assert!(matches!(classify("[1,2]"), Output::Text));
+        assert!(matches!(
+            classify(" {\"type\":\"reply\",\"text\":\"hi\"}\r"),
+            Output::Action(AgentLine::Reply { .. })
+        ));
+        match classify("{\"type\":\"thought\",\"text\":\"x\"}") {
+            Output::Unusable { kind, .. } => assert_eq!(kind, "thought"),
+            other => panic!("{other:?}"),
+        }
+        // A known type without its fields is no reply: it is reported, not shown.
+        match classify("{\"type\":\"reply\"}") {
+            Output::Unusable { kind, error } => {
+                assert_eq!(kind, "reply");
+                assert!(error.contains("text"), "{error}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn explicit_replies_win_and_blank_output_is_no_reply() {
+        let mut transcript = Transcript::default();
+        transcript.plain.push("thinking".into());
+        transcript.replies.push("answer".into());
+        assert_eq!(transcript.reply().as_deref(), Some("answer"));
+        let blank = Transcript { replies: vec![], plain: vec!["   ".into(), String::new()] };
+        assert_eq!(blank.reply(), None);
+        let empty_reply = Transcript { replies: vec![" ".into()], plain: vec!["x".into()] };
+        assert_eq!(empty_reply.reply(), None);
+    }
 }

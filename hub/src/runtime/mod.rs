@@ -79,6 +79,9 @@ pub enum RunError {
     Failed { status: String, stderr: String },
     #[error("agent i/o failed: {0}")]
     Io(std::io::Error),
+    /// The run ended without reply text (nothing, only whitespace, a `reply` without text).
+    #[error("agent produced no reply")]
+    EmptyReply,
 }
 
 fn stderr_suffix(stderr: &str) -> String {
@@ -91,6 +94,7 @@ impl RunError {
         match self {
             RunError::Timeout(_) => "agent_timeout",
             RunError::OutputTooLarge(_) => "agent_output_too_large",
+            RunError::EmptyReply => "empty_reply",
             RunError::Spawn(_) | RunError::Failed { .. } | RunError::Io(_) => "agent_failed",
         }
     }

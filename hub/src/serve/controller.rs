@@ -14,7 +14,7 @@ use channeld_protocol::{Frame, Id};
 use tokio::io::AsyncRead;
 use tracing::debug;
 
-use super::answer_decode_error;
+use super::{answer_decode_error, closing};
 use crate::command::{self, Presented};
 use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
 use crate::instance::Instance;
@@ -53,7 +53,7 @@ pub(super) async fn run<R: AsyncRead + Unpin>(
     loop {
         let item = tokio::select! {
             biased;
-            () = hub.close_connections.cancelled() => return,
+            () = closing(hub, inst) => return,
             item = reader.next() => item,
         };
         match item {
@@ -190,7 +190,8 @@ async fn control_request(
                 match command::present(&conn, presented, timeout).await {
                     Ok(answer) => {
                         let responder = conn.declaration.extensions.responder;
-                        let answer = command::vet_answer(&inst.config, responder, answer);
+                        let allow = &inst.policy().allow;
+                        let answer = command::vet_answer(&inst.config.id, allow, responder, answer);
                         let result = ControlResult::CommandResult { result: answer.result };
                         response(request_id, Ok(Some(result)), ext)
                     }

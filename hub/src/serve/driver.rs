@@ -13,7 +13,7 @@ use channeld_protocol::types::{Health, HealthState};
 use tokio::io::AsyncRead;
 use tracing::{debug, info, warn};
 
-use super::answer_decode_error;
+use super::{answer_decode_error, closing};
 use crate::connection::{Connection, PeerKind};
 use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
 use crate::inbound;
@@ -104,8 +104,8 @@ async fn handshake(
     Some(conn)
 }
 
-/// Reads a driver's frames until it leaves or the hub closes connections (then it says
-/// `stop` first).
+/// Reads a driver's frames until it leaves, or the hub closes connections or a reload removes
+/// the instance (then it says `stop` first).
 pub(super) async fn frames<R: AsyncRead + Unpin>(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
@@ -118,7 +118,7 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
             Some(frame) => Ok(Some(Ok(frame))),
             None => tokio::select! {
                 biased;
-                () = hub.close_connections.cancelled() => {
+                () = closing(hub, inst) => {
                     let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
                     let _ = conn.sink.send(&stop).await;
                     return;

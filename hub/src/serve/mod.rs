@@ -33,8 +33,8 @@ const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a closing connection may take to write what is queued.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// Accepts connections on an instance socket until shutdown, one tracked task each. Answers
-/// the watchdog's liveness probe between accepts.
+/// Accepts connections on an instance socket until shutdown (or a reload removes the
+/// instance), one tracked task each. Answers the watchdog's liveness probe between accepts.
 pub(crate) async fn accept_loop(
     hub: Arc<Hub>,
     inst: Arc<Instance>,
@@ -45,6 +45,7 @@ pub(crate) async fn accept_loop(
     loop {
         tokio::select! {
             () = hub.shutdown.cancelled() => break,
+            () = inst.removed.cancelled() => break,
             () = liveness.answer() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
@@ -82,7 +83,7 @@ pub async fn serve<R, W>(
     let mut reader = FrameReader::new(read);
     let (sink, writer) = spawn_writer(write, CONNECTION_QUEUE);
     let first = tokio::select! {
-        () = hub.close_connections.cancelled() => None,
+        () = closing(&hub, &inst) => None,
         first = tokio::time::timeout(FIRST_FRAME_TIMEOUT, next_valid(&mut reader, &sink)) => {
             first.ok().flatten()
         }
@@ -111,6 +112,15 @@ pub async fn serve<R, W>(
     }
     drop(sink);
     let _ = writer.close_within(CLOSE_GRACE).await;
+}
+
+/// Resolves when connections to `inst` must end: the hub is closing connections, or a
+/// reload removed the instance.
+async fn closing(hub: &Hub, inst: &Instance) {
+    tokio::select! {
+        () = hub.close_connections.cancelled() => {}
+        () = inst.removed.cancelled() => {}
+    }
 }
 
 /// Answers a process the socket's peer rule does not admit with `peer_not_allowed` and

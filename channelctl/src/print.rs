@@ -1,0 +1,248 @@
+//! `channelctl`'s text output: a table or a few lines per answer (`--json` prints the hub's
+//! answer as it is instead).
+
+use channeld_control::{
+    CatalogResult, HealthResult, InstanceStatus, OutboxEntry, OutboxResult, SendResult,
+    StatusResult,
+};
+use channeld_protocol::types::Health;
+
+use crate::Cmd;
+
+pub(crate) fn print_text(
+    command: &Cmd,
+    result: serde_json::Value,
+) -> Result<(), serde_json::Error> {
+    match command {
+        Cmd::Send { .. } => {
+            let sent: SendResult = serde_json::from_value(result)?;
+            match sent.receipt {
+                Some(receipt) => {
+                    println!("receipted {} (request {})", receipt.message_id, sent.request_id)
+                }
+                None => println!("{} (request {})", sent.state, sent.request_id),
+            }
+        }
+        Cmd::Health { .. } => {
+            let health: HealthResult = serde_json::from_value(result)?;
+            match health_reason(&health.health).as_str() {
+                "" => println!("{} {}", health.instance, health.health.state.as_str()),
+                reason => {
+                    println!("{} {}: {reason}", health.instance, health.health.state.as_str())
+                }
+            }
+        }
+        Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
+        Cmd::Outbox { action: Some(_), .. } => {
+            let entry: OutboxEntry = serde_json::from_value(result)?;
+            println!("{} {} ({})", entry.id, entry.state, entry.request_id);
+        }
+        Cmd::Outbox { full: Some(_), .. } => print_record(&serde_json::from_value(result)?),
+        Cmd::Outbox { action: None, .. } => {
+            let list: OutboxResult = serde_json::from_value(result)?;
+            println!(
+                "{:>6} {:<20} {:<10} {:<20} {:<24} TEXT",
+                "ID", "INSTANCE", "STATE", "CONVERSATION", "RECEIPT / ERROR"
+            );
+            for r in list.records {
+                let detail = match (&r.receipt, &r.error) {
+                    (Some(receipt), _) => receipt.message_id.to_string(),
+                    (None, Some(error)) => one_line(error, 24),
+                    _ => String::new(),
+                };
+                println!(
+                    "{:>6} {:<20} {:<10} {:<20} {:<24} {}",
+                    r.id,
+                    r.instance,
+                    r.state,
+                    r.conversation,
+                    detail,
+                    one_line(&r.text, 40)
+                );
+            }
+            if let Some(before) = list.next_before {
+                eprintln!("more records: channelctl outbox --before {before}");
+            }
+        }
+        Cmd::Catalog => {
+            let catalog: CatalogResult = serde_json::from_value(result)?;
+            println!("{:<10} {:<18} {:<10} TRANSPORT", "FAMILY", "BINARY", "INSTALLED");
+            for family in catalog.families {
+                let installed = if family.installed { "yes" } else { "no" };
+                println!(
+                    "{:<10} {:<18} {:<10} {}",
+                    family.family, family.binary, installed, family.transport
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One record, every field on its own line and the whole text last.
+fn print_record(r: &OutboxEntry) {
+    println!("id:           {}", r.id);
+    println!("request:      {}", r.request_id);
+    println!("instance:     {}", r.instance);
+    println!("state:        {}", r.state);
+    println!("conversation: {}", r.conversation);
+    if let Some(key) = &r.idempotency_key {
+        println!("key:          {key}");
+    }
+    if let Some(receipt) = &r.receipt {
+        println!("receipt:      {}", receipt.message_id);
+    }
+    if let Some(error) = &r.error {
+        println!("error:        {error}");
+    }
+    println!("attempts:     {}", r.attempts);
+    println!("text ({} bytes):", r.text_bytes);
+    println!("{}", r.text);
+}
+
+/// The first `max` characters of `text` on one line (line breaks shown as spaces).
+fn one_line(text: &str, max: usize) -> String {
+    text.chars().take(max).map(|c| if c.is_control() { ' ' } else { c }).collect()
+}
+
+fn print_status(status: &StatusResult) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    println!("{} (pid {}), up {}", status.hub, status.pid, ago(now, status.started_ms));
+    println!(
+        "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  REASON / LAST ERROR",
+        "INSTANCE",
+        "FAMILY",
+        "CONNECTED",
+        "HEALTH",
+        "RUNS",
+        "INBOUND",
+        "OUTBOUND",
+        "DENIED",
+        "ERRORS"
+    );
+    for row in &status.instances {
+        let connected =
+            row.connected_since_ms.map_or_else(|| "-".to_owned(), |since| ago(now, since));
+        let reason = match process_note(row) {
+            Some(note) => format!("{note}; {}", health_reason(&row.health)),
+            None => health_reason(&row.health),
+        };
+        let last =
+            row.last_error.as_deref().map(|e| format!(" | last error: {e}")).unwrap_or_default();
+        println!(
+            "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  {}{}",
+            row.instance,
+            row.family,
+            connected,
+            row.health.state.as_str(),
+            row.in_flight,
+            row.counters.inbound,
+            row.counters.outbound,
+            row.counters.denied,
+            row.counters.errors,
+            reason,
+            last
+        );
+    }
+}
+
+/// What an operator must know about a supervised driver process that is not running.
+fn process_note(row: &InstanceStatus) -> Option<String> {
+    let process = row.driver_process.as_ref()?;
+    match process.state.as_str() {
+        "running" => None,
+        state => Some(match &process.last_exit {
+            Some(exit) => format!("driver process {state} ({exit})"),
+            None => format!("driver process {state}"),
+        }),
+    }
+}
+
+/// The driver's free-text detail, then its structured status (extension `health_status`)
+/// when it sent one, e.g. `broker unreachable [transport=connecting auth=ok idle=42s]`.
+fn health_reason(health: &Health) -> String {
+    let mut fields = Vec::new();
+    if let Some(status) = &health.status {
+        if let Some(reason) = &status.reason {
+            fields.push(format!("reason={reason}"));
+        }
+        if let Some(transport) = &status.transport {
+            fields.push(format!("transport={transport}"));
+        }
+        if let Some(auth) = &status.auth {
+            fields.push(format!("auth={auth}"));
+        }
+        if let Some(idle) = status.idle_seconds {
+            fields.push(format!("idle={idle}s"));
+        }
+        if let Some(backlog) = status.backlog {
+            fields.push(format!("backlog={backlog}"));
+        }
+        if let Some(attempt) = status.attempt {
+            fields.push(format!("attempt={attempt}"));
+        }
+    }
+    let detail = health.detail.as_deref().unwrap_or_default();
+    match (detail.is_empty(), fields.is_empty()) {
+        (_, true) => detail.to_owned(),
+        (true, false) => format!("[{}]", fields.join(" ")),
+        (false, false) => format!("{detail} [{}]", fields.join(" ")),
+    }
+}
+
+fn ago(now_ms: u64, then_ms: u64) -> String {
+    let secs = now_ms.saturating_sub(then_ms) / 1000;
+    match secs {
+        0..=59 => format!("{secs}s"),
+        60..=3599 => format!("{}m{}s", secs / 60, secs % 60),
+        _ => format!("{}h{}m", secs / 3600, (secs % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::types::{HealthState, HealthStatus};
+
+    use super::*;
+
+    #[test]
+    fn health_reason_shows_detail_and_structured_status() {
+        let mut health = Health::new(HealthState::Degraded, Some("broker unreachable".into()));
+        assert_eq!(health_reason(&health), "broker unreachable");
+        health.status = Some(HealthStatus {
+            transport: Some("connecting".into()),
+            auth: Some("rejected".into()),
+            idle_seconds: Some(42),
+            backlog: Some(3),
+            attempt: Some(5),
+            reason: None,
+        });
+        assert_eq!(
+            health_reason(&health),
+            "broker unreachable [transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
+        );
+        health.detail = None;
+        assert_eq!(
+            health_reason(&health),
+            "[transport=connecting auth=rejected idle=42s backlog=3 attempt=5]"
+        );
+        health.state = HealthState::Unavailable;
+        health.status.as_mut().unwrap().reason = Some("auth_rejected".into());
+        assert!(health_reason(&health).starts_with("[reason=auth_rejected transport="));
+    }
+
+    #[test]
+    fn a_stopped_driver_process_is_named_in_the_status_reason() {
+        let row: InstanceStatus = serde_json::from_value(serde_json::json!({
+            "instance": "a.b", "family": "a", "socket": "/s", "runtime": "default",
+            "connected": false, "health": {"state": "Unavailable"}, "health_updated_ms": 0,
+            "in_flight": 0, "counters": {"inbound": 0, "denied": 0, "busy": 0, "replies": 0,
+            "runs_failed": 0, "outbound": 0, "receipts": 0, "errors": 0},
+            "driver_process": {"state": "stopped", "starts": 1, "last_exit": "exit status: 78"}
+        }))
+        .unwrap();
+        assert_eq!(process_note(&row).as_deref(), Some("driver process stopped (exit status: 78)"));
+    }
+}

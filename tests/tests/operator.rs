@@ -1,0 +1,86 @@
+//! Smaller edges of the operator's paths, through the real binaries: a control request cut
+//! off before its newline, the deny notice's rate limit and `channeld check`'s warnings about
+//! allowlist entries that cannot be what was meant. (`channelctl health`'s exit status is
+//! checked in `hub.rs`.)
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::time::Duration;
+
+use channeld_protocol::Frame;
+use channeld_tests::peer::caps;
+use channeld_tests::{HubProcess, RawPeer, workspace_bin, write_file};
+
+const ONE: &str = "test.one";
+
+#[test]
+fn a_control_request_without_a_trailing_newline_is_answered_at_end_of_file() {
+    let hub = HubProcess::start(&format!("[instance.\"{ONE}\"]\nallow = [\"alice\"]\n"));
+    let mut stream = std::os::unix::net::UnixStream::connect(hub.control_socket()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream.write_all(b"{\"id\":7,\"op\":\"status\"}").unwrap();
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let answer: serde_json::Value =
+        serde_json::from_str(answer.trim()).unwrap_or_else(|err| panic!("{err}: {answer:?}"));
+    assert_eq!(answer["id"], 7);
+    assert_eq!(answer["ok"], true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deny_notice_goes_to_each_denied_sender_once_per_interval() {
+    let hub = HubProcess::start(&format!(
+        "[instance.\"{ONE}\"]\nallow = [\"alice\"]\ndeny_notice = \"This bot is private.\"\n\
+         deny_notice_interval_secs = 3600\n"
+    ));
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &[]).await;
+    let mut notices = Vec::new();
+    for (n, sender) in ["mallory", "mallory", "eve", "mallory", "eve"].iter().enumerate() {
+        let event = format!("d-{n}");
+        driver.inbound(ONE, &event, sender, "c1", "let me in").await;
+        // Every denied message is refused; a notice, when one goes, comes first.
+        loop {
+            match driver.frame().await {
+                Frame::Deliver(notice) => {
+                    assert_eq!(notice.message.body.text_str(), "This bot is private.");
+                    notices.push((*sender, notice.request_id.into_string()));
+                }
+                Frame::Error(err) => {
+                    assert_eq!(err.code, "sender_denied");
+                    assert_eq!(err.request_id.map(|r| r.into_string()), Some(event));
+                    break;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    assert_eq!(notices, vec![("mallory", "d-0".to_owned()), ("eve", "d-2".to_owned())]);
+    assert_eq!(hub.instance_status(ONE)["counters"]["denied"], 5);
+}
+
+#[test]
+fn channeld_check_warns_about_allowlist_entries_with_stray_spaces_or_invisible_characters() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_file(
+        dir.path(),
+        "channeld.toml",
+        "[instance.\"test.one\"]\nallow = [\"alice\", \" bob\", \"carol\\u200b\", \"dave\\t\"]\n",
+    );
+    let out = Command::new(workspace_bin("channeld"))
+        .arg("check")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "warnings do not make the file invalid");
+    let warnings = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = warnings.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(lines.len(), 3, "{warnings}");
+    assert!(warnings.contains("instance.\"test.one\".allow"), "{warnings}");
+    assert!(warnings.contains("\" bob\""), "{warnings}");
+    assert!(warnings.contains("carol\\u{200b}"), "{warnings}");
+    assert!(warnings.contains("dave\\t"), "{warnings}");
+    assert!(!warnings.contains("alice"), "{warnings}");
+}

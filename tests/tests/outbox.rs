@@ -1,0 +1,171 @@
+//! The outbox through the real `channeld` and `channelctl`: an operator's retry of a send
+//! whose outcome is unknown, refusals decided before a send is queued, idempotency keys that
+//! conflict, listings that stay under the control line limit, and queued sends answered at
+//! once.
+
+use std::time::{Duration, Instant};
+
+use channeld_tests::control::ControlClient;
+use channeld_tests::peer::{caps, expect_deliver, expect_outbound, receipt_for};
+use channeld_tests::{HubProcess, RawPeer};
+use serde_json::{Value, json};
+
+const ONE: &str = "test.one";
+
+fn hub(extra_hub: &str) -> HubProcess {
+    HubProcess::start(&format!("[hub]\n{extra_hub}\n[instance.\"{ONE}\"]\nallow = [\"alice\"]\n"))
+}
+
+/// A driver for `ONE` that the hub has certainly registered (it answered an inbound).
+async fn driver(hub: &HubProcess) -> RawPeer {
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    driver.inbound(ONE, "sync", "alice", "c1", "sync").await;
+    expect_deliver(driver.frame().await);
+    driver
+}
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json_of(out: &std::process::Output) -> Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|err| panic!("{err}: stdout {} stderr {}", stdout(out), stderr(out)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_retry_resends_an_unknown_send_through_channelctl() {
+    let hub = hub("");
+    let mut driver = driver(&hub).await;
+    // The driver takes the send and never answers: its outcome is unknown.
+    let send = hub.ctl_async(&["send", ONE, "--conversation", "c1", "--timeout", "1", "retry me"]);
+    let first = expect_outbound(driver.frame().await);
+    let out = send.await.unwrap();
+    assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
+
+    let listed = hub.ctl(&["outbox", "--state", "unknown", "--json"]);
+    assert_eq!(listed.status.code(), Some(0), "{}", stderr(&listed));
+    let id = json_of(&listed)["records"][0]["id"].as_i64().expect("the unknown record");
+
+    let retry = hub.ctl_async(&["outbox", "retry", &id.to_string()]);
+    let again = expect_outbound(driver.frame().await);
+    assert_eq!(again.message.body.text_str(), "retry me");
+    assert_eq!(again.request_id, first.request_id, "a retry is the same request");
+    driver.send(receipt_for(ONE, &again.request_id, "c1", "posted-on-retry")).await;
+    let out = retry.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "stdout {} stderr {}", stdout(&out), stderr(&out));
+    assert!(stdout(&out).contains("receipted"), "{}", stdout(&out));
+
+    let listed = json_of(&hub.ctl(&["outbox", "--state", "receipted", "--json"]));
+    let shown = &listed["records"][0];
+    assert_eq!(shown["id"], id);
+    assert_eq!(shown["receipt"]["message_id"], "posted-on-retry");
+    assert_eq!(shown["attempts"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_too_large_for_a_frame_is_refused_before_it_is_queued() {
+    let hub = hub("");
+    let control = ControlClient::connect(&hub.control_socket()).await.unwrap();
+    let big = "x".repeat(300_000);
+    let answer = control
+        .call(json!({"op": "send", "instance": ONE, "conversation": "c1", "text": big}))
+        .await
+        .unwrap();
+    assert_eq!(answer["ok"], false, "{answer}");
+    assert_eq!(answer["error"]["code"], "too_large", "{answer}");
+
+    // Nothing was queued for it, and the sends behind it go out in order on connect.
+    for text in ["first", "second"] {
+        let out = hub.ctl(&["send", ONE, "--conversation", "c1", text]);
+        assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    }
+    let listed = json_of(&hub.ctl(&["outbox", "--json"]));
+    assert_eq!(listed["records"].as_array().unwrap().len(), 2, "{listed}");
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    for text in ["first", "second"] {
+        let outbound = expect_outbound(driver.frame().await);
+        assert_eq!(outbound.message.body.text_str(), text);
+        driver.send(receipt_for(ONE, &outbound.request_id, "c1", text)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_to_an_offline_driver_is_answered_queued_at_once() {
+    let hub = hub("");
+    let started = Instant::now();
+    let out = hub.ctl(&["send", ONE, "--conversation", "c1", "--timeout", "60", "later"]);
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("queued"), "{}", stdout(&out));
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the answer waited {:?}, as long as the receipt timeout",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_reused_for_other_content_is_a_conflict() {
+    let hub = hub("");
+    let send = |conversation: &str, text: &str| {
+        hub.ctl(&["send", ONE, "--conversation", conversation, "--key", "K1", text])
+    };
+    let first = send("c1", "deploy 881 finished");
+    assert_eq!(first.status.code(), Some(7), "{}", stderr(&first));
+    let repeat = send("c1", "deploy 881 finished");
+    assert_eq!(repeat.status.code(), Some(7), "{}", stderr(&repeat));
+    assert_eq!(stdout(&repeat), stdout(&first), "a repeat answers with the first record");
+
+    for (conversation, text) in [("c1", "deploy 882 finished"), ("c2", "deploy 881 finished")] {
+        let other = send(conversation, text);
+        assert_eq!(other.status.code(), Some(8), "{conversation} {text}: {}", stdout(&other));
+        assert!(stderr(&other).contains("conflict"), "{}", stderr(&other));
+    }
+    let listed = json_of(&hub.ctl(&["outbox", "--json"]));
+    assert_eq!(listed["records"].as_array().unwrap().len(), 1, "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_listing_leaves_out_bodies_pages_and_shows_one_record_in_full() {
+    let hub = hub("");
+    let control = ControlClient::connect(&hub.control_socket()).await.unwrap();
+    let mut ids = Vec::new();
+    for n in 0..8 {
+        let text = format!("{n}{}", "y".repeat(199_999));
+        let answer = control
+            .call(json!({"op": "send", "instance": ONE, "conversation": "c1", "text": text}))
+            .await
+            .unwrap();
+        assert_eq!(answer["result"]["state"], "queued", "{answer}");
+        ids.push(answer["result"]["outbox_id"].as_i64().unwrap());
+    }
+
+    let out = hub.ctl(&["outbox"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(stdout(&out).lines().count(), 1 + 8, "{}", stdout(&out));
+
+    let page = json_of(&hub.ctl(&["outbox", "--json", "--limit", "3"]));
+    let first: Vec<i64> =
+        page["records"].as_array().unwrap().iter().map(|r| r["id"].as_i64().unwrap()).collect();
+    assert_eq!(first, vec![ids[7], ids[6], ids[5]], "newest first");
+    for record in page["records"].as_array().unwrap() {
+        assert!(record["text"].as_str().unwrap().len() < 1000, "a preview, not the body");
+        assert_eq!(record["text_bytes"], 200_000);
+    }
+    let before = page["next_before"].as_i64().expect("a cursor to the next page");
+    let next =
+        json_of(&hub.ctl(&["outbox", "--json", "--limit", "3", "--before", &before.to_string()]));
+    let second: Vec<i64> =
+        next["records"].as_array().unwrap().iter().map(|r| r["id"].as_i64().unwrap()).collect();
+    assert_eq!(second, vec![ids[4], ids[3], ids[2]]);
+
+    let full = json_of(&hub.ctl(&["outbox", "--full", &ids[3].to_string(), "--json"]));
+    assert_eq!(full["text"].as_str().unwrap().len(), 200_000);
+    assert!(full["text"].as_str().unwrap().starts_with('3'));
+}
