@@ -2,7 +2,6 @@
 //! config in a temp dir, talk to it as a raw driver or through `channelctl`.
 
 pub mod control;
-pub mod driver;
 pub mod fakes;
 pub mod mosquitto;
 pub mod peer;
@@ -12,7 +11,7 @@ pub mod rabbitmq;
 use std::path::{Path, PathBuf};
 
 pub use peer::RawPeer;
-pub use process::{HubProcess, alive, channelctl, rss_kib};
+pub use process::{DriverProcess, HubProcess, alive, channelctl, rss_kib};
 
 /// The directory holding the workspace's built binaries (`target/<profile>`).
 pub fn bin_dir() -> PathBuf {
@@ -46,4 +45,21 @@ pub fn write_script(dir: &Path, name: &str, body: &str) -> PathBuf {
     let path = write_file(dir, name, &format!("#!/bin/sh\n{body}"));
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod script");
     path
+}
+
+/// An exec agent that appends its run's event id to `log`, pauses `pause` seconds (so a
+/// test's disruption finds runs in flight), then answers `done <event id>`.
+pub fn counting_agent(dir: &Path, log: &Path, pause: &str) -> PathBuf {
+    write_script(
+        dir,
+        "counting-agent.sh",
+        &format!(
+            "IFS= read -r line\n\
+             id=$(printf '%s' \"$line\" | sed -n 's/.*\"event_id\":\"\\([^\"]*\\)\".*/\\1/p')\n\
+             echo \"$id\" >> '{}'\n\
+             sleep {pause}\n\
+             echo \"done $id\"\n",
+            log.display()
+        ),
+    )
 }

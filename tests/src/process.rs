@@ -1,4 +1,5 @@
-//! Real processes: a `channeld` hub on a temp config, `channelctl`, resident memory.
+//! Real processes: a `channeld` hub on a temp config, a driver binary serving one of its
+//! instances, `channelctl`, resident memory.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -216,4 +217,82 @@ pub fn rss_kib(pid: i32) -> u64 {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|kib| kib.parse().ok())
         .expect("VmRSS in /proc status")
+}
+
+/// A driver binary serving one instance of a hub, with a clean environment plus `env`; its
+/// stderr is appended to `<hub dir>/<instance>.driver.log`. Killed on drop; the log is
+/// printed when the test fails.
+#[derive(Debug)]
+pub struct DriverProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl DriverProcess {
+    pub fn spawn(binary: &str, hub: &HubProcess, instance: &str, env: &[(String, String)]) -> Self {
+        let log = hub.dir.path().join(format!("{instance}.driver.log"));
+        let stderr =
+            std::fs::OpenOptions::new().create(true).append(true).open(&log).expect("driver log");
+        let child = Command::new(workspace_bin(binary))
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CHANNELD_CHANNEL_ID", instance)
+            .env("CHANNELD_SOCKET", hub.socket(instance))
+            .env("CHANNELD_LOG", std::env::var("CHANNELD_LOG").unwrap_or_else(|_| "debug".into()))
+            .envs(env.iter().map(|(name, value)| (name, value)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|err| panic!("spawn {binary}: {err}"));
+        Self { child, log }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL: a crash with nothing flushed or acknowledged.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        // SAFETY: a plain syscall on our own child's PID.
+        unsafe {
+            libc::kill(self.pid(), libc::SIGTERM);
+        }
+        self.wait_exit(Duration::from_secs(20))
+    }
+
+    /// Waits (bounded) for the process to exit by itself and returns its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait driver") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "driver did not exit within {limit:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for DriverProcess {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("---- {} ----\n{}", self.log.display(), self.log());
+        }
+    }
 }

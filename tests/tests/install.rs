@@ -104,6 +104,7 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
     assert!(etc.join("mqtt.env.example").is_file());
     assert!(etc.join("amqp.env.example").is_file());
     assert!(etc.join("slack.env.example").is_file());
+    assert!(etc.join("wechat.env.example").is_file());
     assert_eq!(std::fs::read_dir(etc.join("credentials")).expect("credentials").count(), 0);
 
     let check = Command::new(root.join("usr/local/bin/channeld"))

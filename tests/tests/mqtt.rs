@@ -5,15 +5,14 @@
 //! twice.
 
 use std::collections::HashSet;
-use std::fs::OpenOptions;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use channeld_tests::mosquitto::{Mosquitto, MosquittoOptions, MqttTestClient, provision_session};
-use channeld_tests::{HubProcess, workspace_bin, write_script};
+use channeld_tests::{DriverProcess, HubProcess, counting_agent, workspace_bin};
 use serde_json::{Value, json};
 
 const ONE: &str = "mqtt.one";
@@ -29,78 +28,16 @@ fn outbound_filter(instance: &str) -> String {
     format!("channeld/{instance}/out/+")
 }
 
-/// A `channeld-mqtt` process for one instance of a hub. Killed on drop; its log is printed
-/// when the test fails.
-struct DriverProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl DriverProcess {
-    fn spawn(hub: &HubProcess, instance: &str, broker: &Mosquitto, env: &[(&str, &str)]) -> Self {
-        let log = hub.dir.path().join(format!("{instance}.driver.log"));
-        let stderr = OpenOptions::new().create(true).append(true).open(&log).expect("driver log");
-        let mut command = Command::new(workspace_bin("channeld-mqtt"));
-        command
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("CHANNELD_CHANNEL_ID", instance)
-            .env("CHANNELD_SOCKET", hub.socket(instance))
-            .env("CHANNELD_MQTT_URL", broker.url())
-            .env("CHANNELD_LOG", "debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
-        for (name, value) in env {
-            command.env(name, value);
-        }
-        let child = command.spawn().expect("spawn channeld-mqtt");
-        Self { child, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGKILL: a crash.
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// SIGTERM and the exit status.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        // SAFETY: a plain syscall on our own child's PID.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        self.wait_exit(Duration::from_secs(20))
-    }
-
-    /// Waits (bounded) for the process to exit by itself and returns its status.
-    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait driver") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "driver did not exit within {limit:?}:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for DriverProcess {
-    fn drop(&mut self) {
-        self.kill();
-        if std::thread::panicking() {
-            eprintln!("---- {} ----\n{}", self.log.display(), self.log());
-        }
-    }
+/// `channeld-mqtt` for `instance` of `hub` on `broker`, with `env` on top.
+fn mqtt_driver(
+    hub: &HubProcess,
+    instance: &str,
+    broker: &Mosquitto,
+    env: &[(&str, &str)],
+) -> DriverProcess {
+    let mut vars = vec![("CHANNELD_MQTT_URL".to_owned(), broker.url())];
+    vars.extend(env.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())));
+    DriverProcess::spawn("channeld-mqtt", hub, instance, &vars)
 }
 
 /// Waits until the driver is connected to the hub and reports Ready (broker connected).
@@ -148,7 +85,7 @@ async fn a_message_round_trips_through_the_echo_runtime() {
     let mut observer =
         MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
     let mut alice = MqttTestClient::connect(broker.port(), "alice-phone", &[]).await;
-    let driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let driver = mqtt_driver(&hub, ONE, &broker, &[]);
     wait_ready(&hub, ONE, &driver).await;
 
     let ping = json!({"text": "ping", "id": "1", "thread": "t-1"}).to_string();
@@ -192,8 +129,8 @@ async fn two_instances_share_a_broker_with_their_own_client_ids_and_topics() {
     let mut observer =
         MqttTestClient::connect(broker.port(), "observer", &["channeld/+/out/+"]).await;
     let mut alice = MqttTestClient::connect(broker.port(), "alice-phone", &[]).await;
-    let one = DriverProcess::spawn(&hub, ONE, &broker, &[]);
-    let two = DriverProcess::spawn(&hub, TWO, &broker, &[]);
+    let one = mqtt_driver(&hub, ONE, &broker, &[]);
+    let two = mqtt_driver(&hub, TWO, &broker, &[]);
     wait_ready(&hub, ONE, &one).await;
     wait_ready(&hub, TWO, &two).await;
 
@@ -221,7 +158,7 @@ async fn a_payload_claiming_an_allowed_sender_is_denied_by_the_topic_identity() 
     let mut observer =
         MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
     let mut clients = MqttTestClient::connect(broker.port(), "clients", &[]).await;
-    let mut driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let mut driver = mqtt_driver(&hub, ONE, &broker, &[]);
     wait_ready(&hub, ONE, &driver).await;
 
     let spoof = json!({"text": "wire the money", "sender": "alice", "id": "s-1"}).to_string();
@@ -241,7 +178,7 @@ async fn a_payload_claiming_an_allowed_sender_is_denied_by_the_topic_identity() 
     // The refused message was acknowledged: a restarted driver does not get it again. Nor
     // does the retained message run again when the resubscription replays it.
     assert!(driver.terminate().success(), "clean exit after SIGTERM:\n{}", driver.log());
-    let driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let driver = mqtt_driver(&hub, ONE, &broker, &[]);
     wait_ready(&hub, ONE, &driver).await;
     let later = json!({"text": "still there?", "id": "a-2"}).to_string();
     clients.publish_confirmed(&inbound_topic(ONE, "alice", "c1"), later).await;
@@ -287,7 +224,7 @@ async fn the_broker_acl_decides_who_may_publish_as_whom() {
     let credentials = tempfile::tempdir().unwrap();
     std::fs::write(credentials.path().join("mqtt-password"), "bridge-pw\n").unwrap();
     let credentials_dir = credentials.path().display().to_string();
-    let driver = DriverProcess::spawn(
+    let driver = mqtt_driver(
         &hub,
         ONE,
         &broker,
@@ -321,7 +258,7 @@ async fn a_wrong_password_makes_the_instance_unavailable_without_revealing_it() 
         ..MosquittoOptions::default()
     });
     let hub = echo_hub(&["alice"], &[ONE]);
-    let driver = DriverProcess::spawn(
+    let driver = mqtt_driver(
         &hub,
         ONE,
         &broker,
@@ -356,8 +293,7 @@ async fn a_proactive_send_is_receipted_after_the_broker_took_it() {
     let hub = echo_hub(&["alice"], &[ONE]);
     let mut observer =
         MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
-    let driver =
-        DriverProcess::spawn(&hub, ONE, &broker, &[("CHANNELD_MQTT_PUBLISH_TIMEOUT_SECONDS", "1")]);
+    let driver = mqtt_driver(&hub, ONE, &broker, &[("CHANNELD_MQTT_PUBLISH_TIMEOUT_SECONDS", "1")]);
     wait_ready(&hub, ONE, &driver).await;
 
     let out = hub.ctl(&["send", ONE, "--conversation", "ops", "deploy finished"]);
@@ -394,21 +330,6 @@ async fn a_proactive_send_is_receipted_after_the_broker_took_it() {
     assert!(observer.next_within(Duration::from_millis(200)).await.is_none(), "nothing else");
 }
 
-/// An agent that appends the run's event id to `log`, then answers.
-fn counting_agent(dir: &Path, log: &Path) -> PathBuf {
-    write_script(
-        dir,
-        "agent.sh",
-        &format!(
-            "IFS= read -r line\n\
-             id=$(printf '%s' \"$line\" | sed -n 's/.*\"event_id\":\"\\([^\"]*\\)\".*/\\1/p')\n\
-             echo \"$id\" >> '{}'\n\
-             echo \"done $id\"\n",
-            log.display()
-        ),
-    )
-}
-
 fn runs(log: &Path) -> Vec<String> {
     std::fs::read_to_string(log).unwrap_or_default().lines().map(str::to_owned).collect()
 }
@@ -435,7 +356,7 @@ async fn thousand_messages_across(disruption: Disruption) {
     let started = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("runs.log");
-    let agent = counting_agent(dir.path(), &log);
+    let agent = counting_agent(dir.path(), &log, "0");
     let mut broker = Mosquitto::start();
     // The broker hands the driver up to 20 unacknowledged messages; with the hub's default of
     // 4 runs in flight the others bounce as `busy` and back off for up to 5 s each, which is
@@ -446,7 +367,7 @@ async fn thousand_messages_across(disruption: Disruption) {
         agent.display()
     ));
     provision(&broker, ONE, None).await;
-    let mut driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let mut driver = mqtt_driver(&hub, ONE, &broker, &[]);
     wait_ready(&hub, ONE, &driver).await;
 
     let published = Arc::new(AtomicUsize::new(0));
@@ -479,7 +400,7 @@ async fn thousand_messages_across(disruption: Disruption) {
         Disruption::BrokerRestart => tokio::task::block_in_place(|| broker.restart()),
         Disruption::DriverKill => {
             driver.kill();
-            driver = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+            driver = mqtt_driver(&hub, ONE, &broker, &[]);
         }
     }
     eprintln!(
@@ -550,7 +471,7 @@ async fn a_second_driver_the_hub_refuses_never_takes_over_the_broker_session() {
     let broker = Mosquitto::start();
     let hub = echo_hub(&["alice"], &[ONE]);
     provision(&broker, ONE, None).await;
-    let first = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let first = mqtt_driver(&hub, ONE, &broker, &[]);
     wait_ready(&hub, ONE, &first).await;
     // Mosquitto writes its log after the CONNACK: wait until it shows the provisioning client
     // and the first driver, so the count below is not taken before its line lands.
@@ -562,7 +483,7 @@ async fn a_second_driver_the_hub_refuses_never_takes_over_the_broker_session() {
     let connections = broker_connections(&broker, ONE);
 
     // The same instance again: same socket, same MQTT client id.
-    let second = DriverProcess::spawn(&hub, ONE, &broker, &[]);
+    let second = mqtt_driver(&hub, ONE, &broker, &[]);
     // Refused `already_connected`, it retries; after its second refusal it has had every
     // chance to reach the broker (before the fix it connected at once and knocked the first
     // driver off).
@@ -597,7 +518,7 @@ async fn a_driver_for_the_wrong_channel_exits_78_without_touching_the_broker() {
     let hub = echo_hub(&["alice"], &[ONE]);
     let before = broker_connections(&broker, TWO);
     // Channel `mqtt.two` on the socket that serves `mqtt.one`.
-    let mut driver = DriverProcess::spawn(&hub, ONE, &broker, &[("CHANNELD_CHANNEL_ID", TWO)]);
+    let mut driver = mqtt_driver(&hub, ONE, &broker, &[("CHANNELD_CHANNEL_ID", TWO)]);
     let status = driver.wait_exit(Duration::from_secs(20));
     assert_eq!(status.code(), Some(78), "{}", driver.log());
     assert!(driver.log().contains("channel_mismatch"), "{}", driver.log());

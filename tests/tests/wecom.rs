@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use channeld_tests::driver::DriverProcess;
+use channeld_tests::DriverProcess;
 use channeld_tests::fakes::wecom::{
     ERR_STREAM_EXPIRED, FakeConfig, FakeWeCom, PingMode, Record, StreamRecord, payloads,
 };
@@ -30,12 +30,12 @@ fn spawn_driver(
     env: &[(&str, &str)],
 ) -> DriverProcess {
     let mut settings = vec![
-        ("CHANNELD_WECOM_WS_URL", fake.url()),
-        ("CHANNELD_WECOM_BOT_ID", BOT.to_owned()),
-        ("CHANNELD_WECOM_SECRET", secret.to_owned()),
+        ("CHANNELD_WECOM_WS_URL".to_owned(), fake.url()),
+        ("CHANNELD_WECOM_BOT_ID".to_owned(), BOT.to_owned()),
+        ("CHANNELD_WECOM_SECRET".to_owned(), secret.to_owned()),
     ];
-    settings.extend(env.iter().map(|(name, value)| (*name, (*value).to_owned())));
-    DriverProcess::for_hub("channeld-wecom", hub, INSTANCE, &settings)
+    settings.extend(env.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())));
+    DriverProcess::spawn("channeld-wecom", hub, INSTANCE, &settings)
 }
 
 /// A hub serving [`INSTANCE`] for alice and bob, with the echo runtime or `agent`.

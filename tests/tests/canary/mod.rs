@@ -131,6 +131,8 @@ impl Exposed {
 
 /// What the driver should end up reporting, by the SDK's one health rule: transient
 /// trouble is Degraded, a condition only an operator can fix is Unavailable with a reason.
+// Each secrets test includes this module and uses the cases its platform has.
+#[allow(dead_code)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Broker {
     /// Nothing listens: Degraded, transport `disconnected`, no reason; a send fails (exit 6).
@@ -140,6 +142,9 @@ pub enum Broker {
     Rejecting,
     /// The login works: Ready, transport `connected`, auth `ok`; a send is receipted (exit 0).
     Accepting,
+    /// The session token is refused as expired (platforms with login sessions, e.g. WeChat's
+    /// `-14`): Unavailable, reason `auth_expired`, auth `expired`; a send fails (exit 6).
+    Expiring,
 }
 
 impl Broker {
@@ -151,6 +156,9 @@ impl Broker {
                 ("Unavailable", "disconnected", "rejected".into(), "auth_rejected".into())
             }
             Broker::Accepting => ("Ready", "connected", "ok".into(), Value::Null),
+            Broker::Expiring => {
+                ("Unavailable", "disconnected", "expired".into(), "auth_expired".into())
+            }
         }
     }
 
@@ -159,7 +167,7 @@ impl Broker {
     fn send_exit(self) -> i32 {
         match self {
             Broker::Accepting => 0,
-            Broker::Unreachable | Broker::Rejecting => 6,
+            Broker::Unreachable | Broker::Rejecting | Broker::Expiring => 6,
         }
     }
 }
