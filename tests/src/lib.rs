@@ -4,6 +4,7 @@
 pub mod control;
 pub mod fakes;
 pub mod mosquitto;
+pub mod nostr_relay;
 pub mod peer;
 pub mod process;
 pub mod rabbitmq;

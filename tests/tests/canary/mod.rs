@@ -181,6 +181,19 @@ pub async fn through_the_hub(
     env: &[(&str, String)],
     canaries: &[&str],
 ) {
+    through_the_hub_to(binary, channel, broker, env, canaries, "room").await;
+}
+
+/// [`through_the_hub`] with the sends addressed to `conversation` (a platform whose
+/// conversations are addresses, such as a Nostr npub).
+pub async fn through_the_hub_to(
+    binary: &str,
+    channel: &str,
+    broker: Broker,
+    env: &[(&str, String)],
+    canaries: &[&str],
+    conversation: &str,
+) {
     let hub = HubProcess::start(&format!(
         "[hub]\nhealth_probe_interval_secs = 1\n[instance.\"{channel}\"]\nallow_all = true\n"
     ));
@@ -227,7 +240,7 @@ pub async fn through_the_hub(
         assert_eq!(out.status.code(), Some(expected), "channelctl {args:?}: {out:?}");
         exposed.add_output(&format!("channelctl {}", args.join(" ")), &out);
     }
-    let send = ["send", channel, "--conversation", "room", "--timeout", "10", "hello"];
+    let send = ["send", channel, "--conversation", conversation, "--timeout", "10", "hello"];
     for json in [false, true] {
         let mut args = send.to_vec();
         if json {
