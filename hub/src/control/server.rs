@@ -250,3 +250,66 @@ fn parse_request(line: &[u8]) -> Result<Request, serde_json::Error> {
     }
     serde_json::from_slice::<Request>(line)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A JSON value for one request field: mostly the right type, sometimes not.
+    fn field_value() -> impl Strategy<Value = serde_json::Value> {
+        prop_oneof![
+            "\\PC{0,12}".prop_map(serde_json::Value::from),
+            any::<u32>().prop_map(serde_json::Value::from),
+            any::<bool>().prop_map(serde_json::Value::from),
+            Just(serde_json::Value::Null),
+            Just(serde_json::json!({"k": "v"})),
+            Just(serde_json::json!(-1)),
+        ]
+    }
+
+    fn request_line() -> impl Strategy<Value = Vec<u8>> {
+        let key = prop::sample::select(vec![
+            "id",
+            "op",
+            "instance",
+            "conversation",
+            "thread",
+            "text",
+            "metadata",
+            "wait",
+            "timeout_ms",
+            "idempotency_key",
+            "outbox_id",
+            "limit",
+            "extra",
+        ]);
+        let op = prop::sample::select(vec!["send", "health", "status", "outbox_retry", "x"]);
+        (op, any::<u32>(), prop::collection::vec((key, field_value()), 0..8)).prop_map(
+            |(op, id, fields)| {
+                let mut object = serde_json::Map::new();
+                object.insert("id".into(), id.into());
+                object.insert("op".into(), op.into());
+                for (key, value) in fields {
+                    object.insert(key.into(), value);
+                }
+                serde_json::to_vec(&object).unwrap()
+            },
+        )
+    }
+
+    proptest! {
+        /// The control protocol parser: its fast `send` path and the general `Request` parse
+        /// accept the same lines and read them the same way; nothing panics on any bytes.
+        #[test]
+        fn fuzz_the_send_fast_path_agrees_with_the_general_parse(line in request_line()) {
+            let general = serde_json::from_slice::<Request>(&line).ok();
+            prop_assert_eq!(parse_request(&line).ok(), general);
+        }
+
+        #[test]
+        fn fuzz_any_bytes_are_parsed_or_refused(line in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse_request(&line);
+        }
+    }
+}

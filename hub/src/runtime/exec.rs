@@ -427,6 +427,20 @@ async fn read_tail(mut pipe: impl AsyncRead + Unpin, keep: usize) -> String {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// The agent stdout parser: any line is text, an action or an unusable object, without
+        /// panicking; a line that does not start with `{` (after spaces) is always text.
+        #[test]
+        fn fuzz_any_agent_line_is_classified(
+            line in "\\PC{0,200}|\\{\"type\":\"(reply|typing|preview|effect|request_input|request_approval|delta|x)\"(,\"[a-z_]{1,10}\":(\"\\PC{0,20}\"|true|1|null|\\{\\}|\\[\\]))*\\}?"
+        ) {
+            let output = classify(&line);
+            if !line.trim().starts_with('{') {
+                proptest::prop_assert!(matches!(output, Output::Text));
+            }
+        }
+    }
+
     #[test]
     fn only_json_objects_with_a_string_type_are_actions() {
         assert!(matches!(classify("hello"), Output::Text));
