@@ -97,7 +97,7 @@ async fn refresh(hub: &Hub) {
     metrics.health_reason.clear();
     for inst in instances.values() {
         let id = inst.config.id.to_string();
-        let label = InstanceLabel { instance: id.clone() };
+        let label = InstanceLabel { channel: id.clone() };
         metrics.driver_connected.get_or_create(&label).set(i64::from(inst.live().is_some()));
         if let Some(process) = inst.process() {
             let up = process.state == crate::instance::ProcessState::Running;
@@ -105,7 +105,7 @@ async fn refresh(hub: &Hub) {
         }
         let health = inst.health().health;
         for state in [HealthState::Ready, HealthState::Degraded, HealthState::Unavailable] {
-            let labels = StateLabels { instance: id.clone(), state: state_label(state) };
+            let labels = StateLabels { channel: id.clone(), state: state_label(state) };
             metrics.health_state.get_or_create(&labels).set(i64::from(health.state == state));
         }
         let reason = health
@@ -114,7 +114,7 @@ async fn refresh(hub: &Hub) {
             .and_then(|status| status.reason.as_deref())
             .filter(|_| health.state == HealthState::Unavailable);
         for known in UnavailableReason::ALL {
-            let labels = ReasonLabels { instance: id.clone(), reason: known.as_str() };
+            let labels = ReasonLabels { channel: id.clone(), reason: known.as_str() };
             let current = reason == Some(known.as_str());
             metrics.health_reason.get_or_create(&labels).set(i64::from(current));
         }
@@ -129,13 +129,13 @@ async fn refresh(hub: &Hub) {
             for inst in instances.values() {
                 for state in OUTBOX_STATES {
                     let labels =
-                        StateLabels { instance: inst.config.id.to_string(), state: state.as_str() };
+                        StateLabels { channel: inst.config.id.to_string(), state: state.as_str() };
                     metrics.outbox_records.get_or_create(&labels).set(0);
                 }
             }
             for (instance, state, count) in counts {
                 if instances.contains_key(instance.as_str()) {
-                    let labels = StateLabels { instance, state: state.as_str() };
+                    let labels = StateLabels { channel: instance, state: state.as_str() };
                     metrics.outbox_records.get_or_create(&labels).set(count as i64);
                 }
             }

@@ -10,7 +10,7 @@ use channeld_protocol::ext::EffectGate;
 use channeld_protocol::frame::{EffectFrame, Inbound, InboundEventFrame};
 use channeld_protocol::types::{Command, Effect, MessageTarget, Participant};
 use channeld_protocol::{Frame, Id};
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::decide::SlashCommand;
 use super::reply::{self, refuse, reply_target};
@@ -139,9 +139,12 @@ pub fn spawn(
     let target = admitted.reply_target();
     let route = admitted.route.clone();
     let (hub, inst) = (hub.clone(), inst.clone());
+    // Every line logged during the run (the runtime's too) carries the run's ids.
+    let span = info_span!("run", instance = %inst.config.id, event_id = %request.event_id, run_id = %request.run_id);
     hub.clone().runs.spawn(async move {
         let (began, event_id) = (Instant::now(), request.event_id.clone());
         inst.metrics.run_started();
+        debug!(redelivered, "run started");
         let result = match work {
             Work::Hub(command) => Ok(RunOutput { reply: Some(answer(&hub, &inst, command, &route).await) }),
             Work::Runtime => {
@@ -167,6 +170,7 @@ pub fn spawn(
         });
         let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
         inst.metrics.run_finished(outcome, began.elapsed());
+        debug!(outcome = outcome.as_str(), elapsed_ms = began.elapsed().as_millis() as u64, "run finished");
         let ended = Instant::now();
         let end = match &result {
             Ok(text) => RunEnd::Reply(text.clone()),
@@ -209,7 +213,7 @@ pub fn spawn(
             }
         }
         inst.end_reply(&event_id);
-    });
+    }.instrument(span));
 }
 
 /// The hub's own answer to `/help` and `/new`.

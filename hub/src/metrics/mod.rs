@@ -1,6 +1,10 @@
 //! The hub's Prometheus metrics: one [`Metrics`] holding every family (typed, labelled by
-//! instance and a bounded outcome, never by sender or conversation) in one
+//! channel instance and a bounded outcome, never by sender or conversation) in one
 //! `prometheus-client` registry, and [`InstanceMetrics`], the handles an instance counts with.
+//!
+//! The instance label is named `channel` (`channel="mqtt.lab"`): Prometheus gives every
+//! scraped series an `instance` label of its own (the target's `host:port`) and would rename
+//! ours to `exported_instance`.
 //!
 //! Counting is one atomic add on a handle resolved when the instance is created, so the hot
 //! paths take no lock and hash no label. With `[hub] metrics_listen` unset the metrics are off:
@@ -174,26 +178,27 @@ impl ConnectionKind {
     }
 }
 
+/// A channel instance (`channel="mqtt.lab"`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct InstanceLabel {
-    pub instance: String,
+    pub channel: String,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
-    pub instance: String,
+    pub channel: String,
     pub outcome: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
-    pub instance: String,
+    pub channel: String,
     pub state: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
-    pub instance: String,
+    pub channel: String,
     pub reason: &'static str,
 }
 
@@ -384,9 +389,9 @@ impl Metrics {
         if !self.enabled {
             return InstanceMetrics(None);
         }
-        let label = InstanceLabel { instance: instance.to_owned() };
+        let label = InstanceLabel { channel: instance.to_owned() };
         let outcome =
-            |outcome: &'static str| OutcomeLabels { instance: instance.to_owned(), outcome };
+            |outcome: &'static str| OutcomeLabels { channel: instance.to_owned(), outcome };
         let handles = InstanceHandles {
             inbound: InboundOutcome::ALL
                 .map(|o| self.inbound.get_or_create_owned(&outcome(o.as_str()))),
@@ -405,9 +410,9 @@ impl Metrics {
 
     /// Drops the series of an instance a reload removed (its handles keep working, unseen).
     pub fn forget(&self, instance: &str) {
-        let label = InstanceLabel { instance: instance.to_owned() };
+        let label = InstanceLabel { channel: instance.to_owned() };
         let outcome =
-            |outcome: &'static str| OutcomeLabels { instance: instance.to_owned(), outcome };
+            |outcome: &'static str| OutcomeLabels { channel: instance.to_owned(), outcome };
         for o in InboundOutcome::ALL {
             self.inbound.remove(&outcome(o.as_str()));
         }
@@ -562,18 +567,16 @@ mod tests {
         lab.run_finished(RunOutcome::Failed, Duration::from_millis(20));
         let text = exposition(&metrics);
         assert!(
-            text.contains(r#"channeld_inbound_total{instance="mqtt.lab",outcome="accepted"} 2"#),
+            text.contains(r#"channeld_inbound_total{channel="mqtt.lab",outcome="accepted"} 2"#),
             "{text}"
         );
-        assert!(text.contains(r#"channeld_inbound_total{instance="mqtt.lab",outcome="denied"} 1"#));
-        assert!(text.contains(r#"channeld_inbound_total{instance="mqtt.lab",outcome="busy"} 0"#));
-        assert!(text.contains(r#"channeld_sends_total{instance="mqtt.lab",outcome="unknown"} 1"#));
+        assert!(text.contains(r#"channeld_inbound_total{channel="mqtt.lab",outcome="denied"} 1"#));
+        assert!(text.contains(r#"channeld_inbound_total{channel="mqtt.lab",outcome="busy"} 0"#));
+        assert!(text.contains(r#"channeld_sends_total{channel="mqtt.lab",outcome="unknown"} 1"#));
         assert!(
-            text.contains(
-                r#"channeld_runs_finished_total{instance="mqtt.lab",outcome="failed"} 1"#
-            )
+            text.contains(r#"channeld_runs_finished_total{channel="mqtt.lab",outcome="failed"} 1"#)
         );
-        assert!(text.contains(r#"channeld_run_duration_seconds_count{instance="mqtt.lab"} 1"#));
+        assert!(text.contains(r#"channeld_run_duration_seconds_count{channel="mqtt.lab"} 1"#));
         metrics.forget("mqtt.lab");
         assert!(!exposition(&metrics).contains("mqtt.lab"));
     }
