@@ -150,7 +150,7 @@ impl Ledger {
 
     /// Outbox records per instance and state.
     pub async fn outbox_counts(&self) -> Result<Vec<(String, OutboxState, u64)>, LedgerError> {
-        self.call(|txn| outbox::counts(txn)).await
+        self.call(outbox::counts).await
     }
 
     /// The database path, when on (and not in memory).
