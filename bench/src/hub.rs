@@ -28,6 +28,8 @@ pub struct HubSpec {
     pub extra_instances: Vec<String>,
     /// `hub.durability = "normal"`: commits skip the fsync (the default is `full`).
     pub durability_normal: bool,
+    /// `hub.metrics_listen` on a Unix socket in the hub's directory: metrics counted.
+    pub metrics: bool,
 }
 
 /// A running hub, stopped by PID on drop.
@@ -57,7 +59,7 @@ impl HubProc {
         )?;
         let runtime_dir = dir.join("run");
         let config = dir.join("channeld.toml");
-        std::fs::write(&config, config_text(spec))
+        std::fs::write(&config, config_text(spec, dir))
             .with_context(|| format!("write {}", config.display()))?;
         let log = dir.join("channeld.log");
         let mut words = wrap.map(str::split_whitespace).into_iter().flatten();
@@ -163,10 +165,15 @@ pub fn status_at(control: &Path) -> Result<Value> {
     Ok(answer["result"].clone())
 }
 
-fn config_text(spec: &HubSpec) -> String {
+fn config_text(spec: &HubSpec, dir: &Path) -> String {
     let durability = if spec.durability_normal { "durability = \"normal\"\n" } else { "" };
+    let metrics = if spec.metrics {
+        format!("metrics_listen = \"{}\"\n", dir.join("metrics.sock").display())
+    } else {
+        String::new()
+    };
     let mut text = format!(
-        "[hub]\nmax_inflight = {BENCH_MAX_INFLIGHT}\n{durability}\n[instance.\"{MAIN_INSTANCE}\"]\nallow_all = true\n"
+        "[hub]\nmax_inflight = {BENCH_MAX_INFLIGHT}\n{durability}{metrics}\n[instance.\"{MAIN_INSTANCE}\"]\nallow_all = true\n"
     );
     for name in &spec.extra_instances {
         text.push_str(&format!("\n[instance.\"{name}\"]\nallow_all = true\n"));

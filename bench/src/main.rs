@@ -12,6 +12,7 @@ mod control;
 mod driver;
 mod hub;
 mod memory;
+mod metrics_cost;
 mod mqtt;
 mod payload;
 mod peers;
@@ -94,6 +95,16 @@ enum Cmd {
         #[arg(long)]
         wrap: Option<String>,
     },
+    /// The hub's CPU per inbound message with metrics off and on (`hub.metrics_listen`),
+    /// ledger off and on; prints a table of medians.
+    MetricsCost {
+        /// Pairs of runs (off, on) per ledger setting.
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Seconds each run measures.
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
+    },
     /// Internal: the minimal SDK driver (launch settings from the environment).
     #[command(hide = true)]
     Driver,
@@ -118,6 +129,10 @@ fn main() -> ExitCode {
                 let wrap = wrap.as_deref();
                 phase::soak(&bin_dir, &path, window, measure, ledger, durability_normal, wrap)
             }),
+        Cmd::MetricsCost { reps, seconds } => bin_dir(&cli.run).and_then(|bin_dir| {
+            let measure = std::time::Duration::from_secs(seconds);
+            metrics_cost::metrics_cost(&bin_dir, reps.max(1), measure)
+        }),
         Cmd::Memory { result } => bin_dir(&cli.run).and_then(|bin_dir| {
             let drivers = memory::run_memory(&bin_dir, cli.run.quick, cli.run.amqp)?;
             write_json(&result, &drivers)

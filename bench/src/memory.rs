@@ -33,6 +33,7 @@ pub fn run_memory(bin_dir: &Path, quick: bool, with_rabbitmq: bool) -> Result<Ve
         ledger: false,
         extra_instances: families.iter().map(|s| s.to_string()).collect(),
         durability_normal: false,
+        metrics: false,
     };
     let mut hub = HubProc::start(bin_dir, &hub_dir, &spec)?;
     let mut results = Vec::new();

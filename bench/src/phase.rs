@@ -93,7 +93,12 @@ pub fn run_phase(args: &PhaseArgs) -> Result<Phase> {
     for ledger in [false, true] {
         let hub_dir = dir.path().join(if ledger { "hub-ledger" } else { "hub" });
         std::fs::create_dir_all(&hub_dir)?;
-        let spec = HubSpec { ledger, extra_instances: Vec::new(), durability_normal: false };
+        let spec = HubSpec {
+            ledger,
+            extra_instances: Vec::new(),
+            durability_normal: false,
+            metrics: false,
+        };
         let mut hub = HubProc::start(&args.bin_dir, &hub_dir, &spec)?;
         let mut driver = DriverProc::start(
             MAIN_INSTANCE,
@@ -172,7 +177,7 @@ pub fn soak(
 ) -> Result<()> {
     let rt = runtime()?;
     let dir = tempfile::Builder::new().prefix("channeld-bench-soak-").tempdir()?;
-    let spec = HubSpec { ledger, extra_instances: Vec::new(), durability_normal };
+    let spec = HubSpec { ledger, extra_instances: Vec::new(), durability_normal, metrics: false };
     let mut hub = HubProc::start_wrapped(bin_dir, dir.path(), &spec, wrap)?;
     let mut driver = DriverProc::start(
         MAIN_INSTANCE,
@@ -218,7 +223,12 @@ fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path) -> Result<Scale> {
     let idle: Vec<String> = (1..max).map(|i| format!("bench.d{i:04}")).collect();
     let hub_dir = dir.join("hub-scale");
     std::fs::create_dir_all(&hub_dir)?;
-    let spec = HubSpec { ledger: false, extra_instances: idle.clone(), durability_normal: false };
+    let spec = HubSpec {
+        ledger: false,
+        extra_instances: idle.clone(),
+        durability_normal: false,
+        metrics: false,
+    };
     let mut hub = HubProc::start(&args.bin_dir, &hub_dir, &spec)?;
     let mut result = Scale { instances_configured: max, ..Scale::default() };
     result.hub_rss_kib.push((0, crate::procs::rss_kib(hub.pid())?));

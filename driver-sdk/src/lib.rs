@@ -66,8 +66,9 @@ pub use tokio_util::sync::CancellationToken;
 pub use tracing;
 pub use url::Url;
 
-/// Logs to stderr with the filter from `CHANNELD_LOG` (default `default_filter`); the same
-/// setup as the hub's.
+/// Logs with the filter from `CHANNELD_LOG` (default `default_filter`) in the format
+/// `CHANNELD_LOG_FORMAT` or systemd chooses (journal, JSON or human lines on stderr); the
+/// same setup as the hub's.
 pub fn init_logging(default_filter: &str) {
     channeld_link::process::init_logging(default_filter);
 }
@@ -96,6 +97,10 @@ where
             return ExitCode::from(78);
         }
     };
+    // Every line this driver logs carries its instance (`INSTANCE=` in the journal, `spans`
+    // in JSON): the runtime is single-threaded, so every task is polled inside this span.
+    let process_span = tracing::info_span!("driver", instance = %launch.channel);
+    let _in_process_span = process_span.enter();
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(err) => {

@@ -12,6 +12,7 @@ use tracing::{info, warn};
 
 use crate::config::Allowlist;
 use crate::connection::Connection;
+use crate::metrics::{CommandOutcome, InstanceMetrics};
 
 /// Why a command did not get an answer from a person.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,8 +39,25 @@ pub struct Presented {
     pub target: Option<MessageTarget>,
 }
 
-/// Presents a command on `conn` and waits up to `timeout` for the answer.
+/// Presents a command on `conn` and waits up to `timeout` for the answer; counts how it
+/// ended in `metrics`.
 pub async fn present(
+    conn: &Connection,
+    presented: Presented,
+    timeout: Duration,
+    metrics: &InstanceMetrics,
+) -> Result<CommandAnswer, CommandError> {
+    let result = present_once(conn, presented, timeout).await;
+    metrics.command(match &result {
+        Ok(_) => CommandOutcome::Answered,
+        Err(CommandError::Refused(_)) => CommandOutcome::Refused,
+        Err(CommandError::Timeout(_)) => CommandOutcome::Timeout,
+        Err(CommandError::Disconnected | CommandError::Send(_)) => CommandOutcome::Disconnected,
+    });
+    result
+}
+
+async fn present_once(
     conn: &Connection,
     presented: Presented,
     timeout: Duration,

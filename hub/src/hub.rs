@@ -1,5 +1,5 @@
 //! The state one running hub shares between its tasks: configuration, instances, the
-//! ledger, the outbox, ids, the task trackers and the shutdown signals.
+//! ledger, the outbox, ids, metrics, the task trackers and the shutdown signals.
 //!
 //! It holds state and hands it out; what the hub does lives in the modules that take it
 //! (`serve`, `inbound`, `control`, …), and how it starts and stops in `lifecycle.rs`.
@@ -16,6 +16,7 @@ use crate::ids::Ids;
 use crate::instance::{Instance, Instances, Registry};
 use crate::ledger::Ledger;
 use crate::liveness::Probes;
+use crate::metrics::Metrics;
 use crate::outbox::Outbox;
 
 /// Extensions this hub implements and offers to peers that declare them.
@@ -44,6 +45,8 @@ pub struct Hub {
     pub ledger: Ledger,
     pub outbox: Outbox,
     pub ids: Arc<Ids>,
+    /// Prometheus metrics; counting nothing unless `hub.metrics_listen` is set.
+    pub metrics: Arc<Metrics>,
     /// Cancelled when the hub starts shutting down: listeners stop accepting.
     pub shutdown: CancellationToken,
     /// Cancelled after runs drained: connection handlers say `stop` and close.
@@ -69,12 +72,15 @@ pub struct Hub {
 
 impl Hub {
     pub fn new(config: HubConfig, ledger: Ledger, shutdown: CancellationToken) -> Arc<Self> {
+        let metrics = Arc::new(Metrics::new(config.metrics_listen.is_some(), ledger.metrics()));
+        metrics.init_connection_kinds();
         let instances: Instances = config
             .instances
             .iter()
             .map(|inst| {
                 let policy = config.policy_of(inst);
-                (inst.id.clone(), Arc::new(Instance::new(inst.clone(), policy)))
+                let counts = metrics.instance(inst.id.as_str());
+                (inst.id.clone(), Arc::new(Instance::new(inst.clone(), policy, counts)))
             })
             .collect();
         let instances = Arc::new(Registry::new(instances));
@@ -95,6 +101,7 @@ impl Hub {
             ledger,
             outbox,
             ids,
+            metrics,
             shutdown,
             close_connections: CancellationToken::new(),
             ready: CancellationToken::new(),

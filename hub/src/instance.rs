@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{InstanceConfig, InstancePolicy};
 use crate::connection::{Connection, lock};
+use crate::metrics::InstanceMetrics;
 use crate::notice::NoticeLimiter;
 
 /// Milliseconds since the Unix epoch.
@@ -83,6 +84,8 @@ pub struct Instance {
     /// [`Instance::policy`], never from here.
     pub config: InstanceConfig,
     pub counters: Counters,
+    /// Its Prometheus series (empty when metrics are off).
+    pub metrics: InstanceMetrics,
     policy: Mutex<Arc<InstancePolicy>>,
     /// Cancelled when a reload removes the instance: its accept loop ends, its driver is told
     /// `stop`, its supervised process is stopped.
@@ -100,10 +103,11 @@ pub struct Instance {
 }
 
 impl Instance {
-    pub fn new(config: InstanceConfig, policy: InstancePolicy) -> Self {
+    pub fn new(config: InstanceConfig, policy: InstancePolicy, metrics: InstanceMetrics) -> Self {
         Self {
             config,
             counters: Counters::default(),
+            metrics,
             policy: Mutex::new(Arc::new(policy)),
             removed: CancellationToken::new(),
             live: Mutex::new(None),

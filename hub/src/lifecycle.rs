@@ -12,7 +12,7 @@ use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::{DurabilityMode, HubConfig};
+use crate::config::{DurabilityMode, HubConfig, MetricsListen};
 use crate::hub::Hub;
 use crate::instance::Instance;
 use crate::ledger::{Durability, Ledger, LedgerError};
@@ -78,7 +78,10 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
     }
     crate::recovery::restore(&hub).await;
 
-    let Listeners { control, instances } = listeners;
+    let Listeners { control, instances, metrics } = listeners;
+    if let Some(metrics) = metrics {
+        hub.loops.spawn(crate::scrape::serve(hub.clone(), metrics));
+    }
     for (id, listener) in instances {
         if let Some(inst) = hub.instance(id.as_str()) {
             start_instance(&hub, inst, listener);
@@ -130,6 +133,9 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
     let mut sockets: Vec<PathBuf> =
         hub.instances.snapshot().values().map(|inst| inst.config.socket.clone()).collect();
     sockets.push(hub.config.control_socket.clone());
+    if let Some(MetricsListen::Unix(path)) = &hub.config.metrics_listen {
+        sockets.push(path.clone());
+    }
     remove_sockets(&sockets);
     finished.cancel();
     let _ = systemd.await;

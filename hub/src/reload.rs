@@ -80,6 +80,7 @@ pub async fn apply(hub: &Arc<Hub>, new: HubConfig) {
 /// end (drivers hear `stop`), the watchdog stops asking for it, and its socket goes.
 fn stop_instance(hub: &Hub, inst: &Instance) {
     inst.removed.cancel();
+    hub.metrics.forget(inst.config.id.as_str());
     hub.probes.retire(&accept_loop_name(inst));
     if let Err(err) = std::fs::remove_file(&inst.config.socket) {
         warn!(instance = %inst.config.id, error = %err, "socket of a removed instance not removed");
@@ -95,7 +96,8 @@ async fn add_instance(
     config: InstanceConfig,
 ) -> Result<(), crate::listen::HubError> {
     let listener = bind_instance(&config.socket)?;
-    let inst = Arc::new(Instance::new(config.clone(), applied.policy_of(&config)));
+    let counts = hub.metrics.instance(config.id.as_str());
+    let inst = Arc::new(Instance::new(config.clone(), applied.policy_of(&config), counts));
     if hub.ledger.is_on() {
         match hub.ledger.generations(config.id.to_string()).await {
             Ok(generations) => inst.load_generations(generations),

@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::instance::{Counters, Instance};
 use crate::ledger::LedgerError;
+use crate::metrics::SendOutcome as SendMetric;
 
 /// Where a proactive send stands when the caller gets its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,8 +138,25 @@ pub async fn handover(
     Ok(waiter)
 }
 
-/// Waits up to `timeout` for the receipt of a handed-over `outbound`.
+/// Waits up to `timeout` for the receipt of a handed-over `outbound`, and counts the outcome
+/// in the instance's metrics.
 pub async fn await_receipt(
+    inst: &Instance,
+    conn: &Connection,
+    request_id: Id,
+    waiter: oneshot::Receiver<ReceiptOutcome>,
+    timeout: Duration,
+) -> Result<DeliveryReceipt, SendError> {
+    let outcome = receipt_of(conn, request_id, waiter, timeout).await;
+    inst.metrics.send(match &outcome {
+        Ok(_) => SendMetric::Receipted,
+        Err(SendError::Failed { .. }) => SendMetric::Failed,
+        Err(_) => SendMetric::Unknown,
+    });
+    outcome
+}
+
+async fn receipt_of(
     conn: &Connection,
     request_id: Id,
     waiter: oneshot::Receiver<ReceiptOutcome>,
@@ -176,7 +194,7 @@ pub async fn send_on(
     let Some(timeout) = wait else {
         return Ok(SendOutcome::handed(request_id, None));
     };
-    let receipt = await_receipt(conn, request_id.clone(), waiter, timeout).await?;
+    let receipt = await_receipt(inst, conn, request_id.clone(), waiter, timeout).await?;
     Ok(SendOutcome::receipted(request_id, None, receipt))
 }
 

@@ -78,7 +78,7 @@ pub(crate) async fn supervise(hub: Arc<Hub>, inst: Arc<Instance>) {
         let delay = backoff.next_delay();
         info!(instance = %id, delay_ms = delay.as_millis() as u64, attempt = backoff.attempt(), "restarting driver after backoff");
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
+            () = tokio::time::sleep(delay) => inst.metrics.driver_restart(),
             () = hub.shutdown.cancelled() => break,
             () = inst.removed.cancelled() => break,
         }

@@ -107,7 +107,9 @@ fn the_modules_of_the_hub_form_a_dag() {
         Ok(order) => eprintln!("bottom-up: {}", order.join(", ")),
         Err(cycle) => panic!("import circle among: {cycle:?}"),
     }
-    for expected in ["inbound", "ledger", "serve", "control", "outbox", "hub", "lifecycle"] {
+    for expected in
+        ["inbound", "ledger", "serve", "control", "outbox", "hub", "lifecycle", "metrics", "scrape"]
+    {
         assert!(
             graph.contains_key(expected),
             "module {expected} not found: the check read nothing"
@@ -123,6 +125,15 @@ fn the_ledger_imports_nothing_from_the_hub() {
 }
 
 #[test]
+fn metrics_sit_below_everything_that_counts() {
+    // Every module may count, so the metrics module uses nothing but the ledger's own
+    // histograms; what reads the hub's state for a scrape lives in `scrape`.
+    let graph = graph();
+    let uses = graph.get("metrics").cloned().unwrap_or_default();
+    assert_eq!(uses, BTreeSet::from(["ledger".to_owned()]), "metrics uses {uses:?}");
+}
+
+#[test]
 fn pure_decisions_use_no_async_runtime_and_no_sockets() {
     let pure = [
         "inbound/decide.rs",
@@ -135,6 +146,7 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "inflight.rs",
         "route.rs",
         "command.rs",
+        "metrics/process.rs",
     ];
     for file in pure {
         let text = std::fs::read_to_string(src().join(file)).expect(file);

@@ -1,6 +1,7 @@
-//! What every channeld process does at start, the hub and the drivers alike: logging to
-//! stderr with one filter variable, and SIGTERM/SIGINT (SIGHUP for interactive processes)
-//! turned into a cancellation.
+//! What every channeld process does at start, the hub and the drivers alike: logging (one
+//! filter variable; the journal under systemd, JSON for log shippers, else human lines on
+//! stderr), and SIGTERM/SIGINT (SIGHUP for interactive processes) turned into a
+//! cancellation.
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
@@ -10,18 +11,108 @@ use tokio_util::sync::CancellationToken;
 /// `info,lapin=debug`).
 pub const LOG_ENV: &str = "CHANNELD_LOG";
 
-/// Logs to stderr. The filter comes from `CHANNELD_LOG`, else `default_filter`. Colour codes
-/// only when stderr is a terminal: under systemd stderr is the journal, which would store
-/// them verbatim. Calling it again (or after another subscriber was set) changes nothing.
+/// The environment variable choosing the log format: `json` (one JSON object a line, for
+/// log shippers), `journald` or `human`. Unset, the journal is used when stderr is the
+/// journal (systemd's `JOURNAL_STREAM` names it), else the human format.
+pub const LOG_FORMAT_ENV: &str = "CHANNELD_LOG_FORMAT";
+
+/// Where and how log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Today's lines on stderr: `time LEVEL message field=value`, colour on a terminal.
+    Human,
+    /// One JSON object a line on stderr: `timestamp`, `level`, `message`, the event's fields
+    /// at the top level, and the enclosing spans' fields in `spans`.
+    Json,
+    /// Native journal entries with every field as its own journal field, upper-cased
+    /// (`INSTANCE=`, `EVENT_ID=`, `REQUEST_ID=`, `RUN_ID=`), so `journalctl INSTANCE=mqtt.lab`
+    /// finds them.
+    Journald,
+}
+
+/// Chooses the format from `CHANNELD_LOG_FORMAT` and whether stderr is the journal. An
+/// unknown value is `Err` with the human format to fall back to. Pure.
+pub fn choose_format(
+    format: Option<&str>,
+    stderr_is_journal: bool,
+) -> Result<LogFormat, LogFormat> {
+    match format.map(str::trim) {
+        None | Some("") => {
+            Ok(if stderr_is_journal { LogFormat::Journald } else { LogFormat::Human })
+        }
+        Some("json") => Ok(LogFormat::Json),
+        Some("journald") => Ok(LogFormat::Journald),
+        Some("human") => Ok(LogFormat::Human),
+        Some(_) => Err(LogFormat::Human),
+    }
+}
+
+/// Whether `JOURNAL_STREAM` (`<device>:<inode>`, set by systemd when it connects stderr to the
+/// journal) names the file stderr is now: a child whose stderr was redirected elsewhere
+/// inherits the variable but must not log to the journal.
+fn stderr_is_journal() -> bool {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let Ok(stream) = std::env::var("JOURNAL_STREAM") else { return false };
+    let Some((dev, ino)) = stream.split_once(':') else { return false };
+    let (Ok(dev), Ok(ino)) = (dev.parse::<u64>(), ino.parse::<u64>()) else { return false };
+    let Ok(fd) = std::io::stderr().as_fd().try_clone_to_owned() else { return false };
+    std::fs::File::from(fd).metadata().is_ok_and(|meta| meta.dev() == dev && meta.ino() == ino)
+}
+
+/// Sets up logging for the process: the filter comes from `CHANNELD_LOG`, else
+/// `default_filter`; the format from [`choose_format`]. Colour codes only when stderr is a
+/// terminal. If the journal cannot be reached the human format is used and a warning says
+/// so. Calling it again (or after another subscriber was set) changes nothing.
 pub fn init_logging(default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter))
+    };
+    let requested = std::env::var(LOG_FORMAT_ENV).ok();
+    let chosen = choose_format(requested.as_deref(), stderr_is_journal());
+    let format = chosen.unwrap_or_else(|fallback| fallback);
+    let mut journal_error = None;
+    if format == LogFormat::Journald {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        match tracing_journald::layer() {
+            Ok(journal) => {
+                // Field names as written (upper-cased by the journal), without the `F_` prefix.
+                let journal = journal.with_field_prefix(None);
+                let _ = tracing_subscriber::registry().with(filter()).with(journal).try_init();
+                return;
+            }
+            Err(err) => journal_error = Some(err),
+        }
+    }
+    if format == LogFormat::Json {
+        let _ = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(true)
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .try_init();
+    } else {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_target(false)
+            .try_init();
+    }
+    if let Some(err) = journal_error {
+        tracing::warn!(error = %err, "the journal cannot be reached; logging to stderr");
+    }
+    if chosen.is_err() {
+        tracing::warn!(
+            value = requested.as_deref().unwrap_or_default(),
+            "unknown {LOG_FORMAT_ENV} (json, journald or human); using the human format"
+        );
+    }
 }
 
 /// Cancels `token` on the first SIGTERM or SIGINT. Must be called inside a tokio runtime;
@@ -74,6 +165,17 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn the_format_follows_the_variable_then_the_journal() {
+        assert_eq!(choose_format(None, false), Ok(LogFormat::Human));
+        assert_eq!(choose_format(None, true), Ok(LogFormat::Journald));
+        assert_eq!(choose_format(Some(""), true), Ok(LogFormat::Journald));
+        assert_eq!(choose_format(Some("json"), true), Ok(LogFormat::Json));
+        assert_eq!(choose_format(Some("human"), true), Ok(LogFormat::Human));
+        assert_eq!(choose_format(Some("journald"), false), Ok(LogFormat::Journald));
+        assert_eq!(choose_format(Some("xml"), false), Err(LogFormat::Human));
+    }
 
     #[tokio::test]
     async fn a_signal_cancels_the_token() {

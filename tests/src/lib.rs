@@ -7,6 +7,7 @@ pub mod mosquitto;
 pub mod nostr_relay;
 pub mod peer;
 pub mod process;
+pub mod prometheus;
 pub mod rabbitmq;
 
 use std::path::{Path, PathBuf};

@@ -16,6 +16,8 @@ pub struct HubProcess {
     pub child: Child,
     pub config: PathBuf,
     ledger: bool,
+    /// Environment variables set for the hub on top of the test's.
+    env: Vec<(String, String)>,
 }
 
 impl HubProcess {
@@ -37,10 +39,21 @@ impl HubProcess {
         Self::spawn(dir, config, false)
     }
 
+    /// Like [`start`](Self::start) with `env` set for the hub (e.g. `CHANNELD_LOG_FORMAT`).
+    pub fn start_with_env(config: &str, env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        Self::spawn_with(dir, config, true, env)
+    }
+
     fn spawn(dir: TempDir, config: &str, ledger: bool) -> Self {
+        Self::spawn_with(dir, config, ledger, Vec::new())
+    }
+
+    fn spawn_with(dir: TempDir, config: &str, ledger: bool, env: Vec<(String, String)>) -> Self {
         let config_path = write_file(dir.path(), "channeld.toml", config);
-        let child = Self::launch(dir.path(), &config_path, ledger);
-        let hub = Self { dir, child, config: config_path, ledger };
+        let child = Self::launch(dir.path(), &config_path, ledger, &env);
+        let hub = Self { dir, child, config: config_path, ledger, env };
         hub.wait_ready();
         hub
     }
@@ -50,11 +63,11 @@ impl HubProcess {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Self::launch(self.dir.path(), &self.config, self.ledger);
+        self.child = Self::launch(self.dir.path(), &self.config, self.ledger, &self.env);
         self.wait_ready();
     }
 
-    fn launch(dir: &Path, config_path: &Path, ledger: bool) -> Child {
+    fn launch(dir: &Path, config_path: &Path, ledger: bool, env: &[(String, String)]) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -68,6 +81,7 @@ impl HubProcess {
         command
             .env_remove("STATE_DIRECTORY")
             .env("CHANNELD_LOG", std::env::var("CHANNELD_LOG").unwrap_or_else(|_| "debug".into()))
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -72,6 +72,43 @@ struct RawHub {
     outbox_ttl_secs: Option<u64>,
     control_allow_uids: Option<Vec<Principal>>,
     control_allow_gids: Option<Vec<Principal>>,
+    metrics_listen: Option<String>,
+}
+
+/// `hub.metrics_listen`: where `/metrics` is served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricsListen {
+    /// A TCP address, e.g. `127.0.0.1:9464`.
+    Tcp(std::net::SocketAddr),
+    /// A Unix socket path (absolute), mode 0660 like the hub's other sockets.
+    Unix(PathBuf),
+}
+
+impl MetricsListen {
+    /// An absolute path is a Unix socket; anything else must be `host:port` with an IP host.
+    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+        const KEY: &str = "hub.metrics_listen";
+        if value.starts_with('/') {
+            return Ok(MetricsListen::Unix(PathBuf::from(value)));
+        }
+        value.parse().map(MetricsListen::Tcp).map_err(|_| {
+            invalid(
+                KEY,
+                format!(
+                    "{value:?} is neither ip:port (e.g. 127.0.0.1:9464) nor an absolute socket path"
+                ),
+            )
+        })
+    }
+}
+
+impl std::fmt::Display for MetricsListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MetricsListen::Tcp(addr) => write!(f, "{addr}"),
+            MetricsListen::Unix(path) => write!(f, "{}", path.display()),
+        }
+    }
 }
 
 /// `hub.durability`: how hard each ledger commit pushes to disk.
@@ -252,6 +289,8 @@ pub struct HubConfig {
     /// A driver that sends nothing (not even a heartbeat) for this long is Unavailable.
     pub liveness: Duration,
     pub drain_timeout: Duration,
+    /// Where `/metrics` is served; `None` (the default) turns metrics off.
+    pub metrics_listen: Option<MetricsListen>,
     pub runtimes: BTreeMap<String, RuntimeConfig>,
     pub instances: Vec<InstanceConfig>,
 }
@@ -421,6 +460,7 @@ impl HubConfig {
             )?,
             liveness: secs("hub.liveness_secs", hub.liveness_secs, 60)?,
             drain_timeout: secs("hub.drain_timeout_secs", hub.drain_timeout_secs, 10)?,
+            metrics_listen: hub.metrics_listen.as_deref().map(MetricsListen::parse).transpose()?,
             runtimes,
             instances,
         })

@@ -116,3 +116,17 @@ fn deny_notices_are_rate_limited_and_must_be_a_body() {
     let err = parse("[instance.\"a.b\"]\ndeny_notice_interval_secs = 0\n").unwrap_err().to_string();
     assert_eq!(err, "instance.\"a.b\".deny_notice_interval_secs: must be at least 1");
 }
+
+#[test]
+fn metrics_listen_is_off_by_default_and_takes_an_address_or_a_socket_path() {
+    assert_eq!(parse("").unwrap().metrics_listen, None);
+    let tcp = parse("[hub]\nmetrics_listen = \"127.0.0.1:9464\"\n").unwrap();
+    assert_eq!(tcp.metrics_listen, Some(MetricsListen::Tcp("127.0.0.1:9464".parse().unwrap())));
+    let unix = parse("[hub]\nmetrics_listen = \"/run/channeld/metrics.sock\"\n").unwrap();
+    assert_eq!(
+        unix.metrics_listen,
+        Some(MetricsListen::Unix(PathBuf::from("/run/channeld/metrics.sock")))
+    );
+    let err = parse("[hub]\nmetrics_listen = \"localhost\"\n").unwrap_err().to_string();
+    assert!(err.starts_with("hub.metrics_listen:"), "{err}");
+}

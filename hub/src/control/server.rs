@@ -100,6 +100,7 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    let _open = hub.metrics.connection(crate::metrics::ConnectionKind::Control);
     let (sink, writer) = spawn_writer(write, RESPONSE_QUEUE);
     let limit = Arc::new(Semaphore::new(MAX_CONCURRENT_REQUESTS));
     let mut framer = LineFramer::new(MAX_CONTROL_LINE);

@@ -26,6 +26,7 @@ use crate::hub::Hub;
 use crate::inflight::Slot;
 use crate::instance::{Counters, Instance, unix_ms};
 use crate::ledger::{NewInbound, Recorded};
+use crate::metrics::InboundOutcome;
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
 use reply::{accept, refuse};
 use run::{Admitted, Work};
@@ -112,11 +113,13 @@ async fn record(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, ad
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
         (Ok(line), Some(hash)) => (line, hash),
         (Err(err), _) => {
+            inst.metrics.inbound(InboundOutcome::Error);
             lock(&conn.inflight).finish(&event_id);
             refuse(conn, &event_id, "invalid_frame", err.to_string(), false).await;
             return;
         }
         (Ok(_), None) => {
+            inst.metrics.inbound(InboundOutcome::Error);
             lock(&conn.inflight).finish(&event_id);
             refuse(conn, &event_id, "invalid_frame", "not an inbound frame".into(), false).await;
             return;
@@ -162,6 +165,7 @@ async fn carry_out(
     let free_slot = || lock(&conn.inflight).finish(event_id);
     match action {
         Action::WrongChannel => {
+            inst.metrics.inbound(InboundOutcome::Error);
             let text = format!(
                 "target channel {} does not match instance {}",
                 admitted.origin.channel, inst.config.id
@@ -171,11 +175,13 @@ async fn carry_out(
         Action::Deny { notice } => deny(inst, conn, &admitted, notice).await,
         Action::Busy { max } => {
             Counters::bump(&inst.counters.busy);
+            inst.metrics.inbound(InboundOutcome::Busy);
             refuse(conn, event_id, "busy", format!("{max} inbound runs already in flight"), true)
                 .await;
         }
         Action::InFlight => {
             // The run is in progress on this connection; its reply will come.
+            inst.metrics.inbound(InboundOutcome::Duplicate);
             if conn.declaration.extensions.accepted {
                 accept(conn, event_id, true).await;
             } else {
@@ -185,6 +191,7 @@ async fn carry_out(
         }
         Action::Record => Box::pin(record(hub, inst, conn, admitted)).await,
         Action::Replay(replay) => {
+            inst.metrics.inbound(InboundOutcome::Duplicate);
             free_slot();
             accept(conn, event_id, true).await;
             tracing::debug!(instance = %inst.config.id, %event_id, ?replay, "redelivered event; replaying");
@@ -201,16 +208,19 @@ async fn carry_out(
             }
         }
         Action::Conflict => {
+            inst.metrics.inbound(InboundOutcome::Conflict);
             free_slot();
             let text = "this event id was already used for different content".to_owned();
             refuse(conn, event_id, "conflict", text, false).await;
         }
         Action::Unrecorded => {
+            inst.metrics.inbound(InboundOutcome::Error);
             free_slot();
             let text = "the hub could not record this message".to_owned();
             refuse(conn, event_id, "ledger_unavailable", text, true).await;
         }
         Action::Answer(_) | Action::Run => {
+            inst.metrics.inbound(InboundOutcome::Accepted);
             accept(conn, event_id, false).await;
             let work = match action {
                 Action::Answer(command) => Work::Hub(command),
@@ -228,6 +238,7 @@ async fn carry_out(
 async fn deny(inst: &Instance, conn: &Connection, admitted: &Admitted, notice: bool) {
     let event_id = &admitted.event_id;
     Counters::bump(&inst.counters.denied);
+    inst.metrics.inbound(InboundOutcome::Denied);
     info!(
         instance = %inst.config.id,
         %event_id,

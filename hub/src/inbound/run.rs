@@ -4,13 +4,13 @@
 //! inbound.
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use channeld_protocol::ext::EffectGate;
 use channeld_protocol::frame::{EffectFrame, Inbound, InboundEventFrame};
 use channeld_protocol::types::{Command, Effect, MessageTarget, Participant};
 use channeld_protocol::{Frame, Id};
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::decide::SlashCommand;
 use super::reply::{self, refuse, reply_target};
@@ -19,6 +19,7 @@ use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, unix_ms};
 use crate::ledger::RunEnd;
+use crate::metrics::RunOutcome;
 use crate::route::RouteKey;
 use crate::runtime::{self, CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
 
@@ -138,8 +139,12 @@ pub fn spawn(
     let target = admitted.reply_target();
     let route = admitted.route.clone();
     let (hub, inst) = (hub.clone(), inst.clone());
+    // Every line logged during the run (the runtime's too) carries the run's ids.
+    let span = info_span!("run", instance = %inst.config.id, event_id = %request.event_id, run_id = %request.run_id);
     hub.clone().runs.spawn(async move {
-        let event_id = request.event_id.clone();
+        let (began, event_id) = (Instant::now(), request.event_id.clone());
+        inst.metrics.run_started();
+        debug!(redelivered, "run started");
         let result = match work {
             Work::Hub(command) => Ok(RunOutput { reply: Some(answer(&hub, &inst, command, &route).await) }),
             Work::Runtime => {
@@ -163,6 +168,10 @@ pub fn spawn(
                 .filter(|text| !text.trim().is_empty())
                 .ok_or(RunError::EmptyReply)
         });
+        let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
+        inst.metrics.run_finished(outcome, began.elapsed());
+        debug!(outcome = outcome.as_str(), elapsed_ms = began.elapsed().as_millis() as u64, "run finished");
+        let ended = Instant::now();
         let end = match &result {
             Ok(text) => RunEnd::Reply(text.clone()),
             Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
@@ -189,6 +198,7 @@ pub fn spawn(
         match (result, conn) {
             (Ok(text), Some(conn)) => {
                 reply::deliver(&hub, &inst, &conn, &event_id, target, text).await;
+                inst.metrics.reply_delivered(ended.elapsed());
             }
             (Ok(_), None) => {
                 debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
@@ -203,7 +213,7 @@ pub fn spawn(
             }
         }
         inst.end_reply(&event_id);
-    });
+    }.instrument(span));
 }
 
 /// The hub's own answer to `/help` and `/new`.
@@ -283,7 +293,9 @@ impl RunIo for ConnectionIo {
             command,
             target: Some(MessageTarget { reply_to: None, ..self.target.clone() }),
         };
-        match command::present(conn, presented, self.hub.config.command_timeout).await {
+        match command::present(conn, presented, self.hub.config.command_timeout, &self.inst.metrics)
+            .await
+        {
             // Vetted against the allowlist as it is when the answer comes.
             Ok(answer) => command::vet_answer(
                 &self.inst.config.id,

@@ -32,7 +32,7 @@ pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunE
 pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
-pub use store::QUEUE_CAPACITY;
+pub use store::{LedgerMetrics, QUEUE_CAPACITY};
 
 /// The database file inside the state directory.
 pub const DB_FILE: &str = "ledger.sqlite3";
@@ -77,6 +77,7 @@ pub struct Ledger {
     lock: Arc<Mutex<Option<StateLock>>>,
     id: String,
     path: Option<PathBuf>,
+    metrics: LedgerMetrics,
 }
 
 impl Ledger {
@@ -88,6 +89,7 @@ impl Ledger {
             lock: Arc::default(),
             id: String::new(),
             path: None,
+            metrics: LedgerMetrics::default(),
         }
     }
 
@@ -119,18 +121,36 @@ impl Ledger {
         lock: Option<StateLock>,
     ) -> Result<Self, LedgerError> {
         let id = schema::ledger_id(&conn)?;
-        let (tx, thread) = store::spawn(conn).map_err(|err| LedgerError::Sql(err.to_string()))?;
+        let metrics = LedgerMetrics::default();
+        let (tx, thread) =
+            store::spawn(conn, metrics.clone()).map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
             thread: Arc::new(Mutex::new(Some(thread))),
             lock: Arc::new(Mutex::new(lock)),
             id,
             path,
+            metrics,
         })
     }
 
     pub fn is_on(&self) -> bool {
         self.tx.is_some()
+    }
+
+    /// The ledger thread's commit latency and batch sizes.
+    pub fn metrics(&self) -> &LedgerMetrics {
+        &self.metrics
+    }
+
+    /// Jobs queued for the ledger thread now (0 when off).
+    pub fn queue_depth(&self) -> usize {
+        self.tx.as_ref().map_or(0, |tx| tx.max_capacity() - tx.capacity())
+    }
+
+    /// Outbox records per instance and state.
+    pub async fn outbox_counts(&self) -> Result<Vec<(String, OutboxState, u64)>, LedgerError> {
+        self.call(outbox::counts).await
     }
 
     /// The database path, when on (and not in memory).

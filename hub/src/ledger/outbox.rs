@@ -233,6 +233,17 @@ pub struct OutboxSummary {
 /// How many characters of a record's text and error a listing shows.
 pub const PREVIEW_CHARS: usize = 100;
 
+/// How many records each instance has in each state (the metrics' outbox depth).
+pub fn counts(txn: &Transaction<'_>) -> Result<Vec<(String, OutboxState, u64)>, LedgerError> {
+    let mut stmt = txn.prepare_cached(
+        "SELECT instance, state, count(*) FROM outbox GROUP BY state, instance ORDER BY instance",
+    )?;
+    let rows = stmt.query_map([], |row| {
+        Ok((row.get::<_, String>(0)?, state_column(row, 1)?, row.get::<_, i64>(2)? as u64))
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
 /// Lists records newest first: at most `limit`, only ids below `before` when given. The
 /// previews are cut in SQL (the stored message is an `OutboundMessage` as JSON), so no whole
 /// message is read into memory.
@@ -395,6 +406,27 @@ mod tests {
         ));
         assert!(matches!(requeue(&txn, id, 3, 100), Err(LedgerError::NotRetryable { .. })));
         assert!(matches!(requeue(&txn, 999, 3, 100), Err(LedgerError::NoSuchRecord(999))));
+    }
+
+    #[test]
+    fn counts_group_records_by_instance_and_state() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        add(&txn, &send(None, OutboxState::Queued, "{}", 100)).unwrap();
+        add(&txn, &send(None, OutboxState::Queued, "{}", 100)).unwrap();
+        let Added::New(id) = add(&txn, &send(None, OutboxState::Sent, "{}", 100)).unwrap() else {
+            panic!("new")
+        };
+        assert!(transition(&txn, id, OutboxState::Unknown, None, Some("no receipt"), 2).unwrap());
+        let mut counts = counts(&txn).unwrap();
+        counts.sort_by_key(|(_, state, _)| state.as_str());
+        assert_eq!(
+            counts,
+            [
+                ("a.b".to_owned(), OutboxState::Queued, 2),
+                ("a.b".to_owned(), OutboxState::Unknown, 1)
+            ]
+        );
     }
 
     #[test]

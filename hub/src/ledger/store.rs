@@ -3,7 +3,9 @@
 //! released only after its batch committed.
 
 use std::thread::JoinHandle;
+use std::time::Instant;
 
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use rusqlite::{Connection, Transaction};
 use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::error;
@@ -15,6 +17,28 @@ const MAX_BATCH: usize = 1024;
 
 /// Jobs waiting for the ledger thread; callers wait beyond this (backpressure).
 pub const QUEUE_CAPACITY: usize = 8192;
+
+/// The ledger's own measurements, kept by the ledger thread (the ledger imports nothing from
+/// the hub, so it owns these handles and the registry only reads them).
+#[derive(Debug, Clone)]
+pub struct LedgerMetrics {
+    /// Seconds from beginning a batch's transaction to its commit (one fsync with
+    /// `durability = "full"`).
+    pub commit_seconds: Histogram,
+    /// Jobs (ledger calls) per committed batch.
+    pub batch_jobs: Histogram,
+}
+
+impl Default for LedgerMetrics {
+    fn default() -> Self {
+        Self {
+            // 0.1 ms to about 15 s.
+            commit_seconds: Histogram::new(exponential_buckets(0.0001, 2.5, 14)),
+            // 1 to 1024 jobs (the most one batch takes).
+            batch_jobs: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+        }
+    }
+}
 
 /// A unit of work. It runs inside the batch transaction and returns what to do once the
 /// batch's commit is known (`true`: committed).
@@ -30,14 +54,18 @@ pub enum Message {
 /// Spawns the ledger thread. It runs until it is sent [`Message::Stop`] or every sender is
 /// dropped. Callers queue with `send().await`, which waits while the queue is full
 /// (backpressure).
-pub fn spawn(conn: Connection) -> std::io::Result<(Sender<Message>, JoinHandle<()>)> {
+pub fn spawn(
+    conn: Connection,
+    metrics: LedgerMetrics,
+) -> std::io::Result<(Sender<Message>, JoinHandle<()>)> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Message>(QUEUE_CAPACITY);
-    let thread =
-        std::thread::Builder::new().name("channeld-ledger".into()).spawn(move || run(conn, rx))?;
+    let thread = std::thread::Builder::new()
+        .name("channeld-ledger".into())
+        .spawn(move || run(conn, rx, &metrics))?;
     Ok((tx, thread))
 }
 
-fn run(mut conn: Connection, mut rx: Receiver<Message>) {
+fn run(mut conn: Connection, mut rx: Receiver<Message>, metrics: &LedgerMetrics) {
     let mut batch: Vec<Job> = Vec::with_capacity(64);
     let mut stopping = false;
     while !stopping {
@@ -53,7 +81,7 @@ fn run(mut conn: Connection, mut rx: Receiver<Message>) {
             }
         }
         if !batch.is_empty() {
-            apply(&mut conn, &mut batch);
+            apply(&mut conn, &mut batch, metrics);
         }
     }
     // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
@@ -61,7 +89,9 @@ fn run(mut conn: Connection, mut rx: Receiver<Message>) {
     let _ = conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
 }
 
-fn apply(conn: &mut Connection, batch: &mut Vec<Job>) {
+fn apply(conn: &mut Connection, batch: &mut Vec<Job>, metrics: &LedgerMetrics) {
+    let began = Instant::now();
+    let jobs = batch.len();
     let tx = match conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate) {
         Ok(tx) => tx,
         Err(err) => {
@@ -75,7 +105,11 @@ fn apply(conn: &mut Connection, batch: &mut Vec<Job>) {
         finishers.push(job(&tx));
     }
     let committed = match tx.commit() {
-        Ok(()) => true,
+        Ok(()) => {
+            metrics.commit_seconds.observe(began.elapsed().as_secs_f64());
+            metrics.batch_jobs.observe(jobs as f64);
+            true
+        }
         Err(err) => {
             error!(error = %err, "ledger commit failed");
             false

@@ -24,6 +24,7 @@ use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
 use crate::instance::{Instance, Registry, unix_ms};
 use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
+use crate::metrics::SendOutcome as SendMetric;
 use crate::send::{self, SendError, SendOutcome, SendState};
 
 /// Metadata key carrying the caller's idempotency key to the driver (as the reference does).
@@ -178,6 +179,7 @@ impl Outbox {
                     Err(SendError::Offline(_)) => {
                         // The frame never left the hub: back to the queue, nothing is lost.
                         debug!(instance = %inst.config.id, id, "driver left before the send; queued");
+                        inst.metrics.send(SendMetric::Queued);
                         let _queuing = backlog.queuing();
                         self.record_outcome(id, OutboxState::Queued, None, None).await;
                         Some(SendState::Queued)
@@ -198,6 +200,7 @@ impl Outbox {
                 }
                 None => {
                     debug!(instance = %instance, id, "driver offline; send queued");
+                    inst.metrics.send(SendMetric::Queued);
                     return Ok(SendOutcome::queued(request_id, Some(id)));
                 }
             },
@@ -279,7 +282,7 @@ impl Outbox {
     ) {
         let outbox = self.clone();
         self.tasks.spawn(async move {
-            let outcome = send::await_receipt(&conn, request_id, waiter, timeout).await;
+            let outcome = send::await_receipt(&inst, &conn, request_id, waiter, timeout).await;
             let (state, receipt, error) = match outcome {
                 Ok(receipt) => (OutboxState::Receipted, Some(receipt), None),
                 Err(SendError::Failed { code, message, .. }) => {

@@ -187,7 +187,7 @@ async fn control_request(
                 target,
             };
             if ext.control_result {
-                match command::present(&conn, presented, timeout).await {
+                match command::present(&conn, presented, timeout, &inst.metrics).await {
                     Ok(answer) => {
                         let responder = conn.declaration.extensions.responder;
                         let allow = &inst.policy().allow;
@@ -200,8 +200,9 @@ async fn control_request(
             } else {
                 // A reference controller gets its answer once the command is forwarded; the
                 // result is awaited (and its absence logged) in the background.
+                let metrics = inst.metrics.clone();
                 hub.tasks.spawn(async move {
-                    if let Err(err) = command::present(&conn, presented, timeout).await {
+                    if let Err(err) = command::present(&conn, presented, timeout, &metrics).await {
                         debug!(error = %err, "controller command ended without an answer");
                     }
                 });

@@ -23,6 +23,7 @@ use crate::connection::{Connection, PeerKind};
 use crate::hub::Hub;
 use crate::instance::Instance;
 use crate::liveness::Responder;
+use crate::metrics::ConnectionKind;
 use crate::peer::{PeerCreds, PeerPolicy, describe_peer, peer_creds};
 
 /// Outgoing frames queued per connection before senders wait (live effects are dropped
@@ -90,12 +91,15 @@ pub async fn serve<R, W>(
     };
     match first {
         Some(Frame::Hello(hello)) => {
+            let _open = hub.metrics.connection(ConnectionKind::Driver);
             driver::run(&hub, &inst, hello, &sink, &mut reader, peer_pid).await;
         }
         Some(Frame::ControlHello(hello)) => {
+            let _open = hub.metrics.connection(ConnectionKind::Controller);
             controller::run(&hub, &inst, hello, &sink, &mut reader, peer_pid).await;
         }
         Some(frame) => {
+            let _open = hub.metrics.connection(ConnectionKind::Legacy);
             let conn = Arc::new(Connection::new(
                 hub.ids.connection(),
                 PeerKind::Legacy,
