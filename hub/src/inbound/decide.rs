@@ -8,8 +8,8 @@
 //! the slot again.
 
 use crate::config::Allowlist;
-use crate::inflight::Slot;
 use crate::ledger::{InboundState, StoredRun};
+use crate::runqueue::Slot;
 
 /// What arrived, as far as the decision needs it.
 #[derive(Debug, Clone, Copy)]
