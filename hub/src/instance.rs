@@ -15,19 +15,19 @@ use crate::config::{InstanceConfig, InstancePolicy};
 use crate::connection::{Connection, lock};
 use crate::notice::NoticeLimiter;
 use crate::route::RouteKey;
-use crate::runqueue::RunQueue;
+use crate::runqueue::{RunQueue, Turn};
 
 /// What starts a queued run once its turn comes (made by the inbound layer, called once,
-/// outside the queue's lock).
-pub struct StartRun(Box<dyn FnOnce() + Send>);
+/// outside the queue's lock, with the run's turn).
+pub struct StartRun(Box<dyn FnOnce(Turn) + Send>);
 
 impl StartRun {
-    pub fn new(start: impl FnOnce() + Send + 'static) -> Self {
+    pub fn new(start: impl FnOnce(Turn) + Send + 'static) -> Self {
         Self(Box::new(start))
     }
 
-    pub fn start(self) {
-        (self.0)();
+    pub fn start(self, turn: Turn) {
+        (self.0)(turn);
     }
 }
 

@@ -129,8 +129,12 @@ async fn a_conversation_runs_in_order_and_new_applies_to_exactly_the_messages_af
     // Replies in the order of their inbound within the conversation; `/new` answered in
     // its place.
     assert_eq!(reply_order(&replies, "c1"), ["wait-x", "new", "b", "c"]);
-    assert_eq!(replies[1].message.body.text_str(), "Started a new session.");
-    assert_eq!(replies[2].message.body.text_str(), "reply b");
+    let texts: Vec<&str> = replies
+        .iter()
+        .filter(|d| d.message.target.conversation.as_str() == "c1")
+        .map(|d| d.message.body.text_str())
+        .collect();
+    assert_eq!(texts, ["reply wait-x", "Started a new session.", "reply b", "reply c"]);
     // The second conversation was not held behind the slow one.
     assert_eq!(reply_order(&replies, "c2"), ["x"]);
     assert!(
@@ -251,8 +255,19 @@ async fn a_full_queue_is_answered_busy_and_the_queued_messages_still_run() {
     assert_eq!(busy.request_id.as_ref().map(|id| id.as_str()), Some("q4"));
     let (replies, more) = replies(&mut driver, 3).await;
     assert_eq!(accepted.len() + more, 3);
-    let order: Vec<&str> = replies.iter().map(|d| d.request_id.as_str()).collect();
-    assert_eq!(order, ["q1", "q2", "q3"], "one run at a time, oldest first");
+    let mut order: Vec<&str> = replies.iter().map(|d| d.request_id.as_str()).collect();
+    assert_eq!(order[0], "q1");
+    order.sort_unstable();
+    assert_eq!(order, ["q1", "q2", "q3"]);
+    // One run at a time (`max_inflight = 1`): every start follows the end of the run before.
+    let log = agent_log(&log);
+    for (n, line) in log.iter().enumerate() {
+        let expected = if n % 2 == 0 { "start" } else { "end" };
+        assert_eq!(line[0], expected, "runs overlapped: {log:?}");
+        if n % 2 == 1 {
+            assert_eq!(line[1], log[n - 1][1], "runs overlapped: {log:?}");
+        }
+    }
     // Retried once there is room, it runs.
     driver.inbound(ONE, "q4", "alice", "c3", "q4").await;
     let (replies, _) = self::replies(&mut driver, 1).await;

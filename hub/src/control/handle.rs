@@ -237,6 +237,7 @@ fn status(hub: &Hub) -> StatusResult {
                 health: health.health,
                 health_updated_ms: unix_ms(health.updated),
                 in_flight: inst.runs_running(),
+                queued: inst.runs_waiting(),
                 counters: CountersView {
                     inbound: c.inbound.load(Relaxed),
                     denied: c.denied.load(Relaxed),

@@ -31,7 +31,7 @@ use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
 use crate::ledger::{NewInbound, Recorded};
-use crate::runqueue::{Admission, Slot};
+use crate::runqueue::{Admission, Slot, Starts};
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
 use reply::{accept, refuse};
 use run::{Admitted, Queued, Work};
@@ -84,9 +84,9 @@ pub(crate) fn rerun(
 }
 
 /// Starts what the run queue released (called outside its lock).
-pub(crate) fn start(starts: Vec<StartRun>) {
-    for run in starts {
-        run.start();
+pub(crate) fn start(starts: Starts<StartRun>) {
+    for (turn, run) in starts {
+        run.start(turn);
     }
 }
 

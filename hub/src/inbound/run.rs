@@ -21,6 +21,7 @@ use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
 use crate::ledger::RunEnd;
 use crate::route::RouteKey;
+use crate::runqueue::Turn;
 use crate::runtime::{self, CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
 
 /// The text of `/help`.
@@ -139,14 +140,14 @@ pub struct Queued {
 
 /// The end of a run's turn, also when its task panics or is dropped: the queue lets the next
 /// run of its session (and any run waiting for a slot) start.
-struct Turn {
+struct TurnEnd {
     inst: Arc<Instance>,
-    event_id: Id,
+    turn: Turn,
 }
 
-impl Drop for Turn {
+impl Drop for TurnEnd {
     fn drop(&mut self) {
-        let starts = lock(&self.inst.runs).finish(&self.event_id);
+        let starts = lock(&self.inst.runs).finish(self.turn);
         super::start(starts);
     }
 }
@@ -157,39 +158,33 @@ impl Drop for Turn {
 /// it still runs within the drain deadline.
 pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun {
     let (hub, inst) = (hub.clone(), inst.clone());
-    StartRun::new(move || {
+    StartRun::new(move |turn| {
         let stopping = hub.shutdown.is_cancelled() && hub.ledger.is_on();
         if stopping || hub.close_connections.is_cancelled() {
             debug!(instance = %inst.config.id, event_id = %queued.admitted.event_id, "hub stopping; the queued run is not started");
             return;
         }
-        let turn = Turn { inst: inst.clone(), event_id: queued.admitted.event_id.clone() };
-        let Queued { origin, admitted, run_id, redelivered, work, count_start } = queued;
+        let end = TurnEnd { inst: inst.clone(), turn };
         hub.clone().runs.spawn(async move {
-            if count_start {
-                let counted = hub.ledger.start_run(inst.config.id.to_string(), admitted.event_id.to_string()).await;
+            if queued.count_start {
+                let event_id = queued.admitted.event_id.to_string();
+                let counted = hub.ledger.start_run(inst.config.id.to_string(), event_id).await;
                 if let Err(err) = counted {
                     inst.record_error(format!("ledger: {err}"));
-                    warn!(instance = %inst.config.id, event_id = %admitted.event_id, error = %err, "run start not recorded");
+                    warn!(instance = %inst.config.id, event_id = %queued.admitted.event_id, error = %err, "run start not recorded");
                 }
             }
-            execute(&hub, &inst, origin, &admitted, run_id, redelivered, work).await;
-            drop(turn);
+            execute(&hub, &inst, turn, queued).await;
+            drop(end);
         });
     })
 }
 
 /// One run, from its request to its reply (or error) handed to the driver's writer: the
 /// next run of its session starts only after that, so replies keep the inbound order.
-async fn execute(
-    hub: &Arc<Hub>,
-    inst: &Arc<Instance>,
-    origin: Option<Arc<Connection>>,
-    admitted: &Admitted,
-    run_id: String,
-    redelivered: bool,
-    work: Work,
-) {
+async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queued) {
+    let Queued { origin, admitted, run_id, redelivered, work, .. } = queued;
+    let admitted = &admitted;
     let request = request(hub, inst, admitted, run_id, origin.as_ref(), redelivered);
     let target = admitted.reply_target();
     let event_id = request.event_id.clone();
@@ -236,6 +231,11 @@ async fn execute(
             warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
         }
     }
+    // The outcome is recorded: a redelivery from now on is answered from the ledger or as
+    // a duplicate, so the run slot goes to another session; this session's next run still
+    // waits until the reply below is handed over.
+    let starts = lock(&inst.runs).ended(turn);
+    super::start(starts);
     // The reply goes back on the connection that carried the inbound, or, if that one is
     // gone, on the instance's current driver; with neither it waits in the ledger.
     let conn = origin.filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
