@@ -121,7 +121,14 @@ impl BenchDriver {
         });
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(workload.clone());
         let text = MessageBody::text(payload::text()).map_err(|e| e.to_string())?;
-        let target = MessageTarget::new(self.channel.clone(), Id::new("room-1").expect("valid id"));
+        // One conversation per window slot: a conversation's runs are sequential in the hub,
+        // so the window spreads over as many conversations as it holds messages.
+        let rooms: Vec<MessageTarget> = (0..plan.window.max(1))
+            .map(|n| {
+                let room = Id::new(format!("room-{n}")).expect("valid id");
+                MessageTarget::new(self.channel.clone(), room)
+            })
+            .collect();
         let sender = Participant::new(Id::new("bench-user").expect("valid id"));
         loop {
             let permit = workload.window.acquire().await.map_err(|e| e.to_string())?;
@@ -138,7 +145,7 @@ impl BenchDriver {
             };
             let message = InboundMessage {
                 id: Id::new(format!("{}-{seq}", workload.prefix)).map_err(|e| e.to_string())?,
-                target: target.clone(),
+                target: rooms[seq as usize % rooms.len()].clone(),
                 sender: sender.clone(),
                 body: text.clone(),
                 timestamp_ms: None,

@@ -208,7 +208,11 @@ pub struct InstanceStatus {
     pub driver_pid: Option<i32>,
     pub health: Health,
     pub health_updated_ms: u64,
+    /// Runs going on now (at most the instance's `max_inflight`).
     pub in_flight: usize,
+    /// Accepted messages waiting for their turn in their conversation's queue.
+    #[serde(default)]
+    pub queued: usize,
     pub counters: CountersView,
     #[serde(default)]
     pub last_error: Option<String>,

@@ -1,4 +1,4 @@
-//! One accepted socket connection's state: what the peer declared, its in-flight runs, and
+//! One accepted socket connection's state: what the peer declared and
 //! who waits for its answers (receipts, command results, health). Closing it fails every
 //! wait at once.
 
@@ -13,8 +13,6 @@ use channeld_protocol::frame::{CommandResultFrame, ErrorFrame};
 use channeld_protocol::types::{DeliveryReceipt, Health};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
-
-use crate::inflight::InflightTable;
 
 /// Locks a mutex, taking the data of a poisoned one: every critical section here leaves its
 /// data consistent even if it panics.
@@ -65,7 +63,6 @@ pub struct Connection {
     pub declaration: PeerDeclaration,
     pub connected_at: SystemTime,
     pub peer_pid: Option<i32>,
-    pub inflight: Mutex<InflightTable>,
     /// Cancelled when the connection ends.
     pub closed: CancellationToken,
     last_seen: Mutex<Instant>,
@@ -79,7 +76,6 @@ impl Connection {
         sink: FrameSink,
         declaration: PeerDeclaration,
         peer_pid: Option<i32>,
-        max_inflight: usize,
     ) -> Self {
         Self {
             id,
@@ -88,7 +84,6 @@ impl Connection {
             declaration,
             connected_at: SystemTime::now(),
             peer_pid,
-            inflight: Mutex::new(InflightTable::new(max_inflight)),
             closed: CancellationToken::new(),
             last_seen: Mutex::new(Instant::now()),
             waits: Mutex::new(Waits::default()),
@@ -101,10 +96,6 @@ impl Connection {
 
     pub fn idle_for(&self) -> Duration {
         lock(&self.last_seen).elapsed()
-    }
-
-    pub fn inflight_len(&self) -> usize {
-        lock(&self.inflight).len()
     }
 
     /// Registers interest in the receipt for `request_id`. Fails if the connection is closed.

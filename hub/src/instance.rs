@@ -1,6 +1,6 @@
 //! Per-instance state: the one live driver connection, the live settings a reload may
-//! change, health, counters, session generations, the replies being handed over, and the
-//! supervised driver process; and the registry of the instances served.
+//! change, health, counters, session generations, the run queue, the replies being handed
+//! over, and the supervised driver process; and the registry of the instances served.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +15,31 @@ use crate::config::{InstanceConfig, InstancePolicy};
 use crate::connection::{Connection, lock};
 use crate::metrics::InstanceMetrics;
 use crate::notice::NoticeLimiter;
+use crate::route::RouteKey;
+use crate::runqueue::{RunQueue, Turn};
+
+/// What starts a queued run once its turn comes (made by the inbound layer, called once,
+/// outside the queue's lock, with the run's turn).
+pub struct StartRun(Box<dyn FnOnce(Turn) + Send>);
+
+impl StartRun {
+    pub fn new(start: impl FnOnce(Turn) + Send + 'static) -> Self {
+        Self(Box::new(start))
+    }
+
+    pub fn start(self, turn: Turn) {
+        (self.0)(turn);
+    }
+}
+
+impl std::fmt::Debug for StartRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StartRun")
+    }
+}
+
+/// An instance's run queue: per conversation session, in arrival order.
+pub type Runs = RunQueue<RouteKey, StartRun>;
 
 /// Milliseconds since the Unix epoch.
 pub fn unix_ms(time: SystemTime) -> u64 {
@@ -94,6 +119,9 @@ pub struct Instance {
     health: Mutex<HealthView>,
     last_error: Mutex<Option<(SystemTime, String)>>,
     generations: Mutex<HashMap<String, u64>>,
+    /// Inbound accepted and not finished: running, or waiting for their session's turn and a
+    /// run slot (`max_inflight`, `max_queued`).
+    pub runs: Mutex<Runs>,
     /// Events whose reply a finishing run is handing over right now; the reconnect sweep of
     /// undelivered replies leaves them alone, so a reply is not sent twice.
     replying: Mutex<HashSet<Id>>,
@@ -105,6 +133,7 @@ pub struct Instance {
 impl Instance {
     pub fn new(config: InstanceConfig, policy: InstancePolicy, metrics: InstanceMetrics) -> Self {
         Self {
+            runs: Mutex::new(RunQueue::new(config.max_inflight, config.max_queued)),
             config,
             counters: Counters::default(),
             metrics,
@@ -138,6 +167,16 @@ impl Instance {
     pub fn may_notify(&self, sender: &str) -> bool {
         let interval = self.policy().deny_notice_interval;
         lock(&self.notices).allow(sender, Instant::now(), interval)
+    }
+
+    /// Runs going on now (at most `max_inflight`).
+    pub fn runs_running(&self) -> usize {
+        lock(&self.runs).running()
+    }
+
+    /// Accepted inbound waiting for their turn (at most `max_queued`, restored ones aside).
+    pub fn runs_waiting(&self) -> usize {
+        lock(&self.runs).waiting()
     }
 
     /// The live driver connection, if any.

@@ -1,4 +1,5 @@
-//! What the ledger gives back after a restart — interrupted runs started again once, sends
+//! What the ledger gives back after a restart — the run queues (runs interrupted by the stop
+//! started again once, queued ones in their place), sends
 //! that were in flight marked unknown, session generations — and the background upkeep
 //! (retention pruning, outbox expiry).
 
@@ -45,7 +46,12 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
         }
     };
     if !recovered.is_empty() {
-        info!(runs = recovered.len(), "starting interrupted runs again (flagged redelivered)");
+        let interrupted = recovered.iter().filter(|run| run.attempt > 1).count();
+        info!(
+            runs = recovered.len(),
+            interrupted,
+            "queueing again, in arrival order, the runs accepted and not finished (interrupted ones flagged redelivered)"
+        );
     }
     for run in recovered {
         let Some(inst) = hub.instance(&run.instance) else {
@@ -55,10 +61,22 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
         let isolation = inst.config.identity_isolation;
         match decode(&run.frame) {
             Ok(Frame::Inbound(inbound)) => {
-                inbound::rerun(hub, &inst, Admitted::message(inbound, isolation), run.run_id);
+                inbound::rerun(
+                    hub,
+                    &inst,
+                    Admitted::message(inbound, isolation),
+                    run.run_id,
+                    run.attempt,
+                );
             }
             Ok(Frame::InboundEvent(event)) => {
-                inbound::rerun(hub, &inst, Admitted::event(event, isolation), run.run_id);
+                inbound::rerun(
+                    hub,
+                    &inst,
+                    Admitted::event(event, isolation),
+                    run.run_id,
+                    run.attempt,
+                );
             }
             Ok(other) => {
                 warn!(event_id = %run.event_id, frame = other.type_name(), "ledger entry holds an unexpected frame")

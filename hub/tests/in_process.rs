@@ -353,6 +353,7 @@ async fn a_reply_an_older_hub_stranded_as_too_big_is_fitted_and_delivered_on_rec
         hash_version: channeld_hub::inbound::fingerprint::FINGERPRINT_VERSION,
         frame: line[..line.len() - 1].to_vec(),
         run_id: "run-big-1".into(),
+        started: true,
         now_ms: 1,
     };
     let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash);

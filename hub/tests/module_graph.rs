@@ -1,7 +1,7 @@
 //! Architecture invariants of the hub crate, read from its source: the modules' `crate::`
 //! edges form a DAG (no import circle), the ledger imports nothing from the rest of the hub,
 //! and the pure decisions (the inbound decision, the ledger's SQL functions and state
-//! machines, in-flight and route bookkeeping) use no async runtime.
+//! machines, the run queue and route bookkeeping) use no async runtime.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -143,7 +143,7 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "ledger/sessions.rs",
         "ledger/state.rs",
         "ledger/schema.rs",
-        "inflight.rs",
+        "runqueue.rs",
         "route.rs",
         "command.rs",
         "metrics/process.rs",

@@ -56,11 +56,24 @@ pub struct MosquittoOptions {
     pub users: Vec<(String, String)>,
     /// ACL file contents (mosquitto's `acl_file` syntax), if any.
     pub acl: Option<String>,
+    /// QoS 1 messages the broker queues per client beyond those in flight.
+    pub queue: BrokerQueue,
+}
+
+/// `max_queued_messages` in the broker's config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerQueue {
+    /// `0`: no limit (the tests' usual broker loses nothing to its queue).
+    Unlimited,
+    /// Not set: mosquitto's default (1,000), beyond which it drops messages for the client.
+    BrokerDefault,
+    /// This many.
+    Messages(u32),
 }
 
 impl Default for MosquittoOptions {
     fn default() -> Self {
-        Self { persistence: true, users: Vec::new(), acl: None }
+        Self { persistence: true, users: Vec::new(), acl: None, queue: BrokerQueue::Unlimited }
     }
 }
 
@@ -105,6 +118,13 @@ impl Mosquitto {
             std::fs::write(&path, acl).expect("write acl file");
             extra.push_str(&format!("acl_file {}\n", path.display()));
         }
+        match options.queue {
+            BrokerQueue::Unlimited => extra.push_str("max_queued_messages 0\n"),
+            BrokerQueue::BrokerDefault => {}
+            BrokerQueue::Messages(limit) => {
+                extra.push_str(&format!("max_queued_messages {limit}\n"));
+            }
+        }
         let anonymous = options.users.is_empty();
         let mut dir = dir;
         // The port is picked free, then bound by mosquitto: another process may take it in
@@ -116,7 +136,6 @@ impl Mosquitto {
                  allow_anonymous {anonymous}\n\
                  persistence {persistence}\n\
                  persistence_location {dir}/\n\
-                 max_queued_messages 0\n\
                  set_tcp_nodelay true\n\
                  user root\n\
                  log_dest stderr\n\
@@ -432,6 +451,32 @@ impl MqttTestClient {
             false
         };
         tokio::time::timeout(PUBACK_WAIT, wait).await.unwrap_or(false)
+    }
+
+    /// Publishes `messages` (topic, payload) at QoS 1 as fast as the client's window allows
+    /// (pipelined, not one at a time), and waits until the broker acknowledged every one.
+    /// Nothing is published again: the connection must stay up.
+    pub async fn publish_burst(&mut self, messages: Vec<(String, Vec<u8>)>) {
+        self.wait_connected().await;
+        while self.notices.try_recv().is_ok() {}
+        let total = messages.len();
+        let client = self.client.clone();
+        let publisher = tokio::spawn(async move {
+            for (topic, payload) in messages {
+                client.publish(topic, QoS::AtLeastOnce, false, payload).await.expect("publish");
+            }
+        });
+        let mut acked = 0;
+        let deadline = Duration::from_secs(60);
+        while acked < total {
+            match tokio::time::timeout(deadline, self.notices.recv()).await {
+                Ok(Some(Notice::Acked(_))) => acked += 1,
+                Ok(Some(Notice::Disconnected)) => panic!("disconnected after {acked} PUBACKs"),
+                Ok(Some(Notice::Sent(_))) => {}
+                Ok(None) | Err(_) => panic!("only {acked} of {total} PUBACKs"),
+            }
+        }
+        publisher.await.expect("burst publisher");
     }
 
     /// Publishes at QoS 0 without waiting.

@@ -421,7 +421,7 @@ impl LoadRig {
         loop {
             let status = self.hub.instance_status(LOAD_CHANNEL);
             let counts = tokio::task::block_in_place(|| self.broker.queue_counts(LOAD_QUEUE));
-            if status["in_flight"] == 0 && counts == Some((0, 0)) {
+            if status["in_flight"] == 0 && status["queued"] == 0 && counts == Some((0, 0)) {
                 break;
             }
             assert!(Instant::now() < deadline, "runs still in flight: {status}, queue {counts:?}");

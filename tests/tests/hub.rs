@@ -119,7 +119,7 @@ async fn an_error_frame_does_not_end_the_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifth_inbound_in_flight_is_busy_and_retryable() {
+async fn an_inbound_with_every_run_slot_taken_and_no_room_to_wait_is_busy_and_retryable() {
     let dir = tempfile::tempdir().unwrap();
     let gate = dir.path().join("go");
     let agent = write_script(
@@ -128,17 +128,18 @@ async fn fifth_inbound_in_flight_is_busy_and_retryable() {
         &format!("while [ ! -e '{}' ]; do sleep 0.02; done\necho done\n", gate.display()),
     );
     let hub = HubProcess::start(&format!(
-        "[runtime.slow]\nkind = \"exec\"\ncommand = [\"{}\"]\n[instance.\"test.one\"]\nallow = [\"alice\"]\nruntime = \"slow\"\n",
+        "[runtime.slow]\nkind = \"exec\"\ncommand = [\"{}\"]\n[instance.\"test.one\"]\nallow = [\"alice\"]\nruntime = \"slow\"\nmax_queued = 0\n",
         agent.display()
     ));
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive"]), &["accepted"]).await;
     assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    // Four conversations take the four run slots (`max_inflight`); nothing may wait.
     for n in 1..=4 {
-        driver.inbound(ONE, &format!("m-{n}"), "alice", "c1", "work").await;
+        driver.inbound(ONE, &format!("m-{n}"), "alice", &format!("c{n}"), "work").await;
         assert!(matches!(driver.frame().await, Frame::Accepted(_)));
     }
-    driver.inbound(ONE, "m-5", "alice", "c1", "one too many").await;
+    driver.inbound(ONE, "m-5", "alice", "c5", "one too many").await;
     let busy = driver.error().await;
     assert_eq!(busy.code, "busy");
     assert!(busy.retryable);
@@ -157,8 +158,8 @@ async fn fifth_inbound_in_flight_is_busy_and_retryable() {
     }
     replied.sort();
     assert_eq!(replied, vec!["m-1", "m-2", "m-3", "m-4"]);
-    // The slot is free again.
-    driver.inbound(ONE, "m-5", "alice", "c1", "now").await;
+    // The slots are free again.
+    driver.inbound(ONE, "m-5", "alice", "c5", "now").await;
     assert!(matches!(driver.frame().await, Frame::Accepted(_)));
     assert_eq!(expect_deliver(driver.frame().await).request_id, "m-5");
 }

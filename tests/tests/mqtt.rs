@@ -1,8 +1,8 @@
 //! The MQTT driver as a real process between a real mosquitto and a real `channeld`: round
 //! trips, two instances on one broker, identity from the topic (hub allowlist and broker ACL),
-//! proactive sends, a second driver the hub refuses staying off the broker, and 1,000
+//! proactive sends, a second driver the hub refuses staying off the broker, 1,000
 //! messages across a broker restart and a driver SIGKILL with nothing lost and nothing run
-//! twice.
+//! twice, and a 10,000-message burst.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use channeld_tests::mosquitto::{Mosquitto, MosquittoOptions, MqttTestClient, provision_session};
+use channeld_tests::mosquitto::{
+    BrokerQueue, Mosquitto, MosquittoOptions, MqttTestClient, provision_session,
+};
 use channeld_tests::{DriverProcess, HubProcess, counting_agent, workspace_bin};
 use serde_json::{Value, json};
 
@@ -417,7 +419,7 @@ async fn thousand_messages_across(disruption: Disruption) {
         let done = runs(&log);
         if done.len() > TOTAL && done.iter().any(|id| id == "alice/sentinel") {
             let status = hub.instance_status(ONE);
-            if status["in_flight"] == 0 {
+            if status["in_flight"] == 0 && status["queued"] == 0 {
                 break;
             }
         }
@@ -459,6 +461,98 @@ async fn a_broker_restart_amid_1000_messages_loses_none_and_repeats_no_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_sigkill_amid_1000_messages_loses_none_and_repeats_no_run() {
     thousand_messages_across(Disruption::DriverKill).await;
+}
+
+/// What a burst of messages came to.
+#[derive(Debug)]
+struct Burst {
+    /// Distinct replies that came back.
+    replied: usize,
+    /// From the first publish to the last reply.
+    took: Duration,
+    /// How often the broker logged that it dropped messages for a client.
+    broker_drops: usize,
+    busy: u64,
+}
+
+/// Publishes `total` QoS 1 messages in 16 conversations as fast as the broker takes them,
+/// with the driver connected, on a broker queueing `queue` per client. Waits for every reply,
+/// or, when `all` is false, until replies stop coming for 3 s (those left out are lost).
+async fn burst(total: usize, queue: BrokerQueue, all: bool) -> Burst {
+    let broker = Mosquitto::start_with(MosquittoOptions { queue, ..MosquittoOptions::default() });
+    // The hub takes the burst into its run queue (`max_queued`) rather than answering `busy`,
+    // so the driver acknowledges each message as soon as the hub has it. The ledger is off:
+    // what is measured is the broker's queue and the driver's intake, not fsyncs (the
+    // durable path is covered by the 1,000-message tests above).
+    let hub = HubProcess::start_without_ledger(
+        tempfile::tempdir().unwrap(),
+        &format!("[instance.\"{ONE}\"]\nallow = [\"alice\"]\nmax_queued = {total}\n"),
+    );
+    provision(&broker, ONE, None).await;
+    let mut observer =
+        MqttTestClient::connect(broker.port(), "observer", &[&outbound_filter(ONE)]).await;
+    let mut alice = MqttTestClient::connect(broker.port(), "alice-phone", &[]).await;
+    let driver = mqtt_driver(&hub, ONE, &broker, &[("CHANNELD_LOG", "warn")]);
+    wait_ready(&hub, ONE, &driver).await;
+
+    let messages: Vec<(String, Vec<u8>)> = (0..total)
+        .map(|n| {
+            let topic = inbound_topic(ONE, "alice", &format!("c{}", n % 16));
+            (topic, json!({"text": format!("burst {n}"), "id": n.to_string()}).to_string().into())
+        })
+        .collect();
+    let started = Instant::now();
+    alice.publish_burst(messages).await;
+    let published = started.elapsed();
+
+    let mut replied = HashSet::new();
+    let mut last = started.elapsed();
+    let quiet = Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(45);
+    while replied.len() < total {
+        let wait = if all { deadline.saturating_duration_since(Instant::now()) } else { quiet };
+        let Some(reply) = observer.next_within(wait).await else {
+            assert!(!all, "{} of {total} replies within 45 s:\n{}", replied.len(), driver.log());
+            break;
+        };
+        let id = payload(&reply)["reply_to"].as_str().unwrap_or_default().to_owned();
+        replied.insert(id);
+        last = started.elapsed();
+    }
+    eprintln!("published {total} in {published:?}");
+    let busy = hub.instance_status(ONE)["counters"]["busy"].as_u64().unwrap_or_default();
+    let broker_drops = broker.log().matches("Outgoing messages are being dropped").count();
+    Burst { replied: replied.len(), took: last, broker_drops, busy }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_10000_message_burst_loses_nothing_with_room_in_the_broker_queue() {
+    const TOTAL: usize = 10_000;
+    let roomy = burst(TOTAL, BrokerQueue::Messages(20_000), true).await;
+    eprintln!(
+        "burst of {TOTAL}, broker max_queued_messages 20000: {} replied, {} lost, {:.0} msg/s, \
+         {} busy answers, {} broker drop warnings",
+        roomy.replied,
+        TOTAL - roomy.replied,
+        TOTAL as f64 / roomy.took.as_secs_f64(),
+        roomy.busy,
+        roomy.broker_drops
+    );
+    assert_eq!(roomy.replied, TOTAL, "messages lost");
+    assert_eq!(roomy.broker_drops, 0);
+    assert_eq!(roomy.busy, 0, "the hub bounced messages instead of queueing them");
+
+    // The broker's default queue (1,000 per client): what it drops is only measured.
+    let default = burst(TOTAL, BrokerQueue::BrokerDefault, false).await;
+    eprintln!(
+        "burst of {TOTAL}, broker default queue: {} replied, {} lost, {:.0} msg/s, {} busy \
+         answers, {} broker drop warnings",
+        default.replied,
+        TOTAL - default.replied,
+        default.replied as f64 / default.took.as_secs_f64(),
+        default.busy,
+        default.broker_drops
+    );
 }
 
 /// How often mosquitto has logged a connection for the client id of `instance`.

@@ -20,8 +20,11 @@ mod warnings;
 pub const DEFAULT_RUNTIME_DIR: &str = "/run/channeld";
 /// The runtime every instance uses unless it names another.
 pub const DEFAULT_RUNTIME: &str = "default";
-/// Inbound runs per driver connection unless `max_inflight` says otherwise.
+/// Runs of one instance at once (across its sessions) unless `max_inflight` says otherwise.
 pub const DEFAULT_MAX_INFLIGHT: usize = 4;
+/// Accepted inbound of one instance waiting for their turn unless `max_queued` says
+/// otherwise; beyond, an inbound is refused `busy`.
+pub const DEFAULT_MAX_QUEUED: usize = 64;
 /// A denied sender is told at most once an hour unless `deny_notice_interval_secs` says
 /// otherwise.
 pub const DEFAULT_DENY_NOTICE_INTERVAL_SECS: u64 = 3600;
@@ -61,6 +64,7 @@ struct RawHub {
     state_dir: Option<PathBuf>,
     control_socket: Option<PathBuf>,
     max_inflight: Option<usize>,
+    max_queued: Option<usize>,
     receipt_timeout_secs: Option<u64>,
     command_timeout_secs: Option<u64>,
     health_probe_interval_secs: Option<u64>,
@@ -152,6 +156,7 @@ struct RawInstance {
     #[serde(default)]
     identity_isolation: bool,
     max_inflight: Option<usize>,
+    max_queued: Option<usize>,
     deny_notice: Option<String>,
     deny_notice_interval_secs: Option<u64>,
     allow_uids: Option<Vec<Principal>>,
@@ -238,7 +243,10 @@ pub struct InstanceConfig {
     pub runtime: String,
     pub allow: Allowlist,
     pub identity_isolation: bool,
+    /// Runs at once, across the instance's sessions.
     pub max_inflight: usize,
+    /// Accepted inbound waiting for their turn; beyond, `busy`.
+    pub max_queued: usize,
     /// Reply sent to a denied sender; `None` (the default) answers nothing on the platform.
     pub deny_notice: Option<String>,
     /// A denied sender is sent the notice at most once per this interval.
@@ -260,6 +268,7 @@ impl InstanceConfig {
             allow: Allowlist::Senders(Vec::new()),
             identity_isolation: false,
             max_inflight: DEFAULT_MAX_INFLIGHT,
+            max_queued: DEFAULT_MAX_QUEUED,
             deny_notice: None,
             deny_notice_interval: Duration::from_secs(DEFAULT_DENY_NOTICE_INTERVAL_SECS),
             peers: PeerRule::SocketMode,
@@ -330,6 +339,7 @@ impl HubConfig {
         let control_socket = hub.control_socket.unwrap_or_else(|| runtime_dir.join("control.sock"));
         let max_inflight =
             positive("hub.max_inflight", hub.max_inflight.unwrap_or(DEFAULT_MAX_INFLIGHT))?;
+        let max_queued = hub.max_queued.unwrap_or(DEFAULT_MAX_QUEUED);
         let secs = |key: &str, value: Option<u64>, default: u64| -> Result<Duration, ConfigError> {
             let value = value.unwrap_or(default);
             if value == 0 {
@@ -412,6 +422,7 @@ impl HubConfig {
                     &format!("{key}.max_inflight"),
                     inst.max_inflight.unwrap_or(max_inflight),
                 )?,
+                max_queued: inst.max_queued.unwrap_or(max_queued),
                 deny_notice: deny_notice(&key, inst.deny_notice)?,
                 deny_notice_interval: secs(
                     &format!("{key}.deny_notice_interval_secs"),

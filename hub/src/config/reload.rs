@@ -98,6 +98,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
             ("spawn_env", current.spawn_env != wanted.spawn_env),
             ("identity_isolation", current.identity_isolation != wanted.identity_isolation),
             ("max_inflight", current.max_inflight != wanted.max_inflight),
+            ("max_queued", current.max_queued != wanted.max_queued),
             ("allow_uids/allow_gids", current.peers != wanted.peers),
         ] {
             if differs {

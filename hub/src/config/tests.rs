@@ -13,8 +13,18 @@ fn minimal_config_has_defaults() {
     let instance = &config.instances[0];
     assert_eq!(instance.socket, PathBuf::from("/run/channeld/console.demo.sock"));
     assert_eq!(instance.max_inflight, 4);
+    assert_eq!(instance.max_queued, 64);
     assert_eq!(instance.allow, Allowlist::All);
     assert_eq!(config.runtime_for(instance).kind, RuntimeKind::Echo);
+}
+
+#[test]
+fn max_queued_is_set_for_the_hub_and_per_instance() {
+    let text =
+        "[hub]\nmax_queued = 8\n[instance.\"a.one\"]\n[instance.\"a.two\"]\nmax_queued = 0\n";
+    let config = parse(text).unwrap();
+    assert_eq!(config.instances[0].max_queued, 8);
+    assert_eq!(config.instances[1].max_queued, 0);
 }
 
 #[test]

@@ -236,7 +236,8 @@ fn status(hub: &Hub) -> StatusResult {
                 driver_pid: live.as_ref().and_then(|conn| conn.peer_pid),
                 health: health.health,
                 health_updated_ms: unix_ms(health.updated),
-                in_flight: live.as_ref().map_or(0, |conn| conn.inflight_len()),
+                in_flight: inst.runs_running(),
+                queued: inst.runs_waiting(),
                 counters: CountersView {
                     inbound: c.inbound.load(Relaxed),
                     denied: c.denied.load(Relaxed),

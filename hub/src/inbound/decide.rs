@@ -1,15 +1,15 @@
 //! The inbound decision, free of I/O: from what arrived, what the instance allows, the
-//! connection's in-flight slot and what the ledger holds, what the hub does with it.
+//! instance's run queue and what the ledger holds, what the hub does with it.
 //!
 //! The caller decides twice when the ledger is on: first with [`Lookup::NotAsked`] (which
 //! settles everything that needs no ledger: wrong channel, denied sender, busy, already in
 //! flight), then, if told to [`Action::Record`], again with the ledger's answer. An inbound
-//! the ledger answered for holds its in-flight slot, so the second decision does not look at
-//! the slot again.
+//! the ledger answered for holds its place in the run queue, so the second decision does not
+//! look at the slot again.
 
 use crate::config::Allowlist;
-use crate::inflight::Slot;
 use crate::ledger::{InboundState, StoredRun};
+use crate::runqueue::Slot;
 
 /// What arrived, as far as the decision needs it.
 #[derive(Debug, Clone, Copy)]
@@ -29,7 +29,7 @@ pub struct InstanceView<'a> {
     pub allow: &'a Allowlist,
     /// Whether a denied sender is told so on the platform (`deny_notice`).
     pub deny_notice: bool,
-    /// Where the event stands against this connection's in-flight limit.
+    /// Where the event stands against the instance's run queue.
     pub slot: Slot,
 }
 
@@ -82,12 +82,12 @@ pub enum Action {
     /// The sender is not on the allowlist (`sender_denied`); with `notice`, the configured
     /// deny notice is delivered to the conversation first.
     Deny { notice: bool },
-    /// The connection has `max` runs in flight (`busy`, retryable).
+    /// It would wait and `max` messages already wait their turn (`busy`, retryable).
     Busy { max: usize },
-    /// A run for this event is in flight on this connection (`accepted` duplicate, or the
+    /// A run for this event is queued or in flight (`accepted` duplicate, or the
     /// reference's `duplicate` error).
     InFlight,
-    /// Take the in-flight slot and record the event in the ledger, then decide again.
+    /// Take a place in the run queue and record the event in the ledger, then decide again.
     Record,
     /// Seen before with the same content.
     Replay(Replay),
@@ -224,7 +224,7 @@ mod tests {
     }
 
     #[test]
-    fn a_full_connection_is_busy_and_a_repeat_of_a_running_event_is_in_flight() {
+    fn a_full_queue_is_busy_and_a_repeat_of_a_queued_event_is_in_flight() {
         let allow = alice_only();
         assert_eq!(
             decide(ALICE, instance(&allow, Slot::Full { max: 4 }), Lookup::NotAsked),

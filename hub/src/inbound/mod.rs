@@ -1,6 +1,12 @@
 //! The inbound path: the pure decision (`decide.rs`) and the thin layer here that carries it
-//! out — the in-flight slot, the ledger record, the answer to the driver, the run
-//! (`run.rs`) and the reply (`reply.rs`).
+//! out — the place in the instance's run queue, the ledger record, the answer to the driver,
+//! the run (`run.rs`) and the reply (`reply.rs`).
+//!
+//! Order: an inbound takes its place in its session's queue on the reader, in arrival order,
+//! before anything is awaited; it is recorded (ledger on), answered `accepted`, and its run
+//! starts when the runs before it in its session have ended and a run slot is free
+//! (`runqueue.rs`). `/help` and `/new` are runs like any other, so they take effect in that
+//! order too.
 //!
 //! With the ledger on, an event id is run at most once: a redelivery with the same content
 //! (`fingerprint.rs`) replays the stored reply (or waits for the run in progress), different
@@ -17,19 +23,19 @@ use std::time::SystemTime;
 
 use channeld_protocol::frame::{Delivery, Inbound, InboundEventFrame};
 use channeld_protocol::types::{MessageBody, OutboundMessage};
-use channeld_protocol::{Frame, encode};
+use channeld_protocol::{Frame, Id, encode};
 use tracing::{info, warn};
 
 use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
-use crate::inflight::Slot;
-use crate::instance::{Counters, Instance, unix_ms};
+use crate::instance::{Counters, Instance, StartRun, unix_ms};
 use crate::ledger::{NewInbound, Recorded};
 use crate::metrics::InboundOutcome;
+use crate::runqueue::{Admission, Slot, Starts};
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
 use reply::{accept, refuse};
-use run::{Admitted, Work};
+use run::{Admitted, Queued, Work};
 
 /// An `inbound` frame from a driver (or a legacy peer).
 pub(crate) async fn on_message(
@@ -53,11 +59,36 @@ pub(crate) async fn on_event(
     take(hub, inst, conn, admitted).await;
 }
 
-/// Starts again a run that a crash interrupted: same run id, flagged `redelivered`, with no
+/// Queues again, in its place, an accepted inbound whose run had not ended when the hub
+/// stopped: same run id, flagged `redelivered` if it had started (`attempt` > 1), with no
 /// connection of its own (its reply goes to whichever driver is live when it ends).
-pub(crate) fn rerun(hub: &Arc<Hub>, inst: &Arc<Instance>, admitted: Admitted, run_id: String) {
+pub(crate) fn rerun(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    admitted: Admitted,
+    run_id: String,
+    attempt: u32,
+) {
     let work = admitted.text().and_then(slash_command).map_or(Work::Runtime, Work::Hub);
-    run::spawn(hub, inst, None, &admitted, run_id, true, work);
+    let event_id = admitted.event_id.clone();
+    let route = admitted.route.clone();
+    let queued = Queued {
+        origin: None,
+        admitted,
+        run_id,
+        redelivered: attempt > 1,
+        work,
+        count_start: true,
+    };
+    let starts = lock(&inst.runs).restore(&event_id, &route, run::starter(hub, inst, queued));
+    start(starts);
+}
+
+/// Starts what the run queue released (called outside its lock).
+pub(crate) fn start(starts: Starts<StartRun>) {
+    for (turn, run) in starts {
+        run.start(turn);
+    }
 }
 
 fn view(admitted: &Admitted) -> InboundView<'_> {
@@ -82,58 +113,88 @@ fn instance_view<'a>(
     }
 }
 
-/// The first decision, made on the reader with the in-flight table locked: an inbound that
-/// may go on takes its slot in the same step.
+/// An inbound's place in the run queue, taken on the reader.
+#[derive(Debug)]
+struct Place {
+    /// Given in arrival order (the ledger's recovery order relies on it).
+    run_id: String,
+    received_ms: u64,
+    /// It had a run slot and an empty session: its run starts as soon as it is recorded.
+    reserved: bool,
+}
+
+/// The first decision, made on the reader with the run queue locked: an inbound that may go
+/// on takes its place in its session's queue in the same step, so places follow arrival.
 async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admitted: Admitted) {
     Counters::bump(&inst.counters.inbound);
     let ledger = if hub.ledger.is_on() { Lookup::NotAsked } else { Lookup::Off };
     let policy = inst.policy();
-    let action = {
-        let mut inflight = lock(&conn.inflight);
-        let slot = inflight.slot(&admitted.event_id);
+    let (action, place) = {
+        let mut runs = lock(&inst.runs);
+        let slot = runs.slot(&admitted.event_id, &admitted.route);
         let action = decide(view(&admitted), instance_view(inst, &policy, slot), ledger);
-        if matches!(action, Action::Record | Action::Run | Action::Answer(_)) {
-            inflight.admit(&admitted.event_id);
-        }
-        action
+        let place = matches!(action, Action::Record | Action::Run | Action::Answer(_)).then(|| {
+            let admission = runs.admit(&admitted.event_id, &admitted.route);
+            Place {
+                run_id: run::new_run_id(hub),
+                received_ms: unix_ms(SystemTime::now()),
+                reserved: admission == Admission::Reserved,
+            }
+        });
+        (action, place)
     };
-    if action == Action::Record {
-        // Recording waits for a commit: do it off the reader, so the frames behind this one
-        // are read (and group-committed together) meanwhile.
-        let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
-        hub.clone().runs.spawn(async move { record(&hub, &inst, &conn, admitted).await });
-        return;
+    match (action, place) {
+        (Action::Record, Some(place)) => {
+            // Recording waits for a commit: do it off the reader, so the frames behind this
+            // one are read (and group-committed together) meanwhile.
+            let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+            hub.clone()
+                .runs
+                .spawn(async move { record(&hub, &inst, &conn, admitted, place).await });
+        }
+        (action, place) => carry_out(hub, inst, conn, admitted, action, place).await,
     }
-    carry_out(hub, inst, conn, admitted, action, None).await;
+}
+
+/// Gives up the queue place of an inbound that will not run.
+fn leave_queue(inst: &Instance, event_id: &Id) {
+    let starts = lock(&inst.runs).cancel(event_id);
+    start(starts);
 }
 
 /// Records the inbound in the ledger and carries out the second decision.
-async fn record(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admitted: Admitted) {
+async fn record(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    conn: &Arc<Connection>,
+    admitted: Admitted,
+    place: Place,
+) {
     let event_id = admitted.event_id.clone();
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
         (Ok(line), Some(hash)) => (line, hash),
         (Err(err), _) => {
             inst.metrics.inbound(InboundOutcome::Error);
-            lock(&conn.inflight).finish(&event_id);
+            leave_queue(inst, &event_id);
             refuse(conn, &event_id, "invalid_frame", err.to_string(), false).await;
             return;
         }
         (Ok(_), None) => {
             inst.metrics.inbound(InboundOutcome::Error);
-            lock(&conn.inflight).finish(&event_id);
+            leave_queue(inst, &event_id);
             refuse(conn, &event_id, "invalid_frame", "not an inbound frame".into(), false).await;
             return;
         }
     };
-    let run_id = run::new_run_id(hub);
     let new = NewInbound {
         instance: inst.config.id.to_string(),
         event_id: event_id.to_string(),
         content_hash: hash,
         hash_version: fingerprint::FINGERPRINT_VERSION,
         frame: line[..line.len() - 1].to_vec(),
-        run_id: run_id.clone(),
-        now_ms: unix_ms(SystemTime::now()),
+        run_id: place.run_id.clone(),
+        started: place.reserved,
+        now_ms: place.received_ms,
     };
     let recorded = hub.ledger.record_inbound(new, fingerprint::rehash).await;
     let lookup = match &recorded {
@@ -148,21 +209,23 @@ async fn record(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, ad
     };
     let policy = inst.policy();
     let action = decide(view(&admitted), instance_view(inst, &policy, Slot::Taken), lookup);
-    carry_out(hub, inst, conn, admitted, action, Some(run_id)).await;
+    carry_out(hub, inst, conn, admitted, action, Some(place)).await;
 }
 
-/// Carries out a decision. The inbound holds its in-flight slot for `Record`, `Run` and
-/// `Answer`, and after the ledger answered; every outcome that is not a run frees it.
+/// Carries out a decision. An inbound with a queue `place` (`Record`, `Run`, `Answer`, and
+/// after the ledger answered) either becomes ready to run or leaves the queue.
 async fn carry_out(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
     admitted: Admitted,
     action: Action,
-    run_id: Option<String>,
+    place: Option<Place>,
 ) {
     let event_id = &admitted.event_id;
-    let free_slot = || lock(&conn.inflight).finish(event_id);
+    if place.is_some() && !matches!(action, Action::Record | Action::Answer(_) | Action::Run) {
+        leave_queue(inst, event_id);
+    }
     match action {
         Action::WrongChannel => {
             inst.metrics.inbound(InboundOutcome::Error);
@@ -175,12 +238,12 @@ async fn carry_out(
         Action::Deny { notice } => deny(inst, conn, &admitted, notice).await,
         Action::Busy { max } => {
             Counters::bump(&inst.counters.busy);
+            let text = format!("{max} inbound messages already wait their turn");
             inst.metrics.inbound(InboundOutcome::Busy);
-            refuse(conn, event_id, "busy", format!("{max} inbound runs already in flight"), true)
-                .await;
+            refuse(conn, event_id, "busy", text, true).await;
         }
         Action::InFlight => {
-            // The run is in progress on this connection; its reply will come.
+            // The run is queued or in progress; its reply will come.
             inst.metrics.inbound(InboundOutcome::Duplicate);
             if conn.declaration.extensions.accepted {
                 accept(conn, event_id, true).await;
@@ -189,10 +252,12 @@ async fn carry_out(
                 refuse(conn, event_id, "duplicate", text, false).await;
             }
         }
-        Action::Record => Box::pin(record(hub, inst, conn, admitted)).await,
+        Action::Record => {
+            let place = place.expect("a recorded inbound has its place");
+            Box::pin(record(hub, inst, conn, admitted, place)).await;
+        }
         Action::Replay(replay) => {
             inst.metrics.inbound(InboundOutcome::Duplicate);
-            free_slot();
             accept(conn, event_id, true).await;
             tracing::debug!(instance = %inst.config.id, %event_id, ?replay, "redelivered event; replaying");
             match replay {
@@ -209,25 +274,34 @@ async fn carry_out(
         }
         Action::Conflict => {
             inst.metrics.inbound(InboundOutcome::Conflict);
-            free_slot();
             let text = "this event id was already used for different content".to_owned();
             refuse(conn, event_id, "conflict", text, false).await;
         }
         Action::Unrecorded => {
             inst.metrics.inbound(InboundOutcome::Error);
-            free_slot();
             let text = "the hub could not record this message".to_owned();
             refuse(conn, event_id, "ledger_unavailable", text, true).await;
         }
         Action::Answer(_) | Action::Run => {
             inst.metrics.inbound(InboundOutcome::Accepted);
+            let place = place.expect("a run has its queue place");
             accept(conn, event_id, false).await;
             let work = match action {
                 Action::Answer(command) => Work::Hub(command),
                 _ => Work::Runtime,
             };
-            let run_id = run_id.unwrap_or_else(|| run::new_run_id(hub));
-            run::spawn(hub, inst, Some(conn.clone()), &admitted, run_id, false, work);
+            let event_id = event_id.clone();
+            let queued = Queued {
+                origin: Some(conn.clone()),
+                admitted,
+                run_id: place.run_id,
+                redelivered: false,
+                work,
+                // A run that waited was recorded with no attempt: count it when it starts.
+                count_start: hub.ledger.is_on() && !place.reserved,
+            };
+            let starts = lock(&inst.runs).ready(&event_id, run::starter(hub, inst, queued));
+            start(starts);
         }
     }
 }

@@ -1,7 +1,8 @@
-//! Runs: what a run needs about its inbound, starting it (the runtime, or the hub itself for
-//! `/help` and `/new`) as a tracked task, recording how it ended, and handing its reply or
-//! error back. While it runs, its effects and commands go to the connection that carried the
-//! inbound.
+//! Runs: what a run needs about its inbound, starting it when the run queue says it is its
+//! turn (the runtime, or the hub itself for `/help` and `/new`) as a tracked task, recording
+//! how it ended, handing its reply or error back, and only then letting the next run of its
+//! session start. While it runs, its effects and commands go to the connection that carried
+//! the inbound.
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -17,10 +18,11 @@ use super::reply::{self, refuse, reply_target};
 use crate::command::{self, Presented};
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, unix_ms};
+use crate::instance::{Counters, Instance, StartRun, unix_ms};
 use crate::ledger::RunEnd;
 use crate::metrics::RunOutcome;
 use crate::route::RouteKey;
+use crate::runqueue::Turn;
 use crate::runtime::{self, CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
 
 /// The text of `/help`.
@@ -123,97 +125,147 @@ fn request(
     }
 }
 
-/// Starts a run as a tracked task (drained at shutdown). `origin` is the connection that
-/// carried the inbound (`None` for a run started again after a crash), and holds its
-/// in-flight slot until the outcome is recorded.
-pub fn spawn(
-    hub: &Arc<Hub>,
-    inst: &Arc<Instance>,
-    origin: Option<Arc<Connection>>,
-    admitted: &Admitted,
-    run_id: String,
-    redelivered: bool,
-    work: Work,
-) {
-    let request = request(hub, inst, admitted, run_id, origin.as_ref(), redelivered);
-    let target = admitted.reply_target();
-    let route = admitted.route.clone();
+/// An inbound whose run waits in the queue, with what starting it needs.
+#[derive(Debug)]
+pub struct Queued {
+    /// The connection that carried the inbound (`None` for a run queued again after a
+    /// restart).
+    pub origin: Option<Arc<Connection>>,
+    pub admitted: Admitted,
+    pub run_id: String,
+    pub redelivered: bool,
+    pub work: Work,
+    /// The ledger counts the start as an attempt first (a run that waited, or was recovered).
+    pub count_start: bool,
+}
+
+/// The end of a run's turn, also when its task panics or is dropped: the queue lets the next
+/// run of its session (and any run waiting for a slot) start.
+struct TurnEnd {
+    inst: Arc<Instance>,
+    turn: Turn,
+}
+
+impl Drop for TurnEnd {
+    fn drop(&mut self) {
+        let starts = lock(&self.inst.runs).finish(self.turn);
+        super::start(starts);
+    }
+}
+
+/// What starts `queued` when the queue says it is its turn: a tracked task (drained at
+/// shutdown). Its request is made then, so a `/new` before it in its session applies. While
+/// the hub stops, a queued run the ledger holds is left for the next start; without a ledger
+/// it still runs within the drain deadline.
+pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun {
     let (hub, inst) = (hub.clone(), inst.clone());
-    // Every line logged during the run (the runtime's too) carries the run's ids.
-    let span = info_span!("run", instance = %inst.config.id, event_id = %request.event_id, run_id = %request.run_id);
-    hub.clone().runs.spawn(async move {
-        let (began, event_id) = (Instant::now(), request.event_id.clone());
-        inst.metrics.run_started();
-        debug!(redelivered, "run started");
-        let result = match work {
-            Work::Hub(command) => Ok(RunOutput { reply: Some(answer(&hub, &inst, command, &route).await) }),
-            Work::Runtime => {
-                let io = ConnectionIo {
-                    hub: hub.clone(),
-                    inst: inst.clone(),
-                    conn: origin.clone(),
-                    session: request.session.clone(),
-                    target: target.clone(),
-                };
-                // The runtime as configured when the run starts: a reload does not change it.
-                let policy = inst.policy();
-                runtime::run(&policy.runtime, &request, &io).await
-            }
-        };
-        // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
-        let result = result.and_then(|output| {
-            output
-                .reply
-                .map(|text| reply::fit_reply(&event_id, &target, text))
-                .filter(|text| !text.trim().is_empty())
-                .ok_or(RunError::EmptyReply)
-        });
-        let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
-        inst.metrics.run_finished(outcome, began.elapsed());
-        debug!(outcome = outcome.as_str(), elapsed_ms = began.elapsed().as_millis() as u64, "run finished");
-        let ended = Instant::now();
-        let end = match &result {
-            Ok(text) => RunEnd::Reply(text.clone()),
-            Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
-        };
-        // From the moment the outcome is recorded until the reply is handed over, the
-        // reconnect sweep must not deliver it as well.
-        inst.begin_reply(&event_id);
-        if hub.ledger.is_on() {
-            let now = unix_ms(SystemTime::now());
-            let recorded = hub.ledger.finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), now).await;
-            if let Err(err) = recorded {
-                inst.record_error(format!("ledger: {err}"));
-                warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
-            }
+    StartRun::new(move |turn| {
+        let stopping = hub.shutdown.is_cancelled() && hub.ledger.is_on();
+        if stopping || hub.close_connections.is_cancelled() {
+            debug!(instance = %inst.config.id, event_id = %queued.admitted.event_id, "hub stopping; the queued run is not started");
+            return;
         }
-        // The outcome is recorded: a redelivery from now on replays it instead of waiting for
-        // this run, so the slot is free before the reply goes out.
-        if let Some(origin) = &origin {
-            lock(&origin.inflight).finish(&event_id);
-        }
-        // The reply goes back on the connection that carried the inbound, or, if that one is
-        // gone, on the instance's current driver; with neither it waits in the ledger.
-        let conn = origin.clone().filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
-        match (result, conn) {
-            (Ok(text), Some(conn)) => {
-                reply::deliver(&hub, &inst, &conn, &event_id, target, text).await;
-                inst.metrics.reply_delivered(ended.elapsed());
-            }
-            (Ok(_), None) => {
-                debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
-            }
-            (Err(err), conn) => {
-                Counters::bump(&inst.counters.runs_failed);
-                inst.record_error(format!("run {}: {err}", request.run_id));
-                warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
-                if let Some(conn) = conn {
-                    refuse(&conn, &event_id, err.code(), public_message(&err), false).await;
+        let end = TurnEnd { inst: inst.clone(), turn };
+        // Every line logged during the run (the runtime's too) carries the run's ids.
+        let span = info_span!("run", instance = %inst.config.id, event_id = %queued.admitted.event_id, run_id = %queued.run_id);
+        hub.clone().runs.spawn(async move {
+            if queued.count_start {
+                let event_id = queued.admitted.event_id.to_string();
+                let counted = hub.ledger.start_run(inst.config.id.to_string(), event_id).await;
+                if let Err(err) = counted {
+                    inst.record_error(format!("ledger: {err}"));
+                    warn!(instance = %inst.config.id, event_id = %queued.admitted.event_id, error = %err, "run start not recorded");
                 }
             }
+            execute(&hub, &inst, turn, queued).await;
+            drop(end);
+        }.instrument(span));
+    })
+}
+
+/// One run, from its request to its reply (or error) handed to the driver's writer: the
+/// next run of its session starts only after that, so replies keep the inbound order.
+async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queued) {
+    let Queued { origin, admitted, run_id, redelivered, work, .. } = queued;
+    let admitted = &admitted;
+    let request = request(hub, inst, admitted, run_id, origin.as_ref(), redelivered);
+    let target = admitted.reply_target();
+    let (began, event_id) = (Instant::now(), request.event_id.clone());
+    inst.metrics.run_started();
+    debug!(redelivered, "run started");
+    let result = match work {
+        Work::Hub(command) => {
+            Ok(RunOutput { reply: Some(answer(hub, inst, command, &admitted.route).await) })
         }
-        inst.end_reply(&event_id);
-    }.instrument(span));
+        Work::Runtime => {
+            let io = ConnectionIo {
+                hub: hub.clone(),
+                inst: inst.clone(),
+                conn: origin.clone(),
+                session: request.session.clone(),
+                target: target.clone(),
+            };
+            // The runtime as configured when the run starts: a reload does not change it.
+            let policy = inst.policy();
+            runtime::run(&policy.runtime, &request, &io).await
+        }
+    };
+    // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
+    let result = result.and_then(|output| {
+        output
+            .reply
+            .map(|text| reply::fit_reply(&event_id, &target, text))
+            .filter(|text| !text.trim().is_empty())
+            .ok_or(RunError::EmptyReply)
+    });
+    let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
+    inst.metrics.run_finished(outcome, began.elapsed());
+    debug!(outcome = outcome.as_str(), elapsed_ms = began.elapsed().as_millis() as u64, "run finished");
+    let ended = Instant::now();
+    let end = match &result {
+        Ok(text) => RunEnd::Reply(text.clone()),
+        Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
+    };
+    // From the moment the outcome is recorded until the reply is handed over, the
+    // reconnect sweep must not deliver it as well.
+    inst.begin_reply(&event_id);
+    if hub.ledger.is_on() {
+        let now = unix_ms(SystemTime::now());
+        let recorded = hub
+            .ledger
+            .finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), now)
+            .await;
+        if let Err(err) = recorded {
+            inst.record_error(format!("ledger: {err}"));
+            warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
+        }
+    }
+    // The outcome is recorded: a redelivery from now on is answered from the ledger or as
+    // a duplicate, so the run slot goes to another session; this session's next run still
+    // waits until the reply below is handed over.
+    let starts = lock(&inst.runs).ended(turn);
+    super::start(starts);
+    // The reply goes back on the connection that carried the inbound, or, if that one is
+    // gone, on the instance's current driver; with neither it waits in the ledger.
+    let conn = origin.filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
+    match (result, conn) {
+        (Ok(text), Some(conn)) => {
+            reply::deliver(hub, inst, &conn, &event_id, target, text).await;
+            inst.metrics.reply_delivered(ended.elapsed());
+        }
+        (Ok(_), None) => {
+            debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
+        }
+        (Err(err), conn) => {
+            Counters::bump(&inst.counters.runs_failed);
+            inst.record_error(format!("run {}: {err}", request.run_id));
+            warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
+            if let Some(conn) = conn {
+                refuse(&conn, &event_id, err.code(), public_message(&err), false).await;
+            }
+        }
+    }
+    inst.end_reply(&event_id);
 }
 
 /// The hub's own answer to `/help` and `/new`.

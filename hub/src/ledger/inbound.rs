@@ -20,6 +20,10 @@ pub struct NewInbound {
     /// The encoded `inbound`/`inbound_event` line, to run it again after a crash.
     pub frame: Vec<u8>,
     pub run_id: String,
+    /// Whether its run starts as soon as it is recorded (counted as its first attempt). An
+    /// inbound that waits behind others of its session is recorded with no attempt yet;
+    /// [`start`] counts it when its run starts.
+    pub started: bool,
     pub now_ms: u64,
 }
 
@@ -72,13 +76,15 @@ pub struct PendingReply {
     pub reply: String,
 }
 
-/// A run that was in progress when the hub died and is started again.
+/// An accepted inbound whose run had not ended when the hub died: it runs again (if it had
+/// started, flagged redelivered) in its place in the queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecoveredRun {
     pub instance: String,
     pub event_id: String,
     pub run_id: String,
     pub frame: Vec<u8>,
+    /// The attempt its next run is (1: it never started).
     pub attempt: u32,
 }
 
@@ -114,7 +120,7 @@ pub fn record(
         txn.exec_cached(
             "INSERT INTO inbound (instance, event_id, content_hash, hash_version, run_id, state,
                  frame, attempts, received_ms, updated_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 1, ?8, ?8)",
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9)",
             params![
                 new.instance,
                 new.event_id,
@@ -123,6 +129,7 @@ pub fn record(
                 new.run_id,
                 InboundState::Running.as_str(),
                 new.frame,
+                u32::from(new.started),
                 new.now_ms as i64
             ],
         )?;
@@ -250,13 +257,29 @@ pub fn pending_replies(
     Ok(rows.collect::<Result<Vec<_>, _>>()?)
 }
 
-/// Runs that were in progress when the hub stopped: each is started again once (attempt
-/// counted), or recorded as failed if it already was.
+/// Counts a run's start as an attempt (see [`NewInbound::started`]). False when the entry
+/// is not running.
+pub fn start(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Result<bool, LedgerError> {
+    let updated = txn.exec_cached(
+        "UPDATE inbound SET attempts = attempts + 1 WHERE instance = ?1 AND event_id = ?2
+             AND state = ?3",
+        params![instance, event_id, InboundState::Running.as_str()],
+    )?;
+    Ok(updated == 1)
+}
+
+/// Accepted inbound whose run had not ended when the hub stopped, in arrival order: each is
+/// to run again (its start counted by [`start`]), or recorded as failed if it was already
+/// started [`state::MAX_ATTEMPTS`] times.
+///
+/// Arrival order: by `received_ms`, then by run id. The hub gives run ids
+/// (`run-r-<boot nonce>-<n>`) in arrival order, and entries received in the same millisecond
+/// come from one boot, so a shorter `<n>` is an earlier one.
 pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, LedgerError> {
     let running: Vec<(String, String, String, Vec<u8>, u32)> = {
         let mut stmt = txn.prepare(
             "SELECT instance, event_id, run_id, frame, attempts FROM inbound
-             WHERE state = ?1 ORDER BY received_ms, event_id",
+             WHERE state = ?1 ORDER BY received_ms, length(run_id), run_id",
         )?;
         let rows = stmt.query_map(params![InboundState::Running.as_str()], |row| {
             Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?))
@@ -267,11 +290,6 @@ pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, 
     for (instance, event_id, run_id, frame, attempts) in running {
         match state::recover(attempts) {
             Recovery::Rerun { attempt } => {
-                txn.exec_cached(
-                    "UPDATE inbound SET attempts = ?3, updated_ms = ?4
-                     WHERE instance = ?1 AND event_id = ?2",
-                    params![instance, event_id, attempt, now_ms as i64],
-                )?;
                 rerun.push(RecoveredRun { instance, event_id, run_id, frame, attempt });
             }
             Recovery::GiveUp => {
@@ -321,6 +339,7 @@ mod tests {
             hash_version: VERSION,
             frame: vec![hash],
             run_id: format!("run-{event_id}"),
+            started: true,
             now_ms: 1,
         }
     }
@@ -394,6 +413,9 @@ mod tests {
         assert_eq!(first.len(), 1);
         assert_eq!(first[0].attempt, 2);
         assert_eq!(first[0].frame, vec![1]);
+        // Recovered again before its second run started: still its second attempt.
+        assert_eq!(recover(&txn, 6).unwrap()[0].attempt, 2);
+        assert!(start(&txn, "a.b", "e1").unwrap());
         let second = recover(&txn, 6).unwrap();
         assert!(second.is_empty());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
@@ -403,6 +425,32 @@ mod tests {
             }
             other => panic!("expected failed replay, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn queued_runs_are_recovered_in_arrival_order_and_counted_only_once_started() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        // Same millisecond; run ids given in arrival order (n = 9, 10, 11), event ids not.
+        for (event, n) in [("z", 9), ("b", 10), ("a", 11)] {
+            let new = NewInbound {
+                run_id: format!("run-r-0123456789ab-{n}"),
+                started: n == 9,
+                ..inbound(event, 1)
+            };
+            record(&txn, &new, rehash).unwrap();
+        }
+        let later = NewInbound { now_ms: 2, started: false, ..inbound("0", 1) };
+        record(&txn, &later, rehash).unwrap();
+        let recovered = recover(&txn, 5).unwrap();
+        let order: Vec<(&str, u32)> =
+            recovered.iter().map(|r| (r.event_id.as_str(), r.attempt)).collect();
+        assert_eq!(order, [("z", 2), ("b", 1), ("a", 1), ("0", 1)]);
+        // Started and interrupted again: counted.
+        assert!(start(&txn, "a.b", "b").unwrap());
+        assert!(!start(&txn, "a.b", "absent").unwrap());
+        let again = recover(&txn, 6).unwrap();
+        assert_eq!(again.iter().find(|r| r.event_id == "b").unwrap().attempt, 2);
     }
 
     #[test]

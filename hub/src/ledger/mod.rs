@@ -212,6 +212,11 @@ impl Ledger {
         self.call(move |txn| inbound::record(txn, &new, rehash)).await
     }
 
+    /// Counts the start of a run that waited (or was recovered); see [`inbound::start`].
+    pub async fn start_run(&self, instance: String, event_id: String) -> Result<bool, LedgerError> {
+        self.call(move |txn| inbound::start(txn, &instance, &event_id)).await
+    }
+
     /// Records how a run ended; see [`RunEnd::state`].
     pub async fn finish_run(
         &self,
@@ -352,6 +357,7 @@ mod tests {
             hash_version: 2,
             frame: vec![1],
             run_id: format!("run-{event_id}"),
+            started: true,
             now_ms: 1,
         }
     }

@@ -8,8 +8,8 @@ use std::fmt;
 
 /// Where an inbound run stands.
 ///
-/// An entry is written as `Running` when the hub accepts the inbound (admission, record and
-/// run start are one step), then moves to `Replied` (reply stored, not yet confirmed handed to
+/// An entry is written as `Running` when the hub accepts the inbound (its run starts then,
+/// or when its turn in its session's queue comes), then moves to `Replied` (reply stored, not yet confirmed handed to
 /// the driver), `Delivered`, or `Failed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum InboundState {

@@ -59,7 +59,6 @@ async fn handshake(
         sink.clone(),
         declaration,
         peer_pid,
-        inst.config.max_inflight,
     ));
     if let Err(existing) = inst.claim(&conn) {
         warn!(

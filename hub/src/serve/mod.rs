@@ -106,7 +106,6 @@ pub async fn serve<R, W>(
                 sink.clone(),
                 PeerDeclaration::legacy(),
                 peer_pid,
-                inst.config.max_inflight,
             ));
             debug!(instance = %inst.config.id, conn = conn.id, "legacy connection without hello");
             driver::frames(&hub, &inst, &conn, &mut reader, Some(frame)).await;
