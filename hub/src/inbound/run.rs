@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 use super::decide::SlashCommand;
 use super::reply::{self, refuse, reply_target};
 use crate::command::{self, Presented};
-use crate::connection::{Connection, lock};
+use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, unix_ms};
 use crate::ledger::RunEnd;
@@ -167,15 +167,24 @@ pub fn spawn(
             Ok(text) => RunEnd::Reply(text.clone()),
             Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
         };
-        // From the moment the outcome is recorded until the reply is handed over, the
-        // reconnect sweep must not deliver it as well.
-        inst.begin_reply(&event_id);
+        // A driver's reply is recorded with the outcome, and the courier delivers it (and
+        // retries it); a legacy peer's goes back on its connection, once.
+        let tracked = origin.as_ref().is_none_or(|c| c.kind == PeerKind::Driver);
+        let reply = match &result {
+            Ok(text) if tracked => reply::new_reply(&hub, &inst, &event_id, &target, text),
+            _ => None,
+        };
+        let mut recorded = false;
         if hub.ledger.is_on() {
             let now = unix_ms(SystemTime::now());
-            let recorded = hub.ledger.finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), now).await;
-            if let Err(err) = recorded {
-                inst.record_error(format!("ledger: {err}"));
-                warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
+            let with_reply = reply.is_some();
+            let finished = hub.ledger.finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), reply, now).await;
+            match finished {
+                Ok(done) => recorded = done && with_reply,
+                Err(err) => {
+                    inst.record_error(format!("ledger: {err}"));
+                    warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
+                }
             }
         }
         // The outcome is recorded: a redelivery from now on replays it instead of waiting for
@@ -183,15 +192,16 @@ pub fn spawn(
         if let Some(origin) = &origin {
             lock(&origin.inflight).finish(&event_id);
         }
-        // The reply goes back on the connection that carried the inbound, or, if that one is
-        // gone, on the instance's current driver; with neither it waits in the ledger.
+        // An untracked reply goes back on the connection that carried the inbound, or, if
+        // that one is gone, on the instance's current driver.
         let conn = origin.clone().filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
         match (result, conn) {
+            (Ok(_), _) if recorded => hub.courier.kick(inst.config.id.as_str()),
             (Ok(text), Some(conn)) => {
-                reply::deliver(&hub, &inst, &conn, &event_id, target, text).await;
+                reply::deliver(&inst, &conn, &event_id, target, text).await;
             }
             (Ok(_), None) => {
-                debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
+                warn!(instance = %inst.config.id, %event_id, "no driver connected and the reply is not recorded; it is lost");
             }
             (Err(err), conn) => {
                 Counters::bump(&inst.counters.runs_failed);
@@ -202,7 +212,6 @@ pub fn spawn(
                 }
             }
         }
-        inst.end_reply(&event_id);
     });
 }
 
