@@ -100,7 +100,10 @@ async fn track_untracked_replies(hub: &Hub, now: u64) {
             Ok(Frame::InboundEvent(event)) => reply_target(&event.event.context().target, None),
             _ => continue,
         };
-        let Ok(body) = MessageBody::text(reply.reply) else { continue };
+        let Ok(event_id) = channeld_protocol::Id::new(reply.event_id.clone()) else { continue };
+        // Older hubs stored replies uncut: fitted now, as a new one would be.
+        let text = inbound::reply::fit_reply(&event_id, &target, reply.reply);
+        let Ok(body) = MessageBody::text(text) else { continue };
         let conversation = target.conversation.to_string();
         let message = OutboundMessage { target, body, metadata: Default::default() };
         let Ok(message) = serde_json::to_vec(&message) else { continue };

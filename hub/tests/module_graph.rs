@@ -107,7 +107,9 @@ fn the_modules_of_the_hub_form_a_dag() {
         Ok(order) => eprintln!("bottom-up: {}", order.join(", ")),
         Err(cycle) => panic!("import circle among: {cycle:?}"),
     }
-    for expected in ["inbound", "ledger", "serve", "control", "outbox", "hub", "lifecycle"] {
+    for expected in
+        ["inbound", "ledger", "serve", "control", "outbox", "courier", "hub", "lifecycle"]
+    {
         assert!(
             graph.contains_key(expected),
             "module {expected} not found: the check read nothing"
@@ -129,6 +131,8 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "inbound/fingerprint.rs",
         "ledger/inbound.rs",
         "ledger/outbox.rs",
+        "ledger/replies.rs",
+        "ledger/reply_state.rs",
         "ledger/sessions.rs",
         "ledger/state.rs",
         "ledger/schema.rs",
