@@ -105,9 +105,9 @@ impl Courier {
             return;
         }
         if let Some(inst) = self.instances.get(instance)
-            && let Some(conn) = inst.live()
+            && inst.live().is_some()
         {
-            self.dispatch(inst, conn);
+            self.dispatch(inst);
         }
     }
 
@@ -341,9 +341,9 @@ impl Courier {
         instances
     }
 
-    /// Starts a dispatcher for `inst` on `conn`, unless one runs (then it looks again once
-    /// it is done).
-    fn dispatch(self: &Arc<Self>, inst: Arc<Instance>, conn: Arc<Connection>) {
+    /// Starts a dispatcher for `inst`, unless one runs (then it looks again once it is done,
+    /// on the driver connection live then).
+    fn dispatch(self: &Arc<Self>, inst: Arc<Instance>) {
         let instance = inst.config.id.to_string();
         {
             let mut dispatching = lock(&self.dispatching);
@@ -356,7 +356,9 @@ impl Courier {
         let courier = self.clone();
         self.tasks.spawn(async move {
             loop {
-                courier.hand_over(&inst, &conn).await;
+                if let Some(conn) = inst.live() {
+                    courier.hand_over(&inst, &conn).await;
+                }
                 let mut dispatching = lock(&courier.dispatching);
                 match dispatching.get_mut(&instance) {
                     Some(again) if *again => *again = false,
@@ -418,7 +420,14 @@ impl Courier {
                     // The loop's timer must see the new deadline.
                     self.wake.notify_one();
                 }
-                match conn.sink.send_encoded(line).await {
+                let sent = match conn.sink.send_encoded(line).await {
+                    // Written just as the connection closed: its end may have been handled
+                    // already, so the reply is given back here (a second `Lost` is a no-op).
+                    Ok(()) if conn.closed.is_cancelled() => Err("the connection closed".to_owned()),
+                    Ok(()) => Ok(()),
+                    Err(err) => Err(err.to_string()),
+                };
+                match sent {
                     Ok(()) => {
                         Counters::bump(&inst.counters.replies);
                         if !answers {
