@@ -5,10 +5,11 @@
 //! one conversation go out one at a time, in order. The decisions are the ledger's
 //! (`ledger/reply_state.rs`); this module only times them and moves frames.
 //!
-//! A kick (a reply recorded, an answer, a driver connected or Ready again, an operator's
-//! retry) starts a dispatcher for the instance at once if its driver is connected; each
-//! instance has at most one dispatcher task at a time (tracked with the hub's background
-//! tasks), so a driver slow to read holds up only its own replies. One timer task (`run`,
+//! A run that recorded its reply hands it over itself ([`Courier::deliver`]); a kick (an
+//! answer, a driver connected or Ready again, an operator's retry, a timer) starts a
+//! dispatcher for the instance if its driver is connected, at most one per instance at a
+//! time (tracked with the hub's background tasks). Either way an instance's hand-overs take
+//! turns, so replies leave in claim order and a driver slow to read holds up only its own. One timer task (`run`,
 //! until connections close) wakes for the next retry, the next answer deadline and expiry, at
 //! most [`IDLE_WAKE`] apart.
 //!
@@ -63,6 +64,9 @@ pub struct Courier {
     wake: Notify,
     /// Instances with a dispatcher running, and whether it must look again when done.
     dispatching: Mutex<HashMap<String, bool>>,
+    /// Per instance, the turn to hand replies over: one hand-over at a time, so replies
+    /// leave in the order they were claimed. Bounded by the instances served.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Replies handed over and not answered yet, by instance and event id. An entry lives
     /// from the hand-over until the answer, the deadline or the connection's end.
     handed: Mutex<HashMap<(String, Id), Handed>>,
@@ -86,6 +90,7 @@ impl Courier {
             answer_timeout,
             wake: Notify::new(),
             dispatching: Mutex::default(),
+            turns: Mutex::default(),
             handed: Mutex::default(),
         }
     }
@@ -356,9 +361,7 @@ impl Courier {
         let courier = self.clone();
         self.tasks.spawn(async move {
             loop {
-                if let Some(conn) = inst.live() {
-                    courier.hand_over(&inst, &conn).await;
-                }
+                courier.deliver(&inst).await;
                 let mut dispatching = lock(&courier.dispatching);
                 match dispatching.get_mut(&instance) {
                     Some(again) if *again => *again = false,
@@ -369,6 +372,20 @@ impl Courier {
                 }
             }
         });
+    }
+
+    /// Hands `inst`'s due replies to its live driver now, in its turn, and returns once they
+    /// are written: a run that just recorded its reply waits for this, so a hub draining its
+    /// runs has written their replies before it tells the drivers `stop`.
+    pub async fn deliver(self: &Arc<Self>, inst: &Instance) {
+        if !self.is_on() {
+            return;
+        }
+        let turn = lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone();
+        let _turn = turn.lock().await;
+        if let Some(conn) = inst.live() {
+            self.hand_over(inst, &conn).await;
+        }
     }
 
     /// Claims what is due for `inst` and writes each `deliver` to `conn`, oldest first. A

@@ -196,7 +196,7 @@ pub fn spawn(
         // that one is gone, on the instance's current driver.
         let conn = origin.clone().filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
         match (result, conn) {
-            (Ok(_), _) if recorded => hub.courier.kick(inst.config.id.as_str()),
+            (Ok(_), _) if recorded => hub.courier.deliver(&inst).await,
             (Ok(text), Some(conn)) => {
                 reply::deliver(&inst, &conn, &event_id, target, text).await;
             }
