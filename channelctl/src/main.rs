@@ -7,7 +7,8 @@
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
 //! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
 //! (the idempotency key was already used for a different message); 9 `health`: the
-//! instance is Unavailable (no driver, or it does not answer).
+//! instance is Unavailable (no driver, or it does not answer). `replies retry` exits 0 once the
+//! reply is pending again, 4 when there is no such reply or it cannot be retried.
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -43,6 +44,13 @@ struct Cli {
 enum OutboxCmd {
     /// Send an `unknown` or `failed` record again (it may post a second copy) and print
     /// where it ended; exits as `send` would.
+    Retry { id: i64 },
+}
+
+#[derive(Debug, Subcommand)]
+enum RepliesCmd {
+    /// Send an `unknown`, `failed` or `expired` reply again, as soon as its conversation
+    /// allows (it may post a second copy of an `unknown` one).
     Retry { id: i64 },
 }
 
@@ -89,6 +97,25 @@ enum Cmd {
         full: Option<i64>,
         #[command(subcommand)]
         action: Option<OutboxCmd>,
+    },
+    /// List replies and where their delivery stands (newest first, text cut to a preview),
+    /// or retry one.
+    #[command(args_conflicts_with_subcommands = true)]
+    Replies {
+        /// Only this instance.
+        instance: Option<String>,
+        /// Only this state: pending, handed, posted, failed_retryable, failed, unknown,
+        /// expired.
+        #[arg(long)]
+        state: Option<String>,
+        /// Replies per page (at most 1000).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Only replies older than this id (the next page: the id a listing points to).
+        #[arg(long, value_name = "ID")]
+        before: Option<i64>,
+        #[command(subcommand)]
+        action: Option<RepliesCmd>,
     },
     /// Ask an instance's driver for its health (exit 9 when it is Unavailable).
     Health { instance: String },
@@ -142,6 +169,18 @@ fn main() -> ExitCode {
         Cmd::Outbox { full: Some(id), action: None, .. } => {
             (Op::OutboxGet { outbox_id: *id }, Duration::from_secs(10))
         }
+        Cmd::Replies { action: Some(RepliesCmd::Retry { id }), .. } => {
+            (Op::RepliesRetry { reply_id: *id }, Duration::from_secs(10))
+        }
+        Cmd::Replies { instance, state, limit, before, action: None } => (
+            Op::Replies {
+                instance: instance.clone(),
+                state: state.clone(),
+                limit: Some(*limit),
+                before: *before,
+            },
+            Duration::from_secs(10),
+        ),
         Cmd::Outbox { instance, state, limit, before, full: None, action: None } => (
             Op::Outbox {
                 instance: instance.clone(),

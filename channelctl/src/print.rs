@@ -2,8 +2,8 @@
 //! answer as it is instead).
 
 use channeld_control::{
-    CatalogResult, HealthResult, InstanceStatus, OutboxEntry, OutboxResult, SendResult,
-    StatusResult,
+    CatalogResult, HealthResult, InstanceStatus, OutboxEntry, OutboxResult, RepliesResult,
+    ReplyCounts, ReplyEntry, SendResult, StatusResult,
 };
 use channeld_protocol::types::Health;
 
@@ -62,6 +62,37 @@ pub(crate) fn print_text(
             }
             if let Some(before) = list.next_before {
                 eprintln!("more records: channelctl outbox --before {before}");
+            }
+        }
+        Cmd::Replies { action: Some(_), .. } => {
+            let entry: ReplyEntry = serde_json::from_value(result)?;
+            println!("{} {} (event {})", entry.id, entry.state, entry.event_id);
+        }
+        Cmd::Replies { action: None, .. } => {
+            let list: RepliesResult = serde_json::from_value(result)?;
+            println!(
+                "{:>6} {:<20} {:<16} {:<20} {:>8} {:<24} TEXT",
+                "ID", "INSTANCE", "STATE", "CONVERSATION", "ATTEMPTS", "RECEIPT / ERROR"
+            );
+            for r in list.replies {
+                let detail = match (&r.receipt, &r.error) {
+                    (Some(receipt), _) => receipt.message_id.to_string(),
+                    (None, Some(error)) => one_line(error, 24),
+                    _ => String::new(),
+                };
+                println!(
+                    "{:>6} {:<20} {:<16} {:<20} {:>8} {:<24} {}",
+                    r.id,
+                    r.instance,
+                    r.state,
+                    r.conversation,
+                    r.attempts,
+                    detail,
+                    one_line(&r.text, 40)
+                );
+            }
+            if let Some(before) = list.next_before {
+                eprintln!("more replies: channelctl replies --before {before}");
             }
         }
         Cmd::Catalog => {
@@ -145,7 +176,26 @@ fn print_status(status: &StatusResult) {
             reason,
             last
         );
+        if let Some(note) = row.replies.as_ref().and_then(replies_note) {
+            println!("{:<20} replies: {note}", "");
+        }
     }
+}
+
+/// The replies not yet posted, by state, e.g. `pending 2, failed_retryable 1`; `None` when
+/// every reply was posted.
+fn replies_note(counts: &ReplyCounts) -> Option<String> {
+    let states = [
+        ("pending", counts.pending),
+        ("handed", counts.handed),
+        ("failed_retryable", counts.failed_retryable),
+        ("failed", counts.failed),
+        ("unknown", counts.unknown),
+        ("expired", counts.expired),
+    ];
+    let parts: Vec<String> =
+        states.iter().filter(|(_, n)| *n > 0).map(|(state, n)| format!("{state} {n}")).collect();
+    (!parts.is_empty()).then(|| parts.join(", "))
 }
 
 /// What an operator must know about a supervised driver process that is not running.

@@ -97,7 +97,32 @@ pub enum Op {
     /// Sends an `unknown` or `failed` record again, on an operator's explicit request.
     /// (Not `id`: that key is the request's own.)
     OutboxRetry { outbox_id: i64 },
+    /// Replies and where their delivery stands, newest first, text and error cut to
+    /// previews; one page at a time.
+    Replies {
+        #[serde(default)]
+        instance: Option<String>,
+        /// One of [`REPLY_STATES`].
+        #[serde(default)]
+        state: Option<String>,
+        /// At most this many (default 100, at most [`MAX_OUTBOX_PAGE`]).
+        #[serde(default)]
+        limit: Option<usize>,
+        /// Only replies with a smaller id: the `next_before` of the previous page.
+        #[serde(default)]
+        before: Option<i64>,
+    },
+    /// Sends an `unknown`, `failed` or `expired` reply again, on an operator's explicit
+    /// request (it may post a second copy).
+    RepliesRetry { reply_id: i64 },
 }
+
+/// The states of a reply's delivery, as `replies` shows and filters them: `pending` (waiting
+/// to be handed to the driver), `handed` (waiting for its receipt), `posted`,
+/// `failed_retryable` (retried with backoff), `failed` (refused for good), `unknown` (may or
+/// may not have been posted; never resent by itself) and `expired` (its TTL passed).
+pub const REPLY_STATES: [&str; 7] =
+    ["pending", "handed", "posted", "failed_retryable", "failed", "unknown", "expired"];
 
 fn yes() -> bool {
     true
@@ -174,6 +199,53 @@ pub struct OutboxResult {
     pub next_before: Option<i64>,
 }
 
+/// One reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplyEntry {
+    pub id: i64,
+    pub instance: String,
+    /// The inbound it answers (the `deliver` frame's `request_id`).
+    pub event_id: String,
+    pub conversation: String,
+    pub state: String,
+    /// Its first 100 characters in a listing.
+    pub text: String,
+    #[serde(default)]
+    pub text_bytes: usize,
+    #[serde(default)]
+    pub receipt: Option<DeliveryReceipt>,
+    /// The driver's last error (`code: message`); its first 100 characters in a listing.
+    #[serde(default)]
+    pub error: Option<String>,
+    pub attempts: u32,
+    /// When a `pending` or `failed_retryable` reply is handed over next.
+    pub next_ms: u64,
+    pub expires_ms: u64,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+}
+
+/// The result of `replies`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RepliesResult {
+    pub replies: Vec<ReplyEntry>,
+    /// Set when more replies match: pass it as `before` for the next page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_before: Option<i64>,
+}
+
+/// How many replies of an instance are in each state (ledger on).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplyCounts {
+    pub pending: u64,
+    pub handed: u64,
+    pub posted: u64,
+    pub failed_retryable: u64,
+    pub failed: u64,
+    pub unknown: u64,
+    pub expired: u64,
+}
+
 /// The result of `health`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthResult {
@@ -221,6 +293,9 @@ pub struct InstanceStatus {
     /// The driver process the hub supervises (`spawn = [...]`); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver_process: Option<DriverProcess>,
+    /// Where the replies of its runs stand (ledger on; posted ones until pruned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replies: Option<ReplyCounts>,
 }
 
 /// A supervised driver process, as `status` shows it.
@@ -287,6 +362,13 @@ mod tests {
             Op::Outbox { instance: Some("a.b".into()), state: None, limit: Some(3), before: None },
             Op::OutboxRetry { outbox_id: 17 },
             Op::OutboxGet { outbox_id: 17 },
+            Op::Replies {
+                instance: Some("a.b".into()),
+                state: Some("failed".into()),
+                limit: None,
+                before: Some(4),
+            },
+            Op::RepliesRetry { reply_id: 3 },
         ];
         for op in ops {
             let request = Request { id: 9, op };

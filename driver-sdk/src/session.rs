@@ -2,7 +2,7 @@
 //! dispatch of hub frames to the [`Driver`], heartbeats, resending unanswered inbound after a
 //! reconnect, and answering a redelivered `deliver`/`outbound` without posting twice.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -411,8 +411,11 @@ impl<D: Driver> Session<D> {
         let request_id = delivery.request_id.clone();
         let is_reply = matches!(kind, PostKind::Reply { .. });
         let answers = !is_reply || ext.reply_receipt;
-        match self.recent.lock().unwrap_or_else(|p| p.into_inner()).begin(&request_id) {
+        let waiter = answers.then(|| sink.clone());
+        match self.recent.lock().unwrap_or_else(|p| p.into_inner()).begin(&request_id, waiter) {
             PostState::New => {}
+            // The post in flight answers this copy too, once it is done: a hub that
+            // reconnected meanwhile waits on its new session for the answer.
             PostState::InFlight => return,
             PostState::Done(receipt) => {
                 debug!(%request_id, "redelivered request already posted; answering with its receipt");
@@ -427,21 +430,25 @@ impl<D: Driver> Session<D> {
             let result = driver.post(Post { kind, message: delivery.message }).await;
             let answer = match result {
                 Ok(receipt) => {
-                    recent
+                    let waiting = recent
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .finish(&request_id, Some(receipt.clone()));
-                    Frame::Receipt(Receipt { request_id, receipt })
+                    (Frame::Receipt(Receipt { request_id, receipt }), waiting)
                 }
                 Err(err) => {
-                    recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, None);
+                    let waiting =
+                        recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, None);
                     warn!(%request_id, code = err.code(), error = %err, "post failed");
-                    let retryable = matches!(err, PostError::Failed { retryable: true, .. });
-                    Frame::error(Some(request_id), err.code(), err.to_string(), retryable)
+                    (post_error_frame(request_id, &err), waiting)
                 }
             };
+            let (answer, waiting) = answer;
             if answers {
                 let _ = sink.send(&answer).await;
+            }
+            for other in waiting {
+                let _ = other.send(&answer).await;
             }
         })
         .await;
@@ -573,35 +580,55 @@ fn request_id(launch: &DriverLaunchConfig, suffix: &str) -> Id {
         .unwrap_or_else(|_| Id::new(suffix).expect("static suffix is a valid id"))
 }
 
+/// The `error` frame that reports a failed post: `send_failed` (retryable as the driver
+/// says: the hub tries a retryable reply again with backoff, never a final one) or
+/// `send_unknown` (never retryable: it may have been posted).
+pub(crate) fn post_error_frame(request_id: Id, err: &PostError) -> Frame {
+    let retryable = matches!(err, PostError::Failed { retryable: true, .. });
+    Frame::error(Some(request_id), err.code(), err.to_string(), retryable)
+}
+
 enum PostState {
     New,
     InFlight,
     Done(DeliveryReceipt),
 }
 
+/// At most this many redelivered copies of one post in flight wait for its answer.
+const WAITING_COPIES: usize = 8;
+
 /// Recently handled `deliver`/`outbound` request ids, so a redelivery is not posted twice.
 #[derive(Debug, Default)]
 pub(crate) struct RecentPosts {
-    in_flight: HashSet<Id>,
+    /// Posts in flight, with the sinks of redelivered copies that wait for their answer.
+    in_flight: HashMap<Id, Vec<FrameSink>>,
     done: HashMap<Id, DeliveryReceipt>,
     order: VecDeque<Id>,
 }
 
 impl RecentPosts {
-    fn begin(&mut self, request_id: &Id) -> PostState {
+    /// `waiter`: where a copy that arrives while the post is in flight wants its answer.
+    fn begin(&mut self, request_id: &Id, waiter: Option<FrameSink>) -> PostState {
         if let Some(receipt) = self.done.get(request_id) {
             return PostState::Done(receipt.clone());
         }
-        if !self.in_flight.insert(request_id.clone()) {
+        if let Some(waiting) = self.in_flight.get_mut(request_id) {
+            if let Some(waiter) = waiter
+                && waiting.len() < WAITING_COPIES
+            {
+                waiting.push(waiter);
+            }
             return PostState::InFlight;
         }
+        self.in_flight.insert(request_id.clone(), Vec::new());
         PostState::New
     }
 
-    /// Records the outcome; failed posts are forgotten so a retry may post.
-    fn finish(&mut self, request_id: &Id, receipt: Option<DeliveryReceipt>) {
-        self.in_flight.remove(request_id);
-        let Some(receipt) = receipt else { return };
+    /// Records the outcome and returns the copies waiting for it; failed posts are forgotten
+    /// so a retry may post.
+    fn finish(&mut self, request_id: &Id, receipt: Option<DeliveryReceipt>) -> Vec<FrameSink> {
+        let waiting = self.in_flight.remove(request_id).unwrap_or_default();
+        let Some(receipt) = receipt else { return waiting };
         if self.done.insert(request_id.clone(), receipt).is_none() {
             self.order.push_back(request_id.clone());
         }
@@ -610,5 +637,64 @@ impl RecentPosts {
                 self.done.remove(&old);
             }
         }
+        waiting
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::ChannelId;
+    use channeld_protocol::types::MessageTarget;
+
+    use super::*;
+
+    fn id(value: &str) -> Id {
+        Id::new(value).unwrap()
+    }
+
+    fn receipt() -> DeliveryReceipt {
+        let channel = ChannelId::new("a.b").unwrap();
+        DeliveryReceipt {
+            channel: channel.clone(),
+            message_id: id("m-1"),
+            target: MessageTarget::new(channel, id("c1")),
+            timestamp_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_failed_post_is_retryable_only_when_the_driver_says_so_and_unknown_never_is() {
+        let cases = [
+            (PostError::failed("broker down", true), "send_failed", true),
+            (PostError::failed("refused", false), "send_failed", false),
+            (PostError::unknown("no confirm"), "send_unknown", false),
+        ];
+        for (err, code, retryable) in cases {
+            match post_error_frame(id("e-1"), &err) {
+                Frame::Error(frame) => {
+                    assert_eq!(frame.request_id, Some(id("e-1")));
+                    assert_eq!((frame.code.as_str(), frame.retryable), (code, retryable), "{err}");
+                }
+                other => panic!("expected an error frame, got {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_copy_redelivered_while_its_post_is_in_flight_waits_for_the_answer() {
+        let (sink, _writer) = channeld_link::spawn_writer(tokio::io::sink(), 4);
+        let mut recent = RecentPosts::default();
+        assert!(matches!(recent.begin(&id("e-1"), None), PostState::New));
+        for _ in 0..WAITING_COPIES + 3 {
+            assert!(matches!(recent.begin(&id("e-1"), Some(sink.clone())), PostState::InFlight));
+        }
+        let waiting = recent.finish(&id("e-1"), Some(receipt()));
+        assert_eq!(waiting.len(), WAITING_COPIES, "bounded");
+        assert!(matches!(recent.begin(&id("e-1"), Some(sink.clone())), PostState::Done(_)));
+        // A failed post is forgotten: the next copy posts again, and nobody waits any more.
+        assert!(matches!(recent.begin(&id("e-2"), None), PostState::New));
+        assert!(matches!(recent.begin(&id("e-2"), Some(sink)), PostState::InFlight));
+        assert_eq!(recent.finish(&id("e-2"), None).len(), 1);
+        assert!(matches!(recent.begin(&id("e-2"), None), PostState::New));
     }
 }

@@ -30,6 +30,7 @@ pub fn config(runtime_dir: &Path) -> HubConfig {
         durability: crate::config::DurabilityMode::Full,
         retention: Duration::from_secs(7 * 86_400),
         outbox_ttl: Duration::from_secs(86_400),
+        reply_ttl: Duration::from_secs(86_400),
         control_socket: runtime_dir.join("control.sock"),
         control_peers: PeerRule::SocketMode,
         receipt_timeout: Duration::from_secs(30),

@@ -37,7 +37,9 @@ pub async fn probe(hub: &Hub, inst: &Instance) -> Health {
             )
         }
     };
-    inst.set_health(health.clone());
+    if inst.set_health(health.clone()) {
+        hub.courier.ready(inst.config.id.as_str());
+    }
     health
 }
 

@@ -1,5 +1,6 @@
 //! The state one running hub shares between its tasks: configuration, instances, the
-//! ledger, the outbox, ids, metrics, the task trackers and the shutdown signals.
+//! ledger, the outbox, the reply courier, ids, metrics, the task trackers and the shutdown
+//! signals.
 //!
 //! It holds state and hands it out; what the hub does lives in the modules that take it
 //! (`serve`, `inbound`, `control`, …), and how it starts and stops in `lifecycle.rs`.
@@ -12,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::HubConfig;
+use crate::courier::Courier;
 use crate::ids::Ids;
 use crate::instance::{Instance, Instances, Registry};
 use crate::ledger::Ledger;
@@ -44,6 +46,8 @@ pub struct Hub {
     pub applied: tokio::sync::Mutex<HubConfig>,
     pub ledger: Ledger,
     pub outbox: Outbox,
+    /// Hands recorded replies to drivers and settles them (ledger on).
+    pub courier: Arc<Courier>,
     pub ids: Arc<Ids>,
     /// Prometheus metrics; counting nothing unless `hub.metrics_listen` is set.
     pub metrics: Arc<Metrics>,
@@ -94,12 +98,20 @@ impl Hub {
             config.outbox_ttl,
             config.receipt_timeout,
         );
+        let courier = Arc::new(Courier::new(
+            ledger.clone(),
+            instances.clone(),
+            tasks.clone(),
+            config.reply_ttl,
+            config.receipt_timeout,
+        ));
         Arc::new(Self {
             applied: tokio::sync::Mutex::new(config.clone()),
             config,
             instances,
             ledger,
             outbox,
+            courier,
             ids,
             metrics,
             shutdown,

@@ -1,13 +1,12 @@
 //! Per-instance state: the one live driver connection, the live settings a reload may
-//! change, health, counters, session generations, the run queue, the replies being handed
-//! over, and the supervised driver process; and the registry of the instances served.
+//! change, health, counters, session generations, the run queue and the supervised driver
+//! process; and the registry of the instances served.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use channeld_protocol::Id;
 use channeld_protocol::types::{Health, HealthState};
 use tokio_util::sync::CancellationToken;
 
@@ -122,9 +121,6 @@ pub struct Instance {
     /// Inbound accepted and not finished: running, or waiting for their session's turn and a
     /// run slot (`max_inflight`, `max_queued`).
     pub runs: Mutex<Runs>,
-    /// Events whose reply a finishing run is handing over right now; the reconnect sweep of
-    /// undelivered replies leaves them alone, so a reply is not sent twice.
-    replying: Mutex<HashSet<Id>>,
     process: Mutex<Option<ProcessView>>,
     /// Which denied senders were sent the deny notice, and when.
     notices: Mutex<NoticeLimiter>,
@@ -146,7 +142,6 @@ impl Instance {
             }),
             last_error: Mutex::new(None),
             generations: Mutex::new(HashMap::new()),
-            replying: Mutex::new(HashSet::new()),
             process: Mutex::new(None),
             notices: Mutex::new(NoticeLimiter::default()),
         }
@@ -213,8 +208,13 @@ impl Instance {
         lock(&self.health).clone()
     }
 
-    pub fn set_health(&self, health: Health) {
-        *lock(&self.health) = HealthView { health, updated: SystemTime::now() };
+    /// Records the driver's health; true when it just became Ready (it was not before).
+    pub fn set_health(&self, health: Health) -> bool {
+        let ready = health.state == HealthState::Ready;
+        let mut current = lock(&self.health);
+        let was_ready = current.health.state == HealthState::Ready;
+        *current = HealthView { health, updated: SystemTime::now() };
+        ready && !was_ready
     }
 
     pub fn record_error(&self, message: impl Into<String>) {
@@ -242,19 +242,6 @@ impl Instance {
     /// Sets a route's generation (as recorded by the ledger).
     pub fn set_generation(&self, route: &str, generation: u64) {
         lock(&self.generations).insert(route.to_owned(), generation);
-    }
-
-    /// Marks a reply as being handed over by its run; false if it already was.
-    pub fn begin_reply(&self, event_id: &Id) -> bool {
-        lock(&self.replying).insert(event_id.clone())
-    }
-
-    pub fn end_reply(&self, event_id: &Id) {
-        lock(&self.replying).remove(event_id);
-    }
-
-    pub fn is_replying(&self, event_id: &str) -> bool {
-        lock(&self.replying).contains(event_id)
     }
 
     /// Loads persisted generations (from the ledger).

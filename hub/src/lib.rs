@@ -10,6 +10,7 @@ pub mod command;
 pub mod config;
 pub mod connection;
 pub mod control;
+pub mod courier;
 pub mod demo;
 mod health;
 pub mod hub;

@@ -1,17 +1,20 @@
 //! What the ledger gives back after a restart — the run queues (runs interrupted by the stop
-//! started again once, queued ones in their place), sends
-//! that were in flight marked unknown, session generations — and the background upkeep
-//! (retention pruning, outbox expiry).
+//! started again once, queued ones in their place), sends that were in flight marked unknown,
+//! replies that were handed over made pending again (and replies owed by an older hub given a
+//! delivery record), session generations — and the background upkeep (retention pruning,
+//! outbox expiry).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use channeld_protocol::types::{MessageBody, OutboundMessage};
 use channeld_protocol::{Frame, decode};
 use tracing::{info, warn};
 
 use crate::hub::Hub;
-use crate::inbound::{self, run::Admitted};
+use crate::inbound::{self, reply::reply_target, run::Admitted};
 use crate::instance::unix_ms;
+use crate::ledger::NewReply;
 
 /// How often retention pruning and outbox expiry run.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(600);
@@ -38,6 +41,15 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
         ),
         Err(err) => warn!(error = %err, "outbox not restored"),
     }
+    match hub.ledger.replies_restart(now).await {
+        Ok(0) => {}
+        Ok(count) => info!(
+            count,
+            "replies were handed to a driver without an answer when the hub stopped; they are handed over again"
+        ),
+        Err(err) => warn!(error = %err, "replies not restored"),
+    }
+    track_untracked_replies(hub, now).await;
     let recovered = match hub.ledger.recover(now).await {
         Ok(recovered) => recovered,
         Err(err) => {
@@ -84,6 +96,44 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
             Err(err) => {
                 warn!(event_id = %run.event_id, error = %err, "ledger entry does not decode")
             }
+        }
+    }
+}
+
+/// Gives the replies an older hub owed (inbound `replied`, no delivery record) a pending
+/// delivery record, so the courier hands them over like any other.
+async fn track_untracked_replies(hub: &Hub, now: u64) {
+    let untracked = match hub.ledger.untracked_replies().await {
+        Ok(untracked) => untracked,
+        Err(err) => {
+            warn!(error = %err, "owed replies not read");
+            return;
+        }
+    };
+    for reply in untracked {
+        let target = match decode(&reply.frame) {
+            Ok(Frame::Inbound(inbound)) => {
+                reply_target(&inbound.message.target, Some(inbound.message.id.clone()))
+            }
+            Ok(Frame::InboundEvent(event)) => reply_target(&event.event.context().target, None),
+            _ => continue,
+        };
+        let Ok(event_id) = channeld_protocol::Id::new(reply.event_id.clone()) else { continue };
+        // Older hubs stored replies uncut: fitted now, as a new one would be.
+        let text = inbound::reply::fit_reply(&event_id, &target, reply.reply);
+        let Ok(body) = MessageBody::text(text) else { continue };
+        let conversation = target.conversation.to_string();
+        let message = OutboundMessage { target, body, metadata: Default::default() };
+        let Ok(message) = serde_json::to_vec(&message) else { continue };
+        let new = NewReply {
+            instance: reply.instance,
+            event_id: reply.event_id,
+            conversation,
+            message,
+            expires_ms: now + hub.config.reply_ttl.as_millis() as u64,
+        };
+        if let Err(err) = hub.ledger.reply_add(new, now).await {
+            warn!(error = %err, "owed reply not recorded for delivery");
         }
     }
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
 use channeld_hub::ledger::{
-    Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxState, Recorded, RunEnd,
+    Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxState, Recorded, ReplyState,
+    RunEnd,
 };
 use channeld_hub::outbox::SendRequest;
 use channeld_hub::send::SendState;
@@ -330,10 +331,10 @@ async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_be
 }
 
 #[tokio::test]
-async fn a_reply_an_older_hub_stranded_as_too_big_is_fitted_and_delivered_on_reconnect() {
+async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect() {
     let hub = hub("", Ledger::in_memory().unwrap());
-    // What a hub that cut replies by raw length left behind: a reply whose deliver frame
-    // is twice the line limit once escaped, still owed to the driver.
+    // A reply whose deliver frame is twice the line limit once escaped, recorded while no
+    // driver is connected.
     let inbound = Frame::Inbound(Inbound {
         event_id: id("big-1"),
         message: InboundMessage {
@@ -358,18 +359,27 @@ async fn a_reply_an_older_hub_stranded_as_too_big_is_fitted_and_delivered_on_rec
     };
     let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash);
     assert_eq!(recorded.await.unwrap(), Recorded::New);
-    let stranded = RunEnd::Reply("\"".repeat(200_000));
-    assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, 2).await.unwrap());
+    let text = "\"".repeat(200_000);
+    let inst = hub.instance(ONE).unwrap();
+    let target = MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1"));
+    let reply = channeld_hub::inbound::reply::new_reply(&hub, &inst, &id("big-1"), &target, &text);
+    let stranded = RunEnd::Reply(text);
+    assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, reply, 2).await.unwrap());
 
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;
     let text = reply_text(driver.frame().await);
     assert!(text.ends_with("[reply truncated]"));
     assert!(text.len() > 100_000, "cut to fit, not dropped");
-    // Recorded as delivered: the next driver is not handed it again.
+    // A driver without `reply_receipt` never answers: written counts as posted, and the
+    // next driver is not handed it again.
     let deadline = tokio::time::Instant::now() + WAIT;
-    while !hub.ledger.pending_replies(ONE.into()).await.unwrap().is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "the reply is still owed");
+    loop {
+        let state = hub.ledger.reply_state(ONE.into(), "big-1".into()).await.unwrap();
+        if state == Some(ReplyState::Posted) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the reply is still {state:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

@@ -108,7 +108,10 @@ fn the_modules_of_the_hub_form_a_dag() {
         Err(cycle) => panic!("import circle among: {cycle:?}"),
     }
     for expected in
-        ["inbound", "ledger", "serve", "control", "outbox", "hub", "lifecycle", "metrics", "scrape"]
+        [
+            "inbound", "ledger", "serve", "control", "outbox", "courier", "hub", "lifecycle", "metrics",
+            "scrape",
+        ]
     {
         assert!(
             graph.contains_key(expected),
@@ -140,6 +143,8 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "inbound/fingerprint.rs",
         "ledger/inbound.rs",
         "ledger/outbox.rs",
+        "ledger/replies.rs",
+        "ledger/reply_state.rs",
         "ledger/sessions.rs",
         "ledger/state.rs",
         "ledger/schema.rs",

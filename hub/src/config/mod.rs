@@ -74,6 +74,7 @@ struct RawHub {
     durability: Option<DurabilityMode>,
     retention_days: Option<u64>,
     outbox_ttl_secs: Option<u64>,
+    reply_ttl_secs: Option<u64>,
     control_allow_uids: Option<Vec<Principal>>,
     control_allow_gids: Option<Vec<Principal>>,
     metrics_listen: Option<String>,
@@ -287,6 +288,9 @@ pub struct HubConfig {
     pub retention: Duration,
     /// How long a proactive send may wait in the outbox for an offline driver.
     pub outbox_ttl: Duration,
+    /// How long a reply that could not be posted is retried before it expires
+    /// (`hub.reply_ttl_secs`).
+    pub reply_ttl: Duration,
     pub control_socket: PathBuf,
     /// Which local processes may use the control socket (`control_allow_uids` /
     /// `control_allow_gids`); the default is the socket's mode, as for instance sockets.
@@ -449,6 +453,7 @@ impl HubConfig {
                         as u64,
             ),
             outbox_ttl: secs("hub.outbox_ttl_secs", hub.outbox_ttl_secs, 86_400)?,
+            reply_ttl: secs("hub.reply_ttl_secs", hub.reply_ttl_secs, 86_400)?,
             control_socket,
             control_peers: peer_rule(
                 "hub",

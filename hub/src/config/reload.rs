@@ -61,6 +61,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
         ("hub.durability", running.durability != new.durability),
         ("hub.retention_days", running.retention != new.retention),
         ("hub.outbox_ttl_secs", running.outbox_ttl != new.outbox_ttl),
+        ("hub.reply_ttl_secs", running.reply_ttl != new.reply_ttl),
         ("hub.control_socket", running.control_socket != new.control_socket),
         ("hub.control_allow_uids/control_allow_gids", running.control_peers != new.control_peers),
         ("hub.receipt_timeout_secs", running.receipt_timeout != new.receipt_timeout),

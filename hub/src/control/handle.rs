@@ -1,15 +1,18 @@
 //! Answers control requests: `send` through the outbox, `health` by probing, `status` and
-//! `catalog` from the hub's state, `outbox` (paged, previews), `outbox_get` and
-//! `outbox_retry` from the ledger.
+//! `catalog` from the hub's state (and the ledger's reply counts), `outbox` (paged,
+//! previews), `outbox_get` and `outbox_retry` from the ledger, `replies` and
+//! `replies_retry` through the reply courier.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::HashMap;
+
 use channeld_control::{
     CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
-    MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, Request, SendResult,
-    StatusResult, code,
+    MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, REPLY_STATES, RepliesResult,
+    ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
 };
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
@@ -18,7 +21,9 @@ use tracing::debug;
 use super::server::{failure, success};
 use crate::hub::{HUB_NAME, Hub};
 use crate::instance::unix_ms;
-use crate::ledger::{LedgerError, OutboxRecord, OutboxState, OutboxSummary};
+use crate::ledger::{
+    LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,
+};
 use crate::outbox::SendRequest;
 use crate::send::{SendError, SendOutcome};
 
@@ -84,7 +89,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 failure(id, code::UNKNOWN_INSTANCE, message, None)
             }
         },
-        Op::Status => success(id, status(hub)),
+        Op::Status => success(id, status(hub).await),
         Op::Catalog => success(id, catalog(std::env::current_exe().ok().as_deref())),
         Op::Outbox { instance, state, limit, before } => {
             let state = match state.as_deref().map(|s| OutboxState::parse(s).ok_or(s)) {
@@ -123,7 +128,94 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             }
             Err(err) => failure(id, err.code(), err.to_string(), None),
         },
+        Op::Replies { instance, state, limit, before } => {
+            let state = match state.as_deref().map(|s| ReplyState::parse(s).ok_or(s)) {
+                None => None,
+                Some(Ok(state)) => Some(state),
+                Some(Err(bad)) => {
+                    let message = format!("unknown state {bad:?} ({})", REPLY_STATES.join(", "));
+                    return failure(id, code::INVALID_REQUEST, message, None);
+                }
+            };
+            let limit = limit.unwrap_or(100).clamp(1, MAX_OUTBOX_PAGE);
+            match hub.ledger.replies_list(instance, state, before, limit + 1).await {
+                Ok(records) => {
+                    let more = records.len() > limit;
+                    let replies: Vec<ReplyEntry> =
+                        records.iter().take(limit).map(reply_entry).collect();
+                    success(id, replies_page(replies, more, PAGE_BUDGET))
+                }
+                Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
+            }
+        }
+        Op::RepliesRetry { reply_id } => match hub.courier.retry(reply_id).await {
+            Ok(record) => success(id, reply_entry(&record)),
+            Err(LedgerError::NoSuchReply(_)) => {
+                failure(id, code::NOT_FOUND, format!("no reply {reply_id}"), None)
+            }
+            Err(err @ LedgerError::ReplyNotRetryable { .. }) => {
+                failure(id, code::NOT_RETRYABLE, err.to_string(), None)
+            }
+            Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
+        },
     }
+}
+
+fn reply_entry(record: &ReplyRecord) -> ReplyEntry {
+    ReplyEntry {
+        id: record.id,
+        instance: record.instance.clone(),
+        event_id: record.event_id.clone(),
+        conversation: record.conversation.clone(),
+        state: record.state.as_str().to_owned(),
+        text: record.text.clone(),
+        text_bytes: record.text_bytes,
+        receipt: record.receipt.as_ref().and_then(|r| serde_json::from_slice(r).ok()),
+        error: record.error.clone(),
+        attempts: record.attempts,
+        next_ms: record.next_ms,
+        expires_ms: record.expires_ms,
+        created_ms: record.created_ms,
+        updated_ms: record.updated_ms,
+    }
+}
+
+/// The replies that fit in `budget` bytes of JSON and the cursor to the next page, as
+/// [`page`] does for the outbox. Pure.
+fn replies_page(entries: Vec<ReplyEntry>, more: bool, budget: usize) -> RepliesResult {
+    let mut used = 0;
+    let total = entries.len();
+    let mut replies = Vec::with_capacity(total);
+    for entry in entries {
+        let size = serde_json::to_vec(&entry).map_or(usize::MAX, |json| json.len() + 1);
+        if used + size > budget && !replies.is_empty() {
+            break;
+        }
+        used = used.saturating_add(size);
+        replies.push(entry);
+    }
+    let cut = replies.len() < total;
+    let next_before = (more || cut).then(|| replies.last().map(|r| r.id)).flatten();
+    RepliesResult { replies, next_before }
+}
+
+/// The ledger's reply counts as `status` shows them, by instance.
+fn reply_counts(counts: Vec<ReplyCount>) -> HashMap<String, ReplyCounts> {
+    let mut by_instance: HashMap<String, ReplyCounts> = HashMap::new();
+    for ReplyCount { instance, state, count } in counts {
+        let entry = by_instance.entry(instance).or_default();
+        let slot = match state {
+            ReplyState::Pending => &mut entry.pending,
+            ReplyState::Handed => &mut entry.handed,
+            ReplyState::Posted => &mut entry.posted,
+            ReplyState::FailedRetryable => &mut entry.failed_retryable,
+            ReplyState::Failed => &mut entry.failed,
+            ReplyState::Unknown => &mut entry.unknown,
+            ReplyState::Expired => &mut entry.expired,
+        };
+        *slot += count;
+    }
+    by_instance
 }
 
 fn ledger_code(err: &LedgerError) -> &'static str {
@@ -215,8 +307,19 @@ fn outbound(
     })
 }
 
-fn status(hub: &Hub) -> StatusResult {
+async fn status(hub: &Hub) -> StatusResult {
     use std::sync::atomic::Ordering::Relaxed;
+    let mut replies = if hub.ledger.is_on() {
+        match hub.ledger.replies_counts().await {
+            Ok(counts) => Some(reply_counts(counts)),
+            Err(err) => {
+                debug!(error = %err, "reply counts not read");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let instances = hub
         .instances
         .snapshot()
@@ -256,6 +359,9 @@ fn status(hub: &Hub) -> StatusResult {
                     starts: process.starts,
                     last_exit: process.last_exit,
                 }),
+                replies: replies
+                    .as_mut()
+                    .map(|counts| counts.remove(inst.config.id.as_str()).unwrap_or_default()),
             }
         })
         .collect();

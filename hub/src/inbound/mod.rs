@@ -265,7 +265,7 @@ async fn carry_out(
                 Replay::Wait => {}
                 Replay::Reply(text) => {
                     let target = admitted.reply_target();
-                    reply::deliver(hub, inst, conn, event_id, target, text).await;
+                    reply::replay(hub, inst, conn, event_id, target, text).await;
                 }
                 Replay::Failure { code, message } => {
                     refuse(conn, event_id, &code, message, false).await;

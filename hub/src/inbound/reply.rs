@@ -1,19 +1,20 @@
 //! What goes back to the driver about an inbound: `accepted`, an `error` frame, and the reply
-//! (`deliver`) — recorded as handed over, or, with `reply_receipt`, once the driver's
-//! receipt says it was posted. Also the sweep that hands a reconnected driver the replies it
-//! missed.
+//! (`deliver`). A driver's reply is recorded for the courier (`crate::courier`), which
+//! delivers and retries it; here are the reply's record, the direct hand-over of a reply the
+//! ledger does not track (ledger off, legacy peers), and the answer to a redelivered event.
 
 use std::time::SystemTime;
 
 use channeld_protocol::frame::{Accepted, Delivery};
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{EncodeError, Frame, Id, MAX_LINE_BYTES, encode};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use super::decide::EMPTY_REPLY;
-use crate::connection::Connection;
+use crate::connection::{Connection, PeerKind};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, unix_ms};
+use crate::ledger::{NewReply, ReplyState};
 
 /// Ends a reply that was cut so that its `deliver` frame fits in one line.
 pub const CUT_MARKER: &str = "\n[reply truncated]";
@@ -21,10 +22,6 @@ pub const CUT_MARKER: &str = "\n[reply truncated]";
 /// More than the envelope, the event id and the target's ids (each at most 256 bytes,
 /// escaped at most six times over) add to a reply's escaped text in its `deliver` frame.
 const FRAME_SLACK: usize = 16 * 1024;
-
-fn now_ms() -> u64 {
-    unix_ms(SystemTime::now())
-}
 
 /// Answers an inbound with an `error` frame. It waits for room in the connection's queue:
 /// the driver relies on this answer to settle the message.
@@ -126,11 +123,31 @@ fn deliver_line(
         .map_err(|err| ("agent_output_too_large", err.to_string()))
 }
 
-/// Sends the reply for `event_id` on `conn` and records that it was handed over (or, with
-/// `reply_receipt`, leaves that to the driver's receipt). A reply that cannot be a frame is
-/// answered with an `error` instead and recorded as handed over: it never becomes one.
-pub async fn deliver(
+/// The delivery record of a run's reply, for the courier: its `deliver` message, due now,
+/// tried until the reply TTL. `None` when the reply cannot be a message body (it is then
+/// handed over directly, where it becomes an `error`).
+pub fn new_reply(
     hub: &Hub,
+    inst: &Instance,
+    event_id: &Id,
+    target: &MessageTarget,
+    text: &str,
+) -> Option<NewReply> {
+    let body = MessageBody::text(fit_reply(event_id, target, text.to_owned())).ok()?;
+    let message = OutboundMessage { target: target.clone(), body, metadata: Default::default() };
+    let now = unix_ms(SystemTime::now());
+    Some(NewReply {
+        instance: inst.config.id.to_string(),
+        event_id: event_id.to_string(),
+        conversation: target.conversation.to_string(),
+        message: serde_json::to_vec(&message).ok()?,
+        expires_ms: now + hub.config.reply_ttl.as_millis() as u64,
+    })
+}
+
+/// Sends a reply the ledger does not track on `conn`, once. A reply that cannot be a frame is
+/// answered with an `error` instead.
+pub async fn deliver(
     inst: &Instance,
     conn: &Connection,
     event_id: &Id,
@@ -143,17 +160,11 @@ pub async fn deliver(
             inst.record_error(format!("reply for {event_id} not deliverable: {message}"));
             warn!(instance = %inst.config.id, %event_id, code, error = %message, "reply cannot be a frame; the driver gets an error instead");
             refuse(conn, event_id, code, message, false).await;
-            mark_delivered(hub, inst, event_id).await;
             return;
         }
     };
     match conn.sink.send_encoded(line).await {
-        Ok(()) => {
-            Counters::bump(&inst.counters.replies);
-            if !conn.declaration.extensions.reply_receipt {
-                mark_delivered(hub, inst, event_id).await;
-            }
-        }
+        Ok(()) => Counters::bump(&inst.counters.replies),
         Err(err) => {
             inst.record_error(format!("reply for {event_id} not delivered: {err}"));
             warn!(instance = %inst.config.id, %event_id, error = %err, "reply not delivered: driver connection gone");
@@ -161,59 +172,43 @@ pub async fn deliver(
     }
 }
 
-async fn mark_delivered(hub: &Hub, inst: &Instance, event_id: &Id) {
-    if !hub.ledger.is_on() {
-        return;
-    }
-    let recorded =
-        hub.ledger.mark_delivered(inst.config.id.to_string(), event_id.to_string(), now_ms()).await;
-    if let Err(err) = recorded {
-        warn!(instance = %inst.config.id, %event_id, error = %err, "delivery not recorded");
-    }
-}
+/// The error code a redelivered event gets when its reply was never posted and will not be
+/// sent again by itself (`failed`, `unknown`, `expired`).
+pub const REPLY_NOT_POSTED: &str = "reply_not_posted";
 
-/// A `receipt` no outbound waited for: with `reply_receipt` it confirms the reply to the
-/// event it names, which the ledger then records as delivered (off the reader).
-pub fn on_receipt(hub: &Hub, inst: &Instance, conn: &Connection, event_id: Id) {
-    if !(conn.declaration.extensions.reply_receipt && hub.ledger.is_on()) {
-        debug!(instance = %inst.config.id, request_id = %event_id, "receipt nobody waits for");
-        return;
-    }
-    let ledger = hub.ledger.clone();
+/// Answers a redelivered event whose run replied: a reply still on its way is left to the
+/// courier; a posted one (or one the ledger does not track) is delivered again, for the
+/// driver to answer from what it remembers; one that ended without being posted is an
+/// `error`, so the redelivery does not post what the hub will not resend by itself.
+pub async fn replay(
+    hub: &Hub,
+    inst: &Instance,
+    conn: &Connection,
+    event_id: &Id,
+    target: MessageTarget,
+    text: String,
+) {
     let instance = inst.config.id.to_string();
-    hub.tasks.spawn(async move {
-        if let Err(err) = ledger.mark_delivered(instance, event_id.into_string(), now_ms()).await {
-            warn!(error = %err, "reply receipt not recorded");
-        }
-    });
-}
-
-/// Hands a (re)connected driver the replies the ledger still owes its instance, oldest
-/// first; a reply its run is handing over right now is left to that run.
-pub async fn deliver_missed(hub: &Hub, inst: &Instance, conn: &Connection) {
-    let pending = match hub.ledger.pending_replies(inst.config.id.to_string()).await {
-        Ok(pending) => pending,
-        Err(err) => {
-            warn!(instance = %inst.config.id, error = %err, "pending replies not read");
-            return;
-        }
-    };
-    if !pending.is_empty() {
-        info!(instance = %inst.config.id, replies = pending.len(), "delivering replies the driver missed");
-    }
-    for reply in pending {
-        if inst.is_replying(&reply.event_id) {
-            continue;
-        }
-        let target = match channeld_protocol::decode(&reply.frame) {
-            Ok(Frame::Inbound(inbound)) => {
-                reply_target(&inbound.message.target, Some(inbound.message.id.clone()))
+    let state = if hub.ledger.is_on() && conn.kind == PeerKind::Driver {
+        match hub.ledger.reply_state(instance.clone(), event_id.to_string()).await {
+            Ok(state) => state,
+            Err(err) => {
+                warn!(%instance, %event_id, error = %err, "reply state not read; delivering the reply again");
+                None
             }
-            Ok(Frame::InboundEvent(event)) => reply_target(&event.event.context().target, None),
-            _ => continue,
-        };
-        let Ok(event_id) = Id::new(reply.event_id) else { continue };
-        deliver(hub, inst, conn, &event_id, target, reply.reply).await;
+        }
+    } else {
+        None
+    };
+    match state {
+        Some(state) if !state.is_final() => {
+            debug!(%instance, %event_id, %state, "redelivered event; its reply is on its way");
+        }
+        None | Some(ReplyState::Posted) => deliver(inst, conn, event_id, target, text).await,
+        Some(state) => {
+            let message = format!("the reply was not posted ({state}); an operator may retry it");
+            refuse(conn, event_id, REPLY_NOT_POSTED, message, false).await;
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use super::decide::SlashCommand;
 use super::reply::{self, refuse, reply_target};
 use crate::command::{self, Presented};
-use crate::connection::{Connection, lock};
+use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
 use crate::ledger::RunEnd;
@@ -226,18 +226,27 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         Ok(text) => RunEnd::Reply(text.clone()),
         Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
     };
-    // From the moment the outcome is recorded until the reply is handed over, the
-    // reconnect sweep must not deliver it as well.
-    inst.begin_reply(&event_id);
+    // A driver's reply is recorded with the outcome, and the courier delivers it (and
+    // retries it); a legacy peer's goes back on its connection, once.
+    let tracked = origin.as_ref().is_none_or(|c| c.kind == PeerKind::Driver);
+    let reply = match &result {
+        Ok(text) if tracked => reply::new_reply(hub, inst, &event_id, &target, text),
+        _ => None,
+    };
+    let mut recorded = false;
     if hub.ledger.is_on() {
         let now = unix_ms(SystemTime::now());
-        let recorded = hub
+        let with_reply = reply.is_some();
+        let finished = hub
             .ledger
-            .finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), now)
+            .finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), reply, now)
             .await;
-        if let Err(err) = recorded {
-            inst.record_error(format!("ledger: {err}"));
-            warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
+        match finished {
+            Ok(done) => recorded = done && with_reply,
+            Err(err) => {
+                inst.record_error(format!("ledger: {err}"));
+                warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
+            }
         }
     }
     // The outcome is recorded: a redelivery from now on is answered from the ledger or as
@@ -245,16 +254,21 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     // waits until the reply below is handed over.
     let starts = lock(&inst.runs).ended(turn);
     super::start(starts);
-    // The reply goes back on the connection that carried the inbound, or, if that one is
-    // gone, on the instance's current driver; with neither it waits in the ledger.
+    // A recorded reply goes through the courier (in order per conversation, retried); an
+    // untracked one goes back on the connection that carried the inbound, or, if that one
+    // is gone, on the instance's current driver.
     let conn = origin.filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
     match (result, conn) {
+        (Ok(_), _) if recorded => {
+            hub.courier.deliver(inst).await;
+            inst.metrics.reply_delivered(ended.elapsed());
+        }
         (Ok(text), Some(conn)) => {
-            reply::deliver(hub, inst, &conn, &event_id, target, text).await;
+            reply::deliver(inst, &conn, &event_id, target, text).await;
             inst.metrics.reply_delivered(ended.elapsed());
         }
         (Ok(_), None) => {
-            debug!(instance = %inst.config.id, %event_id, "no driver connected; the reply waits for one");
+            warn!(instance = %inst.config.id, %event_id, "no driver connected and the reply is not recorded; it is lost");
         }
         (Err(err), conn) => {
             Counters::bump(&inst.counters.runs_failed);
@@ -265,7 +279,6 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
             }
         }
     }
-    inst.end_reply(&event_id);
 }
 
 /// The hub's own answer to `/help` and `/new`.

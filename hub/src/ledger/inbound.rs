@@ -5,6 +5,7 @@
 use rusqlite::{OptionalExtension, Transaction, params};
 
 use super::LedgerError;
+use super::replies::{self, NewReply};
 use super::state::{self, INBOUND_STATES, InboundState, RecordDecision, Recovery};
 use super::store::Cached;
 
@@ -68,9 +69,10 @@ impl RunEnd {
     }
 }
 
-/// A finished run whose reply has not been confirmed as handed to the driver.
+/// A finished run whose reply is owed but not tracked (see [`untracked_replies`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingReply {
+    pub instance: String,
     pub event_id: String,
     pub frame: Vec<u8>,
     pub reply: String,
@@ -195,12 +197,14 @@ fn current_state(
     state.as_deref().map(parse_state).transpose()
 }
 
-/// Records how a run ended (see [`RunEnd::state`]). False when the entry is not running.
+/// Records how a run ended (see [`RunEnd::state`]), and its reply, to be delivered, in the
+/// same step. False when the entry is not running.
 pub fn finish(
     txn: &Transaction<'_>,
     instance: &str,
     event_id: &str,
     end: &RunEnd,
+    reply: Option<&NewReply>,
     now_ms: u64,
 ) -> Result<bool, LedgerError> {
     let next = end.state();
@@ -208,7 +212,7 @@ pub fn finish(
     if !current.may_become(next) {
         return Ok(false);
     }
-    let (reply, code, message) = match end {
+    let (reply_text, code, message) = match end {
         RunEnd::Reply(text) => (Some(text.as_str()), None, None),
         RunEnd::NoReply => (None, None, None),
         RunEnd::Failed { code, message } => (None, Some(code.as_str()), Some(message.as_str())),
@@ -217,8 +221,11 @@ pub fn finish(
         "UPDATE inbound SET state = ?3, reply = ?4, error_code = ?5, error_message = ?6,
              updated_ms = ?7
          WHERE instance = ?1 AND event_id = ?2",
-        params![instance, event_id, next.as_str(), reply, code, message, now_ms as i64],
+        params![instance, event_id, next.as_str(), reply_text, code, message, now_ms as i64],
     )?;
+    if let (RunEnd::Reply(_), Some(reply)) = (end, reply) {
+        replies::add(txn, reply, now_ms)?;
+    }
     Ok(true)
 }
 
@@ -242,17 +249,22 @@ pub fn mark_delivered(
     Ok(true)
 }
 
-/// Finished runs of `instance` whose reply is not confirmed as handed over, oldest first.
-pub fn pending_replies(
-    txn: &Transaction<'_>,
-    instance: &str,
-) -> Result<Vec<PendingReply>, LedgerError> {
+/// Finished runs whose reply is owed but has no delivery record: written by a hub from before
+/// replies were tracked (schema 2), oldest first. The hub records each as a pending reply.
+pub fn untracked_replies(txn: &Transaction<'_>) -> Result<Vec<PendingReply>, LedgerError> {
     let mut stmt = txn.prepare_cached(
-        "SELECT event_id, frame, reply FROM inbound
-         WHERE state = ?1 AND instance = ?2 ORDER BY updated_ms, event_id",
+        "SELECT i.instance, i.event_id, i.frame, i.reply FROM inbound AS i
+         WHERE i.state = ?1 AND i.reply IS NOT NULL AND NOT EXISTS (
+             SELECT 1 FROM replies AS r WHERE r.instance = i.instance AND r.event_id = i.event_id)
+         ORDER BY i.updated_ms, i.event_id",
     )?;
-    let rows = stmt.query_map(params![InboundState::Replied.as_str(), instance], |row| {
-        Ok(PendingReply { event_id: row.get(0)?, frame: row.get(1)?, reply: row.get(2)? })
+    let rows = stmt.query_map(params![InboundState::Replied.as_str()], |row| {
+        Ok(PendingReply {
+            instance: row.get(0)?,
+            event_id: row.get(1)?,
+            frame: row.get(2)?,
+            reply: row.get(3)?,
+        })
     })?;
     Ok(rows.collect::<Result<Vec<_>, _>>()?)
 }
@@ -297,7 +309,7 @@ pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, 
                     code: "interrupted".into(),
                     message: "run was interrupted twice by a hub restart".into(),
                 };
-                finish(txn, &instance, &event_id, &end, now_ms)?;
+                finish(txn, &instance, &event_id, &end, None, now_ms)?;
             }
         }
     }
@@ -354,7 +366,7 @@ mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         assert_eq!(record(&txn, &inbound("e1", 1), rehash).unwrap(), Recorded::New);
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), None, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Replied);
@@ -364,9 +376,10 @@ mod tests {
             other => panic!("expected a replay, got {other:?}"),
         }
         assert_eq!(record(&txn, &inbound("e1", 2), rehash).unwrap(), Recorded::Conflict);
-        assert_eq!(pending_replies(&txn, "a.b").unwrap().len(), 1);
+        // Written without a delivery record, as a hub before schema 3 did: untracked.
+        assert_eq!(untracked_replies(&txn).unwrap().len(), 1);
         assert!(mark_delivered(&txn, "a.b", "e1", 3).unwrap());
-        assert!(pending_replies(&txn, "a.b").unwrap().is_empty());
+        assert!(untracked_replies(&txn).unwrap().is_empty());
         assert!(!mark_delivered(&txn, "a.b", "e1", 4).unwrap(), "delivered only once");
     }
 
@@ -375,10 +388,10 @@ mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash).unwrap();
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, 2).unwrap());
-        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, None, 2).unwrap());
+        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), None, 3).unwrap());
         assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
-        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
+        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, None, 3).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Delivered);
@@ -394,7 +407,7 @@ mod tests {
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash).unwrap();
         let end = RunEnd::Failed { code: "agent_failed".into(), message: "exit 3".into() };
-        assert!(finish(&txn, "a.b", "e1", &end, 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &end, None, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Failed);
@@ -458,12 +471,12 @@ mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("old-done", 1), rehash).unwrap();
-        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, 10).unwrap();
+        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, None, 10).unwrap();
         record(&txn, &inbound("old-running", 1), rehash).unwrap();
         record(&txn, &inbound("old-replied", 1), rehash).unwrap();
-        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), 10).unwrap();
+        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), None, 10).unwrap();
         record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash).unwrap();
-        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, 500).unwrap();
+        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, None, 500).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         // The pruned id is forgotten; the others still dedupe.
         assert_eq!(record(&txn, &inbound("old-done", 2), rehash).unwrap(), Recorded::New);
@@ -482,7 +495,7 @@ mod tests {
         // Written by an older hub: version 1, a hash this build cannot reproduce.
         let old = NewInbound { content_hash: [0xee; 32], hash_version: 1, ..inbound("e1", 7) };
         record(&txn, &old, rehash).unwrap();
-        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap();
+        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), None, 2).unwrap();
         // The same message redelivered after the upgrade replays; it does not conflict.
         assert!(matches!(record(&txn, &inbound("e1", 7), rehash).unwrap(), Recorded::Replay(_)));
         let (hash, version): (Vec<u8>, u32) = txn

@@ -1,8 +1,10 @@
-//! The durable ledger: inbound runs (dedupe, recovery), the outbox of proactive sends, and
-//! conversation session generations, in one SQLite database in the hub's state directory.
+//! The durable ledger: inbound runs (dedupe, recovery), the delivery of their replies, the
+//! outbox of proactive sends, and conversation session generations, in one SQLite database in
+//! the hub's state directory.
 //!
 //! The work is done by synchronous functions over one transaction (`inbound.rs`,
-//! `outbox.rs`, `sessions.rs`, with the state machines in `state.rs`); [`Ledger`] queues
+//! `replies.rs`, `outbox.rs`, `sessions.rs`, with the state machines in `state.rs` and
+//! `reply_state.rs`); [`Ledger`] queues
 //! them to the ledger thread (`store.rs`), which commits them in batches. Every call returns
 //! only after the transaction holding it committed. Without a state directory the ledger is
 //! off: calls that need it fail with [`LedgerError::Off`] and the hub keeps the in-memory
@@ -13,6 +15,8 @@
 pub mod inbound;
 mod lock;
 pub mod outbox;
+pub mod replies;
+pub mod reply_state;
 mod schema;
 pub mod sessions;
 pub mod state;
@@ -30,6 +34,8 @@ use lock::StateLock;
 
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
 pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
+pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord};
+pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
 pub use store::{LedgerMetrics, QUEUE_CAPACITY};
@@ -56,6 +62,10 @@ pub enum LedgerError {
     NoSuchRecord(i64),
     #[error("outbox record {id} is {state}; only unknown or failed records can be retried")]
     NotRetryable { id: i64, state: OutboxState },
+    #[error("reply {0} does not exist")]
+    NoSuchReply(i64),
+    #[error("reply {id} is {state}; only unknown, failed or expired replies can be retried")]
+    ReplyNotRetryable { id: i64, state: ReplyState },
 }
 
 fn holder(pid: Option<u32>) -> String {
@@ -217,33 +227,113 @@ impl Ledger {
         self.call(move |txn| inbound::start(txn, &instance, &event_id)).await
     }
 
-    /// Records how a run ended; see [`RunEnd::state`].
+    /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record
+    /// (`pending`), in one step.
     pub async fn finish_run(
         &self,
         instance: String,
         event_id: String,
         end: RunEnd,
+        reply: Option<NewReply>,
         now_ms: u64,
     ) -> Result<bool, LedgerError> {
-        self.call(move |txn| inbound::finish(txn, &instance, &event_id, &end, now_ms)).await
+        self.call(move |txn| {
+            inbound::finish(txn, &instance, &event_id, &end, reply.as_ref(), now_ms)
+        })
+        .await
     }
 
-    /// Marks a reply as handed to the driver.
-    pub async fn mark_delivered(
+    /// Owed replies without a delivery record (written before schema 3).
+    pub async fn untracked_replies(&self) -> Result<Vec<PendingReply>, LedgerError> {
+        self.call(inbound::untracked_replies).await
+    }
+
+    /// Records a reply's delivery as `pending`; returns its id.
+    pub async fn reply_add(&self, reply: NewReply, now_ms: u64) -> Result<i64, LedgerError> {
+        self.call(move |txn| replies::add(txn, &reply, now_ms)).await
+    }
+
+    /// Claims the replies of `instance` due for hand-over; see [`replies::claim_due`].
+    pub async fn replies_claim(
+        &self,
+        instance: String,
+        now_ms: u64,
+        limit: usize,
+    ) -> Result<Vec<HandedReply>, LedgerError> {
+        self.call(move |txn| replies::claim_due(txn, &instance, now_ms, limit)).await
+    }
+
+    /// Applies a driver's answer (or silence); see [`replies::answer`].
+    pub async fn reply_answer(
+        &self,
+        answer: ReplyAnswer,
+        now_ms: u64,
+        jitter: f64,
+    ) -> Result<Option<ReplyState>, LedgerError> {
+        self.call(move |txn| replies::answer(txn, &answer, now_ms, jitter)).await
+    }
+
+    /// The state of the reply to `event_id`, if its run produced one.
+    pub async fn reply_state(
         &self,
         instance: String,
         event_id: String,
-        now_ms: u64,
-    ) -> Result<bool, LedgerError> {
-        self.call(move |txn| inbound::mark_delivered(txn, &instance, &event_id, now_ms)).await
+    ) -> Result<Option<ReplyState>, LedgerError> {
+        self.call(move |txn| replies::state_of(txn, &instance, &event_id)).await
     }
 
-    /// Finished runs of `instance` whose reply is not confirmed as handed over, oldest first.
-    pub async fn pending_replies(
+    /// Expires waiting replies past their TTL; returns how many.
+    pub async fn replies_expire(&self, now_ms: u64) -> Result<usize, LedgerError> {
+        self.call(move |txn| replies::expire(txn, now_ms)).await
+    }
+
+    /// After a restart nothing is handed over: `handed` replies are `pending` again.
+    pub async fn replies_restart(&self, now_ms: u64) -> Result<usize, LedgerError> {
+        self.call(move |txn| replies::restart(txn, now_ms)).await
+    }
+
+    /// Makes the retryable failures of `instance` due now.
+    pub async fn replies_due_now(
         &self,
         instance: String,
-    ) -> Result<Vec<PendingReply>, LedgerError> {
-        self.call(move |txn| inbound::pending_replies(txn, &instance)).await
+        now_ms: u64,
+    ) -> Result<usize, LedgerError> {
+        self.call(move |txn| replies::due_now(txn, &instance, now_ms)).await
+    }
+
+    /// When the next retry or expiry after `after_ms` is due, for any instance.
+    pub async fn replies_next_wake(&self, after_ms: u64) -> Result<Option<u64>, LedgerError> {
+        self.call(move |txn| replies::next_wake(txn, after_ms)).await
+    }
+
+    /// Lists replies, newest first, with previews; see [`replies::list`].
+    pub async fn replies_list(
+        &self,
+        instance: Option<String>,
+        state: Option<ReplyState>,
+        before: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<ReplyRecord>, LedgerError> {
+        self.call(move |txn| replies::list(txn, instance.as_deref(), state, before, limit)).await
+    }
+
+    pub async fn reply_get(&self, id: i64) -> Result<Option<ReplyRecord>, LedgerError> {
+        self.call(move |txn| replies::get(txn, id)).await
+    }
+
+    /// An operator's retry of an `unknown`, `failed` or `expired` reply.
+    pub async fn reply_requeue(
+        &self,
+        id: i64,
+        now_ms: u64,
+        expires_ms: u64,
+    ) -> Result<ReplyRecord, LedgerError> {
+        self.call(move |txn| replies::requeue(txn, id, now_ms, expires_ms)).await
+    }
+
+    /// How many replies each instance has in each state.
+    pub async fn replies_counts(&self) -> Result<Vec<ReplyCount>, LedgerError> {
+        self.call(replies::counts).await
     }
 
     /// Runs that were in progress when the hub stopped; see [`inbound::recover`].
@@ -251,11 +341,15 @@ impl Ledger {
         self.call(move |txn| inbound::recover(txn, now_ms)).await
     }
 
-    /// Deletes settled inbound entries and final outbox records last touched before
-    /// `before_ms`; returns how many rows went.
+    /// Deletes settled inbound entries, final replies and final outbox records last touched
+    /// before `before_ms`; returns how many rows went.
     pub async fn prune(&self, before_ms: u64) -> Result<usize, LedgerError> {
-        self.call(move |txn| Ok(inbound::prune(txn, before_ms)? + outbox::prune(txn, before_ms)?))
-            .await
+        self.call(move |txn| {
+            Ok(inbound::prune(txn, before_ms)?
+                + replies::prune(txn, before_ms)?
+                + outbox::prune(txn, before_ms)?)
+        })
+        .await
     }
 
     /// Starts a new session generation for a route; returns it.

@@ -54,6 +54,26 @@ const MIGRATIONS: &[&str] = &[
     // this migration hold version 1 (a hash over serde's encoding of the frame); they are
     // compared by recomputing the current version from their stored frame.
     "ALTER TABLE inbound ADD COLUMN hash_version INTEGER NOT NULL DEFAULT 1;",
+    // 3: the delivery of each reply (`ledger/replies.rs`). Replies owed by a hub from before
+    // (inbound `replied`, no row here) are recorded as pending when the hub starts.
+    "CREATE TABLE replies (
+         id INTEGER PRIMARY KEY,
+         instance TEXT NOT NULL,
+         event_id TEXT NOT NULL,
+         conversation TEXT NOT NULL,
+         message BLOB NOT NULL,
+         state TEXT NOT NULL,
+         attempts INTEGER NOT NULL DEFAULT 0,
+         next_ms INTEGER NOT NULL,
+         expires_ms INTEGER NOT NULL,
+         receipt BLOB,
+         error TEXT,
+         created_ms INTEGER NOT NULL,
+         updated_ms INTEGER NOT NULL
+     );
+     CREATE UNIQUE INDEX replies_by_event ON replies (instance, event_id);
+     CREATE INDEX replies_by_state ON replies (state, instance, id);
+     CREATE INDEX replies_by_conversation ON replies (instance, conversation, state, id);",
 ];
 
 /// How many migrations this build knows (the schema version it writes).

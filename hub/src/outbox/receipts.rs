@@ -1,6 +1,7 @@
 //! A driver's answers to what the hub handed it: a `receipt` completes the wait of the
 //! `outbound` it names, an `error` frame ends it as failed (or unknown, for `send_unknown`).
-//! Both count only on the connection that got the `outbound`.
+//! Both count only on the connection that got the `outbound`. An answer no outbound waits for
+//! is given back: with `reply_receipt` it may answer a reply (the courier's).
 
 use channeld_protocol::Id;
 use channeld_protocol::frame::{ErrorFrame, Receipt};
@@ -12,20 +13,24 @@ use crate::send;
 
 /// Completes the wait of the outbound this receipt answers. Gives the receipt back when no
 /// outbound on `conn` waits for it: it may answer a reply (`reply_receipt`).
-pub fn on_receipt(inst: &Instance, conn: &Connection, receipt: Receipt) -> Option<Id> {
-    let Receipt { request_id, receipt } = receipt;
-    if send::complete(inst, conn, &request_id, ReceiptOutcome::Receipted(receipt)) {
+pub fn on_receipt(inst: &Instance, conn: &Connection, receipt: Receipt) -> Option<Receipt> {
+    let outcome = ReceiptOutcome::Receipted(receipt.receipt.clone());
+    if send::complete(inst, conn, &receipt.request_id, outcome) {
         return None;
     }
-    Some(request_id)
+    Some(receipt)
 }
 
 /// An `error` frame from a driver: it ends the wait of the outbound it names, and is the
-/// instance's latest error in `channelctl status` either way.
-pub fn on_error(inst: &Instance, conn: &Connection, err: ErrorFrame) {
+/// instance's latest error in `channelctl status` either way. Given back when no outbound
+/// waits for it and the driver answers replies (`reply_receipt`): it may answer a reply.
+pub fn on_error(inst: &Instance, conn: &Connection, err: ErrorFrame) -> Option<ErrorFrame> {
     inst.record_error(format!("{}: {}", err.code, err.message));
     if conn.fail_receipt(&err) {
-        return;
+        return None;
+    }
+    if conn.declaration.extensions.reply_receipt && err.request_id.is_some() {
+        return Some(err);
     }
     warn!(
         instance = %inst.config.id,
@@ -34,4 +39,5 @@ pub fn on_error(inst: &Instance, conn: &Connection, err: ErrorFrame) {
         message = %err.message,
         "error from driver"
     );
+    None
 }

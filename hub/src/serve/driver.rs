@@ -1,6 +1,7 @@
 //! A driver connection: the handshake (`hello` for this instance, one driver per instance,
 //! `hello_ack` with the negotiated extensions), then its frames — inbound to the inbound
-//! path, receipts and errors to the outbox, command results and health to their waits.
+//! path, receipts and errors to the outbox (or the reply courier), command results and
+//! health to their waits.
 //! Legacy connections (no `hello`) use the same frame loop.
 
 use std::sync::Arc;
@@ -33,6 +34,7 @@ pub(super) async fn run<R: AsyncRead + Unpin>(
     frames(hub, inst, &conn, reader, None).await;
     conn.close();
     inst.release(&conn);
+    hub.courier.connection_closed(inst, &conn);
     info!(instance = %inst.config.id, conn = conn.id, "driver disconnected");
 }
 
@@ -93,10 +95,11 @@ async fn handshake(
     );
     inst.set_health(Health::new(HealthState::Ready, Some("driver connected".into())));
     if hub.ledger.is_on() {
-        // Hand the new driver the replies it missed and the sends queued for it.
+        // Hand the new driver the replies it is owed (retryable failures at once) and the
+        // sends queued for it.
+        hub.courier.ready(inst.config.id.as_str());
         let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
         hub.clone().tasks.spawn(async move {
-            inbound::reply::deliver_missed(&hub, &inst, &conn).await;
             hub.outbox.dispatch_queued(&inst, &conn).await;
         });
     }
@@ -150,18 +153,26 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
             Frame::Inbound(inbound) => inbound::on_message(hub, inst, conn, inbound).await,
             Frame::InboundEvent(event) => inbound::on_event(hub, inst, conn, event).await,
             Frame::Receipt(receipt) => {
-                if let Some(event_id) = receipts::on_receipt(inst, conn, receipt) {
-                    inbound::reply::on_receipt(hub, inst, conn, event_id);
+                if let Some(receipt) = receipts::on_receipt(inst, conn, receipt) {
+                    hub.courier.on_receipt(inst, conn, receipt);
                 }
             }
-            Frame::Error(err) => receipts::on_error(inst, conn, err),
+            Frame::Error(err) => {
+                if let Some(err) = receipts::on_error(inst, conn, err) {
+                    hub.courier.on_error(inst, conn, err);
+                }
+            }
             Frame::CommandResult(result) => {
                 let request_id = result.request_id.clone();
                 if !conn.complete_command(result) {
                     debug!(%request_id, "command_result nobody waits for");
                 }
             }
-            Frame::Health(report) => inst.set_health(report.health),
+            Frame::Health(report) => {
+                if inst.set_health(report.health) {
+                    hub.courier.ready(inst.config.id.as_str());
+                }
+            }
             Frame::HealthResponse(response) => {
                 conn.complete_health(&response.request_id, response.health)
             }

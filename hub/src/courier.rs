@@ -1,0 +1,510 @@
+//! The courier: hands the replies recorded in the ledger to each instance's driver and
+//! settles them by the driver's answer — posted (receipt), failed for good, failed but
+//! retryable (tried again after a backoff, or at once when the instance is Ready again, until
+//! the reply TTL passes), or unknown (no answer in time, or the driver cannot tell). Replies of
+//! one conversation go out one at a time, in order. The decisions are the ledger's
+//! (`ledger/reply_state.rs`); this module only times them and moves frames.
+//!
+//! A run that recorded its reply hands it over itself ([`Courier::deliver`]); a kick (an
+//! answer, a driver connected or Ready again, an operator's retry, a timer) starts a
+//! dispatcher for the instance if its driver is connected, at most one per instance at a
+//! time (tracked with the hub's background tasks). Either way an instance's hand-overs take
+//! turns, so replies leave in claim order and a driver slow to read holds up only its own. One timer task (`run`,
+//! until connections close) wakes for the next retry, the next answer deadline and expiry, at
+//! most [`IDLE_WAKE`] apart.
+//!
+//! Without the ledger there is no courier: replies go straight to the connection, once.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use channeld_protocol::frame::{Delivery, ErrorFrame, Receipt};
+use channeld_protocol::types::OutboundMessage;
+use channeld_protocol::{Frame, Id, encode};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::connection::{Connection, lock};
+use crate::instance::{Counters, Instance, Registry, unix_ms};
+use crate::ledger::{Answer, Ledger, LedgerError, ReplyAnswer, ReplyRecord, ReplyState};
+
+/// The loop wakes at least this often (expiry, and retries recorded by another path).
+const IDLE_WAKE: Duration = Duration::from_secs(60);
+
+/// How many replies one claim takes.
+const CLAIM_BATCH: usize = 256;
+
+/// The error code of a driver that cannot tell whether a post happened.
+const SEND_UNKNOWN: &str = "send_unknown";
+
+fn now_ms() -> u64 {
+    unix_ms(SystemTime::now())
+}
+
+/// A reply handed to a connection and waiting for its answer.
+#[derive(Debug, Clone, Copy)]
+struct Handed {
+    conn: u64,
+    deadline: Instant,
+}
+
+/// Hands replies over and settles them. One per hub; cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct Courier {
+    ledger: Ledger,
+    instances: Arc<Registry>,
+    /// Where dispatchers and answer writes run; drained by the hub at shutdown.
+    tasks: TaskTracker,
+    ttl: Duration,
+    answer_timeout: Duration,
+    /// Wakes the timer task: a deadline or retry time may have come closer.
+    wake: Notify,
+    /// Instances with a dispatcher running, and whether it must look again when done.
+    dispatching: Mutex<HashMap<String, bool>>,
+    /// Per instance, the turn to hand replies over: one hand-over at a time, so replies
+    /// leave in the order they were claimed. Bounded by the instances served.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Replies handed over and not answered yet, by instance and event id. An entry lives
+    /// from the hand-over until the answer, the deadline or the connection's end.
+    handed: Mutex<HashMap<(String, Id), Handed>>,
+}
+
+impl Courier {
+    /// `ttl`: how long a reply is tried; `answer_timeout`: how long a handed reply waits for
+    /// its receipt or error before it is `unknown`.
+    pub fn new(
+        ledger: Ledger,
+        instances: Arc<Registry>,
+        tasks: TaskTracker,
+        ttl: Duration,
+        answer_timeout: Duration,
+    ) -> Self {
+        Self {
+            ledger,
+            instances,
+            tasks,
+            ttl,
+            answer_timeout,
+            wake: Notify::new(),
+            dispatching: Mutex::default(),
+            turns: Mutex::default(),
+            handed: Mutex::default(),
+        }
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.ledger.is_on()
+    }
+
+    /// How long a reply is tried before it expires.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Hands `instance`'s due replies to its driver now, if one is connected.
+    pub fn kick(self: &Arc<Self>, instance: &str) {
+        if !self.is_on() {
+            return;
+        }
+        if let Some(inst) = self.instances.get(instance)
+            && inst.live().is_some()
+        {
+            self.dispatch(inst);
+        }
+    }
+
+    /// The instance's driver is connected or Ready again: its retryable failures are due at
+    /// once, then everything due is handed over.
+    pub fn ready(self: &Arc<Self>, instance: &str) {
+        if !self.is_on() {
+            return;
+        }
+        let courier = self.clone();
+        let instance = instance.to_owned();
+        self.tasks.spawn(async move {
+            match courier.ledger.replies_due_now(instance.clone(), now_ms()).await {
+                Ok(0) => {}
+                Ok(count) => info!(%instance, replies = count, "driver ready again; retrying failed replies now"),
+                Err(err) => warn!(%instance, error = %err, "failed replies not made due"),
+            }
+            courier.kick(&instance);
+        });
+    }
+
+    /// A driver connection ended: what it was handed and did not answer goes back to
+    /// `pending`, handed over again to the next driver.
+    pub fn connection_closed(self: &Arc<Self>, inst: &Instance, conn: &Connection) {
+        let instance = inst.config.id.to_string();
+        let lost: Vec<Id> = {
+            let mut handed = lock(&self.handed);
+            let lost: Vec<Id> = handed
+                .iter()
+                .filter(|((i, _), h)| *i == instance && h.conn == conn.id)
+                .map(|((_, event), _)| event.clone())
+                .collect();
+            for event in &lost {
+                handed.remove(&(instance.clone(), event.clone()));
+            }
+            lost
+        };
+        if lost.is_empty() {
+            return;
+        }
+        debug!(%instance, replies = lost.len(), "driver left before answering replies; they wait for the next one");
+        let courier = self.clone();
+        self.tasks.spawn(async move {
+            for event_id in lost {
+                courier.settle(&instance, event_id.as_str(), Answer::Lost, None, None).await;
+            }
+        });
+    }
+
+    /// A `receipt` no outbound waited for: with `reply_receipt` it says the reply to the event
+    /// it names was posted.
+    pub fn on_receipt(self: &Arc<Self>, inst: &Instance, conn: &Connection, receipt: Receipt) {
+        if !(conn.declaration.extensions.reply_receipt && self.is_on()) {
+            debug!(instance = %inst.config.id, request_id = %receipt.request_id, "receipt nobody waits for");
+            return;
+        }
+        let Receipt { request_id, receipt } = receipt;
+        let encoded = serde_json::to_vec(&receipt).ok();
+        self.answered(inst, request_id, Answer::Posted, encoded, None);
+    }
+
+    /// An `error` frame no outbound waited for: with `reply_receipt`, the failure of the reply
+    /// it names — retryable or final as the driver says, unknown for `send_unknown`.
+    pub fn on_error(self: &Arc<Self>, inst: &Instance, conn: &Connection, err: ErrorFrame) {
+        if !(conn.declaration.extensions.reply_receipt && self.is_on()) {
+            return;
+        }
+        let Some(request_id) = err.request_id else { return };
+        let answer = if err.code == SEND_UNKNOWN {
+            Answer::Unknown
+        } else {
+            Answer::Failed { retryable: err.retryable }
+        };
+        let error = format!("{}: {}", err.code, err.message);
+        self.answered(inst, request_id, answer, None, Some(error));
+    }
+
+    fn answered(
+        self: &Arc<Self>,
+        inst: &Instance,
+        event_id: Id,
+        answer: Answer,
+        receipt: Option<Vec<u8>>,
+        error: Option<String>,
+    ) {
+        let instance = inst.config.id.to_string();
+        lock(&self.handed).remove(&(instance.clone(), event_id.clone()));
+        let courier = self.clone();
+        self.tasks.spawn(async move {
+            courier.settle(&instance, event_id.as_str(), answer, receipt, error).await;
+        });
+    }
+
+    /// Records an answer; a reply that settled (or failed retryably) lets the next one of its
+    /// conversation go, so the instance is kicked.
+    async fn settle(
+        self: &Arc<Self>,
+        instance: &str,
+        event_id: &str,
+        answer: Answer,
+        receipt: Option<Vec<u8>>,
+        error: Option<String>,
+    ) {
+        let answer = ReplyAnswer {
+            instance: instance.to_owned(),
+            event_id: event_id.to_owned(),
+            answer,
+            receipt,
+            error,
+        };
+        match self.ledger.reply_answer(answer.clone(), now_ms(), fastrand::f64()).await {
+            Ok(Some(state)) => {
+                match state {
+                    ReplyState::FailedRetryable => {
+                        info!(%instance, %event_id, error = ?answer.error, "reply not posted; it will be retried")
+                    }
+                    ReplyState::Failed => {
+                        warn!(%instance, %event_id, error = ?answer.error, "reply refused by the platform; not retried")
+                    }
+                    ReplyState::Unknown => {
+                        warn!(%instance, %event_id, reason = ?answer.error, "reply outcome unknown; it will not be resent automatically")
+                    }
+                    ReplyState::Expired => {
+                        warn!(%instance, %event_id, "reply expired before it could be posted")
+                    }
+                    _ => {}
+                }
+                // A retry may now be due sooner than the loop's timer.
+                self.wake.notify_one();
+                self.kick(instance);
+            }
+            Ok(None) => {
+                debug!(%instance, %event_id, answer = ?answer.answer, "answer for no reply waiting for one")
+            }
+            Err(err) => warn!(%instance, %event_id, error = %err, "reply answer not recorded"),
+        }
+    }
+
+    /// An operator's retry: an `unknown`, `failed` or `expired` reply is pending again, with a
+    /// new TTL, and handed over as soon as its conversation allows.
+    pub async fn retry(self: &Arc<Self>, id: i64) -> Result<ReplyRecord, LedgerError> {
+        let now = now_ms();
+        let record = self.ledger.reply_requeue(id, now, now + self.ttl.as_millis() as u64).await?;
+        info!(instance = %record.instance, event_id = %record.event_id, id, "reply queued again by an operator");
+        self.kick(&record.instance);
+        Ok(record)
+    }
+
+    /// The timer: hands over retries when they are due, times out answers, expires replies
+    /// past their TTL; until `stop`. Everything owed when it starts is handed over first.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        if !self.is_on() {
+            return;
+        }
+        let mut wake = Instant::now();
+        loop {
+            if Instant::now() >= wake {
+                match self.ledger.replies_expire(now_ms()).await {
+                    Ok(0) => {}
+                    Ok(count) => {
+                        warn!(replies = count, "replies expired before they could be posted")
+                    }
+                    Err(err) => warn!(error = %err, "reply expiry failed"),
+                }
+                for instance in self.instances.snapshot().keys() {
+                    self.kick(instance.as_str());
+                }
+            }
+            for instance in self.time_out() {
+                self.kick(&instance);
+            }
+            let now = Instant::now();
+            wake = [self.next_due().await, self.next_deadline()]
+                .into_iter()
+                .flatten()
+                .min()
+                .unwrap_or(now + IDLE_WAKE)
+                .min(now + IDLE_WAKE);
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep_until(wake.into()) => {}
+            }
+        }
+    }
+
+    /// When the next retry or expiry is due, as an instant.
+    async fn next_due(&self) -> Option<Instant> {
+        let now = now_ms();
+        let at = match self.ledger.replies_next_wake(now).await {
+            Ok(at) => at?,
+            Err(err) => {
+                warn!(error = %err, "next reply retry not read");
+                return None;
+            }
+        };
+        let wait = Duration::from_millis(at.saturating_sub(now));
+        Some(Instant::now() + wait)
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        lock(&self.handed).values().map(|h| h.deadline).min()
+    }
+
+    /// Handed replies whose answer did not come in time become `unknown`; returns their
+    /// instances (their conversations may go on).
+    fn time_out(self: &Arc<Self>) -> HashSet<String> {
+        let now = Instant::now();
+        let late: Vec<(String, Id)> = {
+            let mut handed = lock(&self.handed);
+            let late: Vec<(String, Id)> =
+                handed.iter().filter(|(_, h)| h.deadline <= now).map(|(k, _)| k.clone()).collect();
+            for key in &late {
+                handed.remove(key);
+            }
+            late
+        };
+        let instances = late.iter().map(|(i, _)| i.clone()).collect();
+        for (instance, event_id) in late {
+            if let Some(inst) = self.instances.get(&instance) {
+                inst.record_error(format!("reply for {event_id}: no receipt in time"));
+            }
+            let courier = self.clone();
+            let reason = format!("no receipt or error within {} s", self.answer_timeout.as_secs());
+            self.tasks.spawn(async move {
+                courier
+                    .settle(&instance, event_id.as_str(), Answer::NoAnswer, None, Some(reason))
+                    .await;
+            });
+        }
+        instances
+    }
+
+    /// Starts a dispatcher for `inst`, unless one runs (then it looks again once it is done,
+    /// on the driver connection live then).
+    fn dispatch(self: &Arc<Self>, inst: Arc<Instance>) {
+        let instance = inst.config.id.to_string();
+        {
+            let mut dispatching = lock(&self.dispatching);
+            if let Some(again) = dispatching.get_mut(&instance) {
+                *again = true;
+                return;
+            }
+            dispatching.insert(instance.clone(), false);
+        }
+        let courier = self.clone();
+        self.tasks.spawn(async move {
+            loop {
+                courier.deliver(&inst).await;
+                let mut dispatching = lock(&courier.dispatching);
+                match dispatching.get_mut(&instance) {
+                    Some(again) if *again => *again = false,
+                    _ => {
+                        dispatching.remove(&instance);
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Hands `inst`'s due replies to its live driver now, in its turn, and returns once they
+    /// are written: a run that just recorded its reply waits for this, so a hub draining its
+    /// runs has written their replies before it tells the drivers `stop`.
+    pub async fn deliver(self: &Arc<Self>, inst: &Instance) {
+        if !self.is_on() {
+            return;
+        }
+        let turn = lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone();
+        let _turn = turn.lock().await;
+        if let Some(conn) = inst.live() {
+            self.hand_over(inst, &conn).await;
+        }
+    }
+
+    /// Claims what is due for `inst` and writes each `deliver` to `conn`, oldest first. A
+    /// driver without `reply_receipt` never answers: written is all the hub can know, so
+    /// written counts as posted. When the connection is gone, what was claimed and not
+    /// written goes back to `pending`.
+    async fn hand_over(self: &Arc<Self>, inst: &Instance, conn: &Connection) {
+        let instance = inst.config.id.to_string();
+        let answers = conn.declaration.extensions.reply_receipt;
+        loop {
+            if conn.closed.is_cancelled() {
+                return;
+            }
+            let claimed =
+                match self.ledger.replies_claim(instance.clone(), now_ms(), CLAIM_BATCH).await {
+                    Ok(claimed) => claimed,
+                    Err(err) => {
+                        warn!(%instance, error = %err, "replies not read");
+                        return;
+                    }
+                };
+            if claimed.is_empty() {
+                return;
+            }
+            let mut claimed = claimed.into_iter();
+            while let Some(reply) = claimed.next() {
+                let Ok(event_id) = Id::new(reply.event_id.clone()) else {
+                    let error = Some("the event id is not a valid id".to_owned());
+                    let answer = Answer::Failed { retryable: false };
+                    self.settle(&instance, &reply.event_id, answer, None, error).await;
+                    continue;
+                };
+                let line = match deliver_line(&event_id, &reply.message) {
+                    Ok(line) => line,
+                    Err(error) => {
+                        warn!(%instance, %event_id, %error, "reply can never be a frame; failed");
+                        let answer = Answer::Failed { retryable: false };
+                        self.settle(&instance, &reply.event_id, answer, None, Some(error)).await;
+                        continue;
+                    }
+                };
+                if reply.attempts > 1 {
+                    debug!(%instance, %event_id, attempt = reply.attempts, "handing a reply over again");
+                }
+                let key = (instance.clone(), event_id.clone());
+                if answers {
+                    let deadline = Instant::now() + self.answer_timeout;
+                    lock(&self.handed).insert(key.clone(), Handed { conn: conn.id, deadline });
+                    // The loop's timer must see the new deadline.
+                    self.wake.notify_one();
+                }
+                let sent = match conn.sink.send_encoded(line).await {
+                    // Written just as the connection closed: its end may have been handled
+                    // already, so the reply is given back here (a second `Lost` is a no-op).
+                    Ok(()) if conn.closed.is_cancelled() => Err("the connection closed".to_owned()),
+                    Ok(()) => Ok(()),
+                    Err(err) => Err(err.to_string()),
+                };
+                match sent {
+                    Ok(()) => {
+                        Counters::bump(&inst.counters.replies);
+                        if !answers {
+                            self.settle(&instance, event_id.as_str(), Answer::Posted, None, None)
+                                .await;
+                        }
+                    }
+                    Err(err) => {
+                        lock(&self.handed).remove(&key);
+                        debug!(%instance, %event_id, error = %err, "driver left during hand-over; replies wait for the next one");
+                        let unsent =
+                            std::iter::once(reply.event_id).chain(claimed.map(|r| r.event_id));
+                        for event_id in unsent {
+                            self.settle(&instance, &event_id, Answer::Lost, None, None).await;
+                        }
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Replies handed over and waiting for an answer (for tests and status).
+    pub fn handed_len(&self) -> usize {
+        lock(&self.handed).len()
+    }
+}
+
+/// The `deliver` line of a recorded reply, or why it cannot be one.
+fn deliver_line(event_id: &Id, message: &[u8]) -> Result<Vec<u8>, String> {
+    let message: OutboundMessage =
+        serde_json::from_slice(message).map_err(|err| format!("unreadable reply record: {err}"))?;
+    encode(&Frame::Deliver(Delivery { request_id: event_id.clone(), message }))
+        .map_err(|err| err.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::ChannelId;
+    use channeld_protocol::types::{MessageBody, MessageTarget};
+
+    use super::*;
+
+    #[test]
+    fn a_recorded_reply_becomes_its_deliver_line_or_a_reason() {
+        let channel = ChannelId::new("a.b").unwrap();
+        let message = OutboundMessage {
+            target: MessageTarget::new(channel, Id::new("c1").unwrap()),
+            body: MessageBody::text("hi").unwrap(),
+            metadata: Default::default(),
+        };
+        let event = Id::new("e-1").unwrap();
+        let line = deliver_line(&event, &serde_json::to_vec(&message).unwrap()).unwrap();
+        match channeld_protocol::decode(&line[..line.len() - 1]).unwrap() {
+            Frame::Deliver(delivery) => {
+                assert_eq!(delivery.request_id, event);
+                assert_eq!(delivery.message, message);
+            }
+            other => panic!("expected a deliver, got {other:?}"),
+        }
+        assert!(deliver_line(&event, b"not json").unwrap_err().contains("unreadable"));
+    }
+}

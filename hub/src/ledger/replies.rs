@@ -1,0 +1,638 @@
+//! Replies in the ledger: each reply a run produced, from the moment its outcome is recorded
+//! until the driver's receipt says it was posted (or it failed for good, its outcome became
+//! unknown, or its TTL passed). Claimed for hand-over in order per conversation, answered,
+//! retried with backoff, expired, and retried again on an operator's request. Synchronous
+//! functions over one transaction; every state change asks `reply_state.rs` first.
+
+use rusqlite::{OptionalExtension, Transaction, params};
+
+use super::LedgerError;
+use super::inbound;
+use super::reply_state::{self, Answer, REPLY_STATES, ReplyState};
+use super::state::sql_list;
+use super::store::Cached;
+
+/// A reply to record, in the same transaction as its run's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewReply {
+    pub instance: String,
+    pub event_id: String,
+    /// The conversation it answers: replies of one conversation are posted in order.
+    pub conversation: String,
+    /// The `OutboundMessage` of its `deliver` frame, as JSON.
+    pub message: Vec<u8>,
+    pub expires_ms: u64,
+}
+
+/// A reply claimed for hand-over: now `handed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedReply {
+    pub id: i64,
+    pub event_id: String,
+    pub message: Vec<u8>,
+    /// Attempts so far, this one included.
+    pub attempts: u32,
+}
+
+/// A reply as listed or shown. From [`list`], `text` and `error` are previews.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyRecord {
+    pub id: i64,
+    pub instance: String,
+    pub event_id: String,
+    pub conversation: String,
+    pub state: ReplyState,
+    pub text: String,
+    /// The whole text's size in bytes.
+    pub text_bytes: usize,
+    /// The `DeliveryReceipt` as JSON, once posted (with `reply_receipt`).
+    pub receipt: Option<Vec<u8>>,
+    pub error: Option<String>,
+    pub attempts: u32,
+    /// When a `pending` or `failed_retryable` reply may be handed over next.
+    pub next_ms: u64,
+    pub expires_ms: u64,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+}
+
+/// How many replies of one instance are in one state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyCount {
+    pub instance: String,
+    pub state: ReplyState,
+    pub count: u64,
+}
+
+/// A driver's answer (or silence) about one reply, with what it carried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyAnswer {
+    pub instance: String,
+    pub event_id: String,
+    pub answer: Answer,
+    pub receipt: Option<Vec<u8>>,
+    pub error: Option<String>,
+}
+
+/// The error an expired reply records.
+pub const EXPIRED: &str = "its TTL passed before it could be posted";
+
+/// Characters of text and error a listing shows.
+pub const PREVIEW_CHARS: usize = 100;
+
+fn holding() -> String {
+    sql_list(&REPLY_STATES, ReplyState::holds_conversation, ReplyState::as_str)
+}
+
+/// Records a reply as `pending`, due now. A second reply for the same event is ignored (a
+/// run's outcome is recorded once). Returns its id.
+pub fn add(txn: &Transaction<'_>, reply: &NewReply, now_ms: u64) -> Result<i64, LedgerError> {
+    txn.exec_cached(
+        "INSERT INTO replies (instance, event_id, conversation, message, state, attempts,
+             next_ms, expires_ms, created_ms, updated_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, 0, ?6, ?7, ?6, ?6)
+         ON CONFLICT (instance, event_id) DO NOTHING",
+        params![
+            reply.instance,
+            reply.event_id,
+            reply.conversation,
+            reply.message,
+            ReplyState::Pending.as_str(),
+            now_ms as i64,
+            reply.expires_ms as i64
+        ],
+    )?;
+    Ok(txn.query_row_cached(
+        "SELECT id FROM replies WHERE instance = ?1 AND event_id = ?2",
+        params![reply.instance, reply.event_id],
+        |row| row.get(0),
+    )?)
+}
+
+/// Claims the replies of `instance` that may be handed over now, oldest first: in each
+/// conversation only the oldest reply still on its way, and only once it is due. They become
+/// `handed` with one more attempt counted.
+pub fn claim_due(
+    txn: &Transaction<'_>,
+    instance: &str,
+    now_ms: u64,
+    limit: usize,
+) -> Result<Vec<HandedReply>, LedgerError> {
+    let holding = holding();
+    let due: Vec<(i64, String, Vec<u8>, u32, String)> = {
+        let mut stmt = txn.prepare_cached(&format!(
+            "SELECT id, event_id, message, attempts, state FROM replies AS r
+             WHERE instance = ?1 AND state IN ('{}', '{}') AND next_ms <= ?2
+                 AND NOT EXISTS (
+                     SELECT 1 FROM replies AS e
+                     WHERE e.instance = r.instance AND e.conversation = r.conversation
+                         AND e.state IN ({holding}) AND e.id < r.id)
+             ORDER BY id LIMIT ?3",
+            ReplyState::Pending.as_str(),
+            ReplyState::FailedRetryable.as_str(),
+        ))?;
+        let rows = stmt.query_map(params![instance, now_ms as i64, limit as i64], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?))
+        })?;
+        rows.collect::<Result<Vec<_>, _>>()?
+    };
+    let mut handed = Vec::with_capacity(due.len());
+    for (id, event_id, message, attempts, state) in due {
+        if !parse(&state)?.may_become(ReplyState::Handed) {
+            continue;
+        }
+        txn.exec_cached(
+            "UPDATE replies SET state = ?2, attempts = attempts + 1, updated_ms = ?3 WHERE id = ?1",
+            params![id, ReplyState::Handed.as_str(), now_ms as i64],
+        )?;
+        handed.push(HandedReply { id, event_id, message, attempts: attempts + 1 });
+    }
+    Ok(handed)
+}
+
+/// Applies a driver's answer (or its silence) to the reply of `event_id`; see
+/// [`reply_state::after_answer`]. Returns the state it moved to, `None` when the answer did
+/// not apply (no such reply, or not one waiting for this answer). A reply that settles marks
+/// its inbound entry delivered: nothing more is owed automatically.
+pub fn answer(
+    txn: &Transaction<'_>,
+    answer: &ReplyAnswer,
+    now_ms: u64,
+    jitter: f64,
+) -> Result<Option<ReplyState>, LedgerError> {
+    let current = txn
+        .query_row_cached(
+            "SELECT id, state, attempts, expires_ms FROM replies
+             WHERE instance = ?1 AND event_id = ?2",
+            params![answer.instance, answer.event_id],
+            |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, u32>(2)?,
+                    row.get::<_, i64>(3)?,
+                ))
+            },
+        )
+        .optional()?;
+    let Some((id, state, attempts, expires_ms)) = current else { return Ok(None) };
+    let Some(next) = reply_state::after_answer(
+        parse(&state)?,
+        answer.answer,
+        attempts,
+        now_ms,
+        expires_ms as u64,
+        jitter,
+    ) else {
+        return Ok(None);
+    };
+    txn.exec_cached(
+        "UPDATE replies SET state = ?2, next_ms = ?3, receipt = COALESCE(?4, receipt),
+             error = ?5, updated_ms = ?6
+         WHERE id = ?1",
+        params![
+            id,
+            next.state.as_str(),
+            next.next_ms as i64,
+            answer.receipt,
+            answer.error,
+            now_ms as i64
+        ],
+    )?;
+    if next.state.is_final() {
+        inbound::mark_delivered(txn, &answer.instance, &answer.event_id, now_ms)?;
+    }
+    Ok(Some(next.state))
+}
+
+/// The state of the reply to `event_id`, if the run produced one.
+pub fn state_of(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+) -> Result<Option<ReplyState>, LedgerError> {
+    let state: Option<String> = txn
+        .query_row_cached(
+            "SELECT state FROM replies WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id],
+            |row| row.get(0),
+        )
+        .optional()?;
+    state.as_deref().map(parse).transpose()
+}
+
+/// Expires the replies past their TTL that were waiting to be handed over, for every
+/// instance; returns how many.
+pub fn expire(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
+    let waiting = sql_list(
+        &REPLY_STATES,
+        |s| s.after_expiry() != s && s.may_become(s.after_expiry()),
+        ReplyState::as_str,
+    );
+    let expired: Vec<(String, String)> = {
+        let mut stmt = txn.prepare_cached(&format!(
+            "SELECT instance, event_id FROM replies WHERE state IN ({waiting}) AND expires_ms <= ?1"
+        ))?;
+        let rows = stmt.query_map(params![now_ms as i64], |row| Ok((row.get(0)?, row.get(1)?)))?;
+        rows.collect::<Result<Vec<_>, _>>()?
+    };
+    for (instance, event_id) in &expired {
+        txn.exec_cached(
+            "UPDATE replies SET state = ?3, error = ?4, updated_ms = ?5
+             WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id, ReplyState::Expired.as_str(), EXPIRED, now_ms as i64],
+        )?;
+        inbound::mark_delivered(txn, instance, event_id, now_ms)?;
+    }
+    Ok(expired.len())
+}
+
+/// After a restart nothing is handed over: every `handed` reply is `pending` again, due now.
+pub fn restart(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
+    let from = ReplyState::Handed;
+    Ok(txn.execute(
+        "UPDATE replies SET state = ?2, next_ms = ?3, updated_ms = ?3 WHERE state = ?1",
+        params![from.as_str(), from.after_restart().as_str(), now_ms as i64],
+    )?)
+}
+
+/// Makes the retryable failures of `instance` due now (its driver is Ready again); returns
+/// how many.
+pub fn due_now(txn: &Transaction<'_>, instance: &str, now_ms: u64) -> Result<usize, LedgerError> {
+    Ok(txn.execute(
+        "UPDATE replies SET next_ms = ?3 WHERE instance = ?1 AND state = ?2 AND next_ms > ?3",
+        params![instance, ReplyState::FailedRetryable.as_str(), now_ms as i64],
+    )?)
+}
+
+/// The earliest time after `after_ms` that something is due for any instance: a retry, or
+/// an expiry. (What is due already is handed over when its driver connects or is kicked.)
+pub fn next_wake(txn: &Transaction<'_>, after_ms: u64) -> Result<Option<u64>, LedgerError> {
+    let wake: Option<i64> = txn.query_row_cached(
+        "SELECT MIN(t) FROM (
+             SELECT MIN(next_ms) AS t FROM replies WHERE state = ?1 AND next_ms > ?3
+             UNION ALL
+             SELECT MIN(expires_ms) AS t FROM replies WHERE state IN (?1, ?2) AND expires_ms > ?3)",
+        params![
+            ReplyState::FailedRetryable.as_str(),
+            ReplyState::Pending.as_str(),
+            after_ms as i64
+        ],
+        |row| row.get(0),
+    )?;
+    Ok(wake.map(|ms| ms.max(0) as u64))
+}
+
+/// The columns of a [`ReplyRecord`], its text and error cut to `chars` characters if given.
+fn columns(chars: Option<usize>) -> String {
+    let chars = chars.map_or_else(String::new, |n| format!(", {n}"));
+    format!(
+        "id, instance, event_id, conversation, state,
+         COALESCE(substr(json_extract(json, '$.body.text'), 1{chars}), ''),
+         COALESCE(length(CAST(json_extract(json, '$.body.text') AS BLOB)), 0),
+         receipt, substr(error, 1{chars}), attempts, next_ms, expires_ms, created_ms, updated_ms
+         FROM (SELECT *, CASE WHEN json_valid(message) THEN message END AS json FROM replies)"
+    )
+}
+
+fn record(row: &rusqlite::Row<'_>) -> rusqlite::Result<ReplyRecord> {
+    let state: String = row.get(4)?;
+    Ok(ReplyRecord {
+        id: row.get(0)?,
+        instance: row.get(1)?,
+        event_id: row.get(2)?,
+        conversation: row.get(3)?,
+        state: ReplyState::parse(&state).ok_or_else(|| {
+            rusqlite::Error::FromSqlConversionFailure(
+                4,
+                rusqlite::types::Type::Text,
+                format!("unknown reply state {state:?}").into(),
+            )
+        })?,
+        text: row.get(5)?,
+        text_bytes: row.get::<_, i64>(6)? as usize,
+        receipt: row.get(7)?,
+        error: row.get(8)?,
+        attempts: row.get(9)?,
+        next_ms: row.get::<_, i64>(10)? as u64,
+        expires_ms: row.get::<_, i64>(11)? as u64,
+        created_ms: row.get::<_, i64>(12)? as u64,
+        updated_ms: row.get::<_, i64>(13)? as u64,
+    })
+}
+
+/// Lists replies, newest first, `text` and `error` cut to [`PREVIEW_CHARS`] characters;
+/// only those of `instance`, in `state`, with an id below `before`, when given.
+pub fn list(
+    txn: &Transaction<'_>,
+    instance: Option<&str>,
+    state: Option<ReplyState>,
+    before: Option<i64>,
+    limit: usize,
+) -> Result<Vec<ReplyRecord>, LedgerError> {
+    let mut stmt = txn.prepare_cached(&format!(
+        "SELECT {}
+         WHERE (?1 IS NULL OR instance = ?1) AND (?2 IS NULL OR state = ?2)
+             AND (?3 IS NULL OR id < ?3)
+         ORDER BY id DESC LIMIT ?4",
+        columns(Some(PREVIEW_CHARS))
+    ))?;
+    let rows = stmt.query_map(
+        params![instance, state.map(ReplyState::as_str), before, limit as i64],
+        record,
+    )?;
+    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+/// One reply with its whole text and error.
+pub fn get(txn: &Transaction<'_>, id: i64) -> Result<Option<ReplyRecord>, LedgerError> {
+    Ok(txn
+        .query_row_cached(&format!("SELECT {} WHERE id = ?1", columns(None)), params![id], record)
+        .optional()?)
+}
+
+/// An operator's explicit retry: an `unknown`, `failed` or `expired` reply becomes `pending`,
+/// due now, with a new TTL.
+pub fn requeue(
+    txn: &Transaction<'_>,
+    id: i64,
+    now_ms: u64,
+    expires_ms: u64,
+) -> Result<ReplyRecord, LedgerError> {
+    let record = get(txn, id)?.ok_or(LedgerError::NoSuchReply(id))?;
+    if !record.state.operator_may_retry() {
+        return Err(LedgerError::ReplyNotRetryable { id, state: record.state });
+    }
+    txn.exec_cached(
+        "UPDATE replies SET state = ?2, error = NULL, next_ms = ?3, updated_ms = ?3,
+             expires_ms = ?4
+         WHERE id = ?1",
+        params![id, ReplyState::Pending.as_str(), now_ms as i64, expires_ms as i64],
+    )?;
+    Ok(ReplyRecord {
+        state: ReplyState::Pending,
+        error: None,
+        next_ms: now_ms,
+        updated_ms: now_ms,
+        expires_ms,
+        ..record
+    })
+}
+
+/// How many replies each instance has in each state (states with none are left out).
+pub fn counts(txn: &Transaction<'_>) -> Result<Vec<ReplyCount>, LedgerError> {
+    let mut stmt = txn.prepare_cached(
+        "SELECT instance, state, COUNT(*) FROM replies GROUP BY instance, state ORDER BY instance",
+    )?;
+    let rows = stmt.query_map([], |row| {
+        Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?, row.get::<_, i64>(2)?))
+    })?;
+    let mut counts = Vec::new();
+    for row in rows {
+        let (instance, state, count) = row?;
+        counts.push(ReplyCount { instance, state: parse(&state)?, count: count as u64 });
+    }
+    Ok(counts)
+}
+
+/// Deletes final replies last touched before `before_ms`; returns how many went.
+pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+    let finals = sql_list(&REPLY_STATES, ReplyState::is_final, ReplyState::as_str);
+    Ok(txn.execute(
+        &format!("DELETE FROM replies WHERE state IN ({finals}) AND updated_ms < ?1"),
+        params![before_ms as i64],
+    )?)
+}
+
+fn parse(value: &str) -> Result<ReplyState, LedgerError> {
+    ReplyState::parse(value)
+        .ok_or_else(|| LedgerError::Sql(format!("unknown reply state {value:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use rusqlite::Connection;
+
+    use super::*;
+    use crate::ledger::inbound::{NewInbound, RunEnd, record};
+    use crate::ledger::schema;
+    use crate::ledger::state::InboundState;
+
+    const TTL: u64 = 1_000_000;
+
+    fn db() -> Connection {
+        schema::open_in_memory().unwrap()
+    }
+
+    fn message(conversation: &str, text: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "target": {"channel": "a.b", "conversation": conversation},
+            "body": {"type": "text", "text": text},
+        }))
+        .unwrap()
+    }
+
+    /// Records an inbound whose run replied `text` in `conversation`: the reply is pending.
+    fn replied(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
+        let new = NewInbound {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            content_hash: [1; 32],
+            hash_version: 2,
+            frame: vec![1],
+            run_id: format!("run-{event_id}"),
+            now_ms: now,
+            started: true,
+        };
+        record(txn, &new, |_| None).unwrap();
+        let reply = NewReply {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            conversation: conversation.into(),
+            message: message(conversation, &format!("re {event_id}")),
+            expires_ms: now + TTL,
+        };
+        let end = RunEnd::Reply(format!("re {event_id}"));
+        assert!(inbound::finish(txn, "a.b", event_id, &end, Some(&reply), now).unwrap());
+        get_by_event(txn, event_id).id
+    }
+
+    fn get_by_event(txn: &Transaction<'_>, event_id: &str) -> ReplyRecord {
+        let id: i64 = txn
+            .query_row("SELECT id FROM replies WHERE event_id = ?1", [event_id], |r| r.get(0))
+            .unwrap();
+        get(txn, id).unwrap().unwrap()
+    }
+
+    fn say(event_id: &str, answer: Answer) -> ReplyAnswer {
+        ReplyAnswer {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            answer,
+            receipt: matches!(answer, Answer::Posted).then(|| b"{}".to_vec()),
+            error: matches!(answer, Answer::Failed { .. }).then(|| "send_failed: down".into()),
+        }
+    }
+
+    fn claimed(txn: &Transaction<'_>, now: u64) -> Vec<String> {
+        claim_due(txn, "a.b", now, 100).unwrap().into_iter().map(|r| r.event_id).collect()
+    }
+
+    fn inbound_state(txn: &Transaction<'_>, event_id: &str) -> String {
+        txn.query_row("SELECT state FROM inbound WHERE event_id = ?1", [event_id], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn replies_are_handed_over_in_order_one_at_a_time_per_conversation() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        replied(&txn, "e2", "c1", 11);
+        replied(&txn, "e3", "c2", 12);
+        assert_eq!(claimed(&txn, 20), ["e1", "e3"], "e2 waits behind e1 in c1");
+        assert_eq!(claimed(&txn, 21), Vec::<String>::new(), "handed ones are not claimed again");
+        assert_eq!(
+            answer(&txn, &say("e1", Answer::Posted), 22, 0.0).unwrap(),
+            Some(ReplyState::Posted)
+        );
+        assert_eq!(inbound_state(&txn, "e1"), InboundState::Delivered.as_str());
+        assert_eq!(claimed(&txn, 23), ["e2"]);
+        let e2 = get_by_event(&txn, "e2");
+        assert_eq!((e2.state, e2.attempts), (ReplyState::Handed, 1));
+        assert_eq!(e2.text, "re e2");
+    }
+
+    #[test]
+    fn a_retryable_failure_holds_its_conversation_and_comes_back_after_its_backoff() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        replied(&txn, "e2", "c1", 11);
+        assert_eq!(claimed(&txn, 20), ["e1"]);
+        let failed = answer(&txn, &say("e1", Answer::Failed { retryable: true }), 30, 0.5).unwrap();
+        assert_eq!(failed, Some(ReplyState::FailedRetryable));
+        assert_eq!(inbound_state(&txn, "e1"), InboundState::Replied.as_str(), "still owed");
+        assert_eq!(
+            claimed(&txn, 1029),
+            Vec::<String>::new(),
+            "not before its 1 s backoff; e2 waits"
+        );
+        assert_eq!(next_wake(&txn, 1029).unwrap(), Some(1030));
+        assert_eq!(next_wake(&txn, 1030).unwrap(), Some(10 + TTL), "then the expiries");
+        assert_eq!(claimed(&txn, 1030), ["e1"]);
+        assert_eq!(get_by_event(&txn, "e1").attempts, 2);
+        answer(&txn, &say("e1", Answer::Failed { retryable: true }), 1040, 0.5).unwrap();
+        assert_eq!(get_by_event(&txn, "e1").next_ms, 1040 + 2000, "the backoff doubled");
+        // The instance is Ready again: the retry is due at once.
+        assert_eq!(due_now(&txn, "a.b", 1050).unwrap(), 1);
+        assert_eq!(claimed(&txn, 1050), ["e1"]);
+        answer(&txn, &say("e1", Answer::Posted), 1060, 0.5).unwrap();
+        assert_eq!(claimed(&txn, 1070), ["e2"]);
+    }
+
+    #[test]
+    fn final_refusals_and_unknown_outcomes_are_not_retried_and_do_not_hold_the_conversation() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        replied(&txn, "e2", "c1", 11);
+        replied(&txn, "e3", "c1", 12);
+        claimed(&txn, 20);
+        let refused = answer(&txn, &say("e1", Answer::Failed { retryable: false }), 21, 0.0);
+        assert_eq!(refused.unwrap(), Some(ReplyState::Failed));
+        assert_eq!(inbound_state(&txn, "e1"), InboundState::Delivered.as_str());
+        assert_eq!(claimed(&txn, 22), ["e2"]);
+        assert_eq!(
+            answer(&txn, &say("e2", Answer::NoAnswer), 23, 0.0).unwrap(),
+            Some(ReplyState::Unknown)
+        );
+        assert_eq!(claimed(&txn, 10_000_000), ["e3"], "e1 and e2 are never claimed again");
+        assert_eq!(next_wake(&txn, 0).unwrap(), None);
+        // A late receipt settles the unknown one.
+        assert_eq!(
+            answer(&txn, &say("e2", Answer::Posted), 24, 0.0).unwrap(),
+            Some(ReplyState::Posted)
+        );
+        // An answer to a reply that is not waiting for one changes nothing.
+        assert_eq!(answer(&txn, &say("e1", Answer::Posted), 25, 0.0).unwrap(), None);
+        assert_eq!(answer(&txn, &say("nope", Answer::Posted), 25, 0.0).unwrap(), None);
+    }
+
+    #[test]
+    fn replies_past_their_ttl_expire_unless_handed_over() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        replied(&txn, "e2", "c2", 10);
+        replied(&txn, "e3", "c3", 10);
+        claim_due(&txn, "a.b", 20, 2).unwrap();
+        answer(&txn, &say("e1", Answer::Failed { retryable: true }), 30, 0.0).unwrap();
+        assert_eq!(next_wake(&txn, 30).unwrap(), Some(30 + 750));
+        assert_eq!(expire(&txn, 10 + TTL - 1).unwrap(), 0);
+        assert_eq!(expire(&txn, 10 + TTL).unwrap(), 2, "e1 (failed_retryable) and e3 (pending)");
+        assert_eq!(get_by_event(&txn, "e1").state, ReplyState::Expired);
+        assert_eq!(get_by_event(&txn, "e1").error.as_deref(), Some(EXPIRED));
+        assert_eq!(get_by_event(&txn, "e2").state, ReplyState::Handed);
+        assert_eq!(inbound_state(&txn, "e3"), InboundState::Delivered.as_str());
+    }
+
+    #[test]
+    fn a_restart_hands_over_again_what_was_handed_and_keeps_retry_state() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        replied(&txn, "e2", "c2", 10);
+        claimed(&txn, 20);
+        answer(&txn, &say("e2", Answer::Failed { retryable: true }), 30, 0.0).unwrap();
+        assert_eq!(restart(&txn, 40).unwrap(), 1);
+        assert_eq!(get_by_event(&txn, "e1").state, ReplyState::Pending);
+        let e2 = get_by_event(&txn, "e2");
+        assert_eq!((e2.state, e2.next_ms), (ReplyState::FailedRetryable, 30 + 750));
+        assert_eq!(claimed(&txn, 40), ["e1"]);
+        assert_eq!(claimed(&txn, 780), ["e2"]);
+    }
+
+    #[test]
+    fn an_operator_retries_unknown_failed_and_expired_replies_only() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        let e1 = replied(&txn, "e1", "c1", 10);
+        let e2 = replied(&txn, "e2", "c2", 10);
+        assert_eq!(
+            requeue(&txn, e1, 11, 99).unwrap_err(),
+            LedgerError::ReplyNotRetryable { id: e1, state: ReplyState::Pending }
+        );
+        claimed(&txn, 20);
+        answer(&txn, &say("e1", Answer::Unknown), 21, 0.0).unwrap();
+        answer(&txn, &say("e2", Answer::Posted), 21, 0.0).unwrap();
+        let again = requeue(&txn, e1, 30, 30 + TTL).unwrap();
+        assert_eq!((again.state, again.next_ms), (ReplyState::Pending, 30));
+        assert_eq!(claimed(&txn, 30), ["e1"]);
+        assert!(matches!(requeue(&txn, e2, 31, 99), Err(LedgerError::ReplyNotRetryable { .. })));
+        assert_eq!(requeue(&txn, 999, 31, 99).unwrap_err(), LedgerError::NoSuchReply(999));
+    }
+
+    #[test]
+    fn listing_counts_and_pruning() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        replied(&txn, "e2", "c2", 10);
+        replied(&txn, "e3", "c3", 10);
+        claimed(&txn, 20);
+        answer(&txn, &say("e1", Answer::Posted), 21, 0.0).unwrap();
+        answer(&txn, &say("e2", Answer::Failed { retryable: false }), 21, 0.0).unwrap();
+        let all = list(&txn, None, None, None, 10).unwrap();
+        assert_eq!(all.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["e3", "e2", "e1"]);
+        let failed = list(&txn, Some("a.b"), Some(ReplyState::Failed), None, 10).unwrap();
+        assert_eq!(failed.len(), 1);
+        assert_eq!(failed[0].error.as_deref(), Some("send_failed: down"));
+        assert_eq!(list(&txn, None, None, Some(all[1].id), 10).unwrap().len(), 1);
+        let counts = counts(&txn).unwrap();
+        assert_eq!(counts.len(), 3);
+        assert!(counts.iter().all(|c| c.count == 1 && c.instance == "a.b"));
+        assert_eq!(prune(&txn, 22).unwrap(), 2, "posted and failed go; handed stays");
+        assert_eq!(list(&txn, None, None, None, 10).unwrap().len(), 1);
+    }
+}
