@@ -258,9 +258,22 @@ impl<'r> Suite<'r> {
         self.handshake(conn, mode).await
     }
 
+    /// Waits up to `limit` for the driver to connect; gives up early when it exits first.
     pub async fn accept(&mut self, limit: Duration) -> Result<Conn, String> {
-        match tokio::time::timeout(limit, self.listener.accept()).await {
-            Ok(Ok((stream, _))) => {
+        let deadline = tokio::time::Instant::now() + limit;
+        let accepted = loop {
+            let slice = tokio::time::sleep(Duration::from_millis(100));
+            tokio::select! {
+                accepted = self.listener.accept() => break Some(accepted),
+                () = slice => {}
+            }
+            let exited = self.driver.as_mut().is_none_or(|driver| driver.exited().is_some());
+            if exited || tokio::time::Instant::now() >= deadline {
+                break None;
+            }
+        };
+        match accepted {
+            Some(Ok((stream, _))) => {
                 let scanner = Scanner::new(
                     self.launch.watched.clone(),
                     Place::Wire,
@@ -268,10 +281,14 @@ impl<'r> Suite<'r> {
                 );
                 Ok(Conn::new(stream, scanner, self.opts.timeout))
             }
-            Ok(Err(err)) => Err(format!("accept failed: {err}")),
-            Err(_) => {
-                let exit = self.exit_note().await;
-                Err(format!("the driver did not connect within {limit:?}{exit}"))
+            Some(Err(err)) => Err(format!("accept failed: {err}")),
+            None => {
+                let exited =
+                    self.driver.as_mut().map(|d| (d.exited().is_some(), d.describe_exit()));
+                match exited {
+                    Some((true, exit)) => Err(format!("no connection: {exit}")),
+                    _ => Err(format!("the driver did not connect within {limit:?}")),
+                }
             }
         }
     }
