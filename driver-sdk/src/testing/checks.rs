@@ -70,7 +70,8 @@ pub fn inbound_problems(
     {
         problems.push(format!("inbound carries thread {thread} but threads was not declared"));
     }
-    if !message.body.attachments().is_empty() && !(caps.receive_attachments || caps.attachments) {
+    let attachments_declared = caps.receive_attachments || caps.attachments;
+    if !message.body.attachments().is_empty() && !attachments_declared {
         problems.push(
             "inbound carries attachments but neither receive_attachments nor attachments was declared"
                 .to_owned(),
