@@ -40,6 +40,8 @@ pub const CHECKS: [&str; 17] = [
 /// How long a driver whose connection the hub closed may take to come back. The SDK's third
 /// wait is 4 s ± 25 %.
 pub(crate) const RECONNECT_WAIT: Duration = Duration::from_secs(10);
+/// How long a driver that closed its connection gets to exit, so a crash is reported as one.
+const EXIT_NOTICE: Duration = Duration::from_secs(2);
 /// How long a freshly started driver may take to connect, at least.
 const FIRST_CONNECT: Duration = Duration::from_secs(10);
 
@@ -319,10 +321,10 @@ impl<'r> Suite<'r> {
         }
     }
 
-    /// `; the driver exited (…)` when it has, for reasons.
+    /// `; the driver exited (…)` when it has (or does within [`EXIT_NOTICE`]), for reasons.
     pub async fn exit_note(&mut self) -> String {
         let Some(driver) = self.driver.as_mut() else { return String::new() };
-        match driver.exited_within(Duration::from_millis(300)).await {
+        match driver.exited_within(EXIT_NOTICE).await {
             Some(_) => format!("; {}", driver.describe_exit()),
             None => String::new(),
         }
