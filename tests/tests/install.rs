@@ -53,7 +53,8 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
 
     let families = ["console", "mqtt", "amqp", "slack", "wechat", "wecom", "nostr"];
     let drivers = families.iter().map(|family| format!("channeld-{family}"));
-    let built = drivers.filter(|binary| bin_dir().join(binary).is_file());
+    let tools = ["channeld-conformance".to_owned()].into_iter();
+    let built = drivers.chain(tools).filter(|binary| bin_dir().join(binary).is_file());
     let binaries: Vec<String> =
         ["channeld".to_owned(), "channelctl".to_owned()].into_iter().chain(built).collect();
     assert!(binaries.iter().any(|b| b == "channeld-mqtt"), "channeld-mqtt was not built");
@@ -67,7 +68,10 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
     in_bin.sort();
     let mut expected_bin = binaries.clone();
     expected_bin.sort();
-    assert_eq!(in_bin, expected_bin, "only channeld, channelctl and drivers are installed");
+    assert_eq!(
+        in_bin, expected_bin,
+        "only channeld, channelctl, the conformance kit and drivers are installed"
+    );
     let units = root.join("usr/local/lib/systemd/system");
     let mut installed: Vec<String> = std::fs::read_dir(&units)
         .expect("unit dir")

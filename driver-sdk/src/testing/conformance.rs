@@ -9,13 +9,12 @@
 use std::future::Future;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use channeld_protocol::ext::valid_operator_action_name;
 use channeld_protocol::frame::{CommandFrame, EffectFrame, Hello, Inbound};
-use channeld_protocol::types::{
-    Capabilities, Choice, Command, CommandResult, Effect, MessageBody, MessageTarget,
-};
+use channeld_protocol::types::MessageTarget;
 use channeld_protocol::{ChannelId, Frame, Id};
 
+pub use super::checks::{commands_to_reject, declaration_problems, sample_effects};
+use super::checks::{hello_problems, inbound_problems, receipt_problem, rejection_problem};
 use super::fake_hub::{AckMode, FakeConnection, FakeHub};
 use crate::launch::DriverLaunchConfig;
 
@@ -121,12 +120,8 @@ pub fn run_check<F: Future<Output = ()>>(name: &str, check: F) {
 /// stop the driver sends `stop` and exits cleanly.
 pub async fn handshake<H: ConformanceHarness>(harness: H) {
     let (run, mut conn) = Run::start(harness, AckMode::Extensions).await;
-    assert_eq!(run.hello.channel, run.launch.channel, "hello must name the launch channel");
-    let problems = declaration_problems(&run.hello.capabilities);
-    assert!(problems.is_empty(), "inconsistent hello declaration: {}", problems.join("; "));
-    for name in &run.hello.operator_actions {
-        assert!(valid_operator_action_name(name), "operator action name {name:?} is invalid");
-    }
+    let problems = hello_problems(&run.hello, &run.launch.channel);
+    assert!(problems.is_empty(), "malformed hello: {}", problems.join("; "));
     health_probe(&mut conn, "conformance-health").await;
     run.stop_cleanly(conn).await;
 }
@@ -185,25 +180,8 @@ async fn declared_vs_used<H: ConformanceHarness>(harness: H, mode: AckMode) {
 }
 
 fn check_inbound(hello: &Hello, launch: &DriverLaunchConfig, inbound: &Inbound, text: &str) {
-    let caps = &hello.capabilities;
-    let message = &inbound.message;
-    assert!(caps.receive, "the driver sent an inbound without declaring receive");
-    assert_eq!(inbound.event_id, message.id, "an inbound's event_id is its message id");
-    assert_eq!(message.target.channel, launch.channel, "inbound target names another channel");
-    if let Some(thread) = &message.target.thread {
-        assert!(caps.threads, "inbound carries thread {thread} but threads was not declared");
-    }
-    if !message.body.attachments().is_empty() {
-        assert!(
-            caps.receive_attachments || caps.attachments,
-            "inbound carries attachments but neither receive_attachments nor attachments was declared"
-        );
-    }
-    assert!(
-        message.body.text_str().contains(text),
-        "inbound text {:?} does not contain the injected {text:?}",
-        message.body.text_str()
-    );
+    let problems = inbound_problems(hello, &launch.channel, inbound, text);
+    assert!(problems.is_empty(), "{}", problems.join("; "));
 }
 
 /// With `send`, an `outbound` gets a `receipt` for the launch channel after exactly one post
@@ -225,8 +203,9 @@ pub async fn outbound_receipt<H: ConformanceHarness>(harness: H) {
         return;
     }
     let first = conn.expect_receipt(request_id).await;
-    assert_eq!(first.channel, run.launch.channel, "receipt names another channel");
-    assert_eq!(first.target.channel, run.launch.channel, "receipt target names another channel");
+    if let Some(problem) = receipt_problem(&first, &run.launch.channel) {
+        panic!("{problem}");
+    }
     let posts = run.harness.platform_posts();
     assert_eq!(posts, before + 1, "one receipt, but the platform saw {} posts", posts - before);
 
@@ -312,13 +291,9 @@ pub async fn command_rejection<H: ConformanceHarness>(harness: H) {
         };
         conn.send(&Frame::Command(frame.clone())).await;
         let result = conn.expect_command_result(&request_id).await;
-        assert_eq!(result.session, frame.session, "{name}: command_result for another session");
-        assert_eq!(result.command_id, frame.command_id, "{name}: command_result for another id");
-        assert!(
-            matches!(result.result, CommandResult::Rejected { .. }),
-            "{name}: expected rejected, got {:?}",
-            result.result
-        );
+        if let Some(problem) = rejection_problem(&frame, &result) {
+            panic!("{name}: {problem}");
+        }
     }
     health_probe(&mut conn, "conformance-health").await;
     run.stop_cleanly(conn).await;
@@ -403,65 +378,6 @@ pub async fn stops_within_the_drain_deadline<H: ConformanceHarness>(harness: H) 
     run.stop_cleanly(conn).await;
 }
 
-/// What is inconsistent in a declaration; empty when it is fine (the rules of
-/// [`Capabilities::REQUIRES`]).
-pub fn declaration_problems(caps: &Capabilities) -> Vec<String> {
-    caps.unmet_requirements().iter().map(ToString::to_string).collect()
-}
-
-/// One effect per action, in [`Actions::NAMES`](channeld_protocol::types::Actions::NAMES) order.
-pub fn sample_effects() -> Vec<Effect> {
-    let message_id = id("conformance-message");
-    vec![
-        Effect::Typing { active: true },
-        Effect::Preview { text: "conformance preview".into() },
-        Effect::Reaction { message_id: message_id.clone(), emoji: "eyes".into(), remove: false },
-        Effect::Edit {
-            message_id: message_id.clone(),
-            body: MessageBody::text("conformance edit").expect("static text is a valid body"),
-        },
-        Effect::Delete { message_id: message_id.clone() },
-        Effect::MarkRead { message_id: message_id.clone() },
-        Effect::Pin { message_id: message_id.clone() },
-        Effect::Unpin { message_id: message_id.clone() },
-        Effect::Redact { message_id, reason: Some("conformance".into()) },
-    ]
-}
-
-/// The commands a driver with `caps` must reject, each with a short name.
-pub fn commands_to_reject(caps: &Capabilities) -> Vec<(&'static str, Command)> {
-    let choices = vec![
-        Choice { id: id("yes"), label: "Yes".into() },
-        Choice { id: id("no"), label: "No".into() },
-    ];
-    let approval = Command::RequestApproval {
-        tool: "conformance_tool".into(),
-        arguments: serde_json::json!({"path": "/tmp/conformance"}),
-    };
-    let invoke =
-        Command::Invoke { name: "conformance_tool".into(), payload: serde_json::json!({}) };
-    let single = Command::RequestChoice {
-        question: "Continue?".into(),
-        choices: choices.clone(),
-        multiple: false,
-    };
-    let multiple = Command::RequestChoice { question: "Which?".into(), choices, multiple: true };
-    let mut rejected = Vec::new();
-    if !caps.commands {
-        rejected.push(("request_approval", approval));
-    }
-    if !caps.tool_control {
-        rejected.push(("invoke", invoke));
-    }
-    if !caps.commands || !caps.choices {
-        rejected.push(("request_choice", single));
-    }
-    if !caps.commands || !caps.choices || !caps.multi_choice {
-        rejected.push(("request_choice_multiple", multiple));
-    }
-    rejected
-}
-
 /// A started driver and its fake hub; the current connection is kept next to it.
 struct Run<H> {
     harness: H,
@@ -527,44 +443,4 @@ fn id(value: &str) -> Id {
 fn unique_suffix() -> String {
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     format!("{}-{nanos}", std::process::id())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use channeld_protocol::types::Actions;
-
-    #[test]
-    fn sample_effects_cover_every_action_in_order() {
-        let actions: Vec<&str> = sample_effects().iter().map(Effect::action).collect();
-        assert_eq!(actions, Actions::NAMES);
-    }
-
-    #[test]
-    fn declaration_rules_name_what_is_missing() {
-        // The rules themselves are tested with `Capabilities::REQUIRES` in the protocol crate.
-        let mut caps = Capabilities { receive: true, multi_choice: true, ..Default::default() };
-        caps.send_attachments = true;
-        let problems = declaration_problems(&caps);
-        assert_eq!(problems, vec!["multi_choice needs choices", "send_attachments needs send"]);
-        assert!(declaration_problems(&Capabilities::default()).is_empty());
-    }
-
-    #[test]
-    fn a_driver_with_every_command_capability_has_nothing_to_reject() {
-        let caps = Capabilities {
-            commands: true,
-            choices: true,
-            multi_choice: true,
-            tool_control: true,
-            ..Default::default()
-        };
-        assert!(commands_to_reject(&caps).is_empty());
-        let names: Vec<&str> =
-            commands_to_reject(&Capabilities::default()).iter().map(|(name, _)| *name).collect();
-        assert_eq!(
-            names,
-            ["request_approval", "invoke", "request_choice", "request_choice_multiple"]
-        );
-    }
 }

@@ -5,12 +5,15 @@
 //!   hands ([`AckMode`]) and assert its frames one at a time.
 //! * [`conformance`]: the checks and the [`ConformanceHarness`] a driver's test implements;
 //!   [`conformance_suite!`](crate::conformance_suite) turns them into tests.
+//! * [`checks`]: the pure rules those checks apply, shared with `channeld-conformance` (the
+//!   same checks against a driver process in any language).
 //! * [`DriverTask`]: runs a driver in-process (what most harnesses' `start`/`stop` need).
 //!
 //! A driver crate needs nothing else for this: the feature brings its own tokio runtime and
 //! temp dirs, and the suite can be invoked from a `#[cfg(test)]` module of `main.rs` (no
 //! library target needed) or from `tests/` (then the driver types must be in a library).
 
+pub mod checks;
 pub mod conformance;
 mod fake_hub;
 
