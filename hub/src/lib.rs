@@ -22,6 +22,7 @@ pub mod lifecycle;
 pub mod listen;
 pub mod liveness;
 pub mod notice;
+pub mod operator;
 pub mod outbox;
 pub mod peer;
 mod recovery;
