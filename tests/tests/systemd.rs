@@ -126,7 +126,7 @@ fn driver_units_are_exactly_what_the_generator_writes() {
         let kept = std::fs::read_to_string(repo().join("systemd").join(name)).expect("read unit");
         assert!(fresh == kept, "systemd/{name} is stale: run scripts/gen-units");
     }
-    for family in ["mqtt", "amqp", "slack", "wechat", "wecom", "nostr"] {
+    for family in ["mqtt", "amqp", "slack", "wechat", "wecom", "nostr", "acecode"] {
         assert!(names.contains(&format!("channeld-{family}@.service")), "no unit for {family}");
     }
 }

@@ -269,6 +269,8 @@ impl Driver for AcecodeDriver {
                     let served = self.serve(&hub, &plugin, &mut events, &shutdown, attempt).await;
                     match served {
                         Serve::Shutdown => {
+                            // Posts in flight travel through the plugin: they finish first.
+                            hub.requests_done().await;
                             plugin.shutdown().await;
                             return Ok(());
                         }

@@ -328,6 +328,7 @@ pub fn catalog(exe: Option<&Path>) -> CatalogResult {
         ("wechat", "WeChat iLink HTTP long-poll"),
         ("wecom", "WeCom AI Bot WebSocket"),
         ("nostr", "Nostr relays, NIP-04/NIP-17 DMs"),
+        ("acecode", "an ACECode channel platform plugin (stdio JSONL child)"),
     ];
     let dir: Option<PathBuf> = exe.and_then(Path::parent).map(Path::to_path_buf);
     let families = FAMILIES
