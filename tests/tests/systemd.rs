@@ -208,7 +208,10 @@ fn driver_units_take_secrets_only_through_credentials() {
         }
         let credentials: Vec<&&str> =
             lines.iter().filter(|l| l.starts_with("LoadCredential=")).collect();
-        assert!(!credentials.is_empty(), "{name} loads no credential");
+        // The ACECode plugin host holds no secret: its plugin keeps its own login state.
+        if family != "acecode" {
+            assert!(!credentials.is_empty(), "{name} loads no credential");
+        }
         for credential in credentials {
             let path = credential.split_once(':').map(|(_, p)| p).unwrap_or_default();
             assert!(
