@@ -283,8 +283,13 @@ async fn a_malformed_line_restarts_the_plugin_after_one_second() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn login_required_stops_restarts_until_resume_and_login_reaches_the_plugin() {
     let hosted = Hosted::start(None, &[("FAKE_PLUGIN_LOGIN_REQUIRED", "1")]);
-    let status = hosted.wait_health("Unavailable", |s| s["health"]["state"] == "Unavailable").await;
-    assert_eq!(status["health"]["status"]["reason"], "auth_expired", "{status}");
+    // (Before the driver connects the hub shows Unavailable too: wait for the reason.)
+    let status = hosted
+        .wait_health("Unavailable for a sign-in", |s| {
+            s["connected"] == true && s["health"]["status"]["reason"] == "auth_expired"
+        })
+        .await;
+    assert_eq!(status["health"]["state"], "Unavailable", "{status}");
     let (_, text, _) = hosted.ctl(&["status"]);
     assert!(text.contains("Unavailable"), "{text}");
     // The plugin exited after saying login_required. A restart would come 1 s later (the
