@@ -86,7 +86,10 @@ async fn wait_health(hub: &HubProcess, state: &str) -> Value {
     let deadline = Instant::now() + READY_WITHIN;
     loop {
         let status = hub.instance_status(BOT);
-        if status["connected"] == true && status["health"]["state"] == state {
+        // The hub shows a new driver Ready ("driver connected") before the driver reported
+        // its relays: wait for the driver's own report.
+        let reported = status["health"]["detail"] != "driver connected";
+        if status["connected"] == true && status["health"]["state"] == state && reported {
             return status;
         }
         assert!(Instant::now() < deadline, "{BOT} not {state} within {READY_WITHIN:?}: {status}");
