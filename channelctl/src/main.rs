@@ -9,6 +9,8 @@
 //! (the idempotency key was already used for a different message); 9 `health`: the
 //! instance is Unavailable (no driver, or it does not answer). `replies retry` exits 0 once the
 //! reply is pending again, 4 when there is no such reply or it cannot be retried.
+//! `action`/`resume`: 4 refused by the hub (no driver connected, name not declared), 6 the
+//! driver answered it failed, 5 no answer in time.
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -23,6 +25,7 @@ use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
+mod manifest;
 mod print;
 
 use print::print_text;
@@ -123,6 +126,39 @@ enum Cmd {
     Status,
     /// Driver families this build knows.
     Catalog,
+    /// Ask an instance's connected driver to perform an operator action (extension
+    /// `operator_action`), e.g. `login`; refused without contacting the driver when it did
+    /// not declare the name.
+    Action {
+        instance: String,
+        /// The action's name, e.g. `resume` or `login`.
+        name: String,
+        /// The action's arguments, a JSON object.
+        #[arg(long, value_name = "JSON", default_value = "{}")]
+        args: String,
+        /// Seconds to wait for the driver's answer.
+        #[arg(long, default_value_t = 60)]
+        timeout: u64,
+    },
+    /// The operator action `resume`: take the platform session back after a pause that only
+    /// an operator may end (a displaced session, a new login).
+    Resume {
+        instance: String,
+        /// Seconds to wait for the driver's answer.
+        #[arg(long, default_value_t = 60)]
+        timeout: u64,
+    },
+    /// Write DIR/channel-platform.json so ACECode runs the driver binary channeld-FAMILY as
+    /// a channel platform plugin (`--acecode`). Does not talk to the hub.
+    AcecodeManifest {
+        /// The driver family, e.g. `slack` (the binary is `channeld-<family>`).
+        family: String,
+        /// The connector directory ACECode scans (`<data_dir>/connectors/<name>`).
+        dir: PathBuf,
+        /// The driver binary (default: channeld-FAMILY next to channelctl).
+        #[arg(long)]
+        binary: Option<PathBuf>,
+    },
 }
 
 const EXIT_UNEXPECTED: u8 = 1;
@@ -136,6 +172,18 @@ const EXIT_UNAVAILABLE: u8 = 9;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Cmd::AcecodeManifest { family, dir, binary } = &cli.command {
+        return match manifest::write(family, dir, binary.as_deref()) {
+            Ok(path) => {
+                println!("wrote {}", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                eprintln!("channelctl: {err}");
+                ExitCode::from(EXIT_REFUSED)
+            }
+        };
+    }
     let socket = cli.socket.clone().unwrap_or_else(default_socket);
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
@@ -163,6 +211,34 @@ fn main() -> ExitCode {
         }
         Cmd::Status => (Op::Status, Duration::from_secs(10)),
         Cmd::Catalog => (Op::Catalog, Duration::from_secs(10)),
+        Cmd::Action { instance, name, args, timeout } => {
+            let args = match serde_json::from_str::<serde_json::Value>(args) {
+                Ok(args) if args.is_object() => args,
+                _ => {
+                    eprintln!("channelctl: --args must be a JSON object");
+                    return ExitCode::from(2);
+                }
+            };
+            (
+                Op::Action {
+                    instance: instance.clone(),
+                    name: name.clone(),
+                    args,
+                    timeout_ms: Some(timeout.saturating_mul(1000)),
+                },
+                Duration::from_secs(timeout + 10),
+            )
+        }
+        Cmd::Resume { instance, timeout } => (
+            Op::Action {
+                instance: instance.clone(),
+                name: "resume".into(),
+                args: serde_json::json!({}),
+                timeout_ms: Some(timeout.saturating_mul(1000)),
+            },
+            Duration::from_secs(timeout + 10),
+        ),
+        Cmd::AcecodeManifest { .. } => unreachable!("handled before connecting"),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
             (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
@@ -252,6 +328,8 @@ fn exit_code(error_code: &str) -> u8 {
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
         code::NOT_FOUND | code::NOT_RETRYABLE => EXIT_REFUSED,
+        code::ACTION_FAILED => EXIT_FAILED,
+        code::ACTION_TIMEOUT => EXIT_UNKNOWN,
         _ => EXIT_UNEXPECTED,
     }
 }

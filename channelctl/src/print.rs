@@ -2,8 +2,8 @@
 //! answer as it is instead).
 
 use channeld_control::{
-    CatalogResult, HealthResult, InstanceStatus, OutboxEntry, OutboxResult, RepliesResult,
-    ReplyCounts, ReplyEntry, SendResult, StatusResult,
+    ActionResult, CatalogResult, HealthResult, InstanceStatus, OutboxEntry, OutboxResult,
+    RepliesResult, ReplyCounts, ReplyEntry, SendResult, StatusResult,
 };
 use channeld_protocol::types::Health;
 
@@ -32,6 +32,17 @@ pub(crate) fn print_text(
                 }
             }
         }
+        Cmd::Action { .. } | Cmd::Resume { .. } => {
+            let done: ActionResult = serde_json::from_value(result)?;
+            match &done.message {
+                Some(message) => println!("{} {}: {message}", done.instance, done.name),
+                None => println!("{} {}: done", done.instance, done.name),
+            }
+            if let Some(data) = done.data {
+                println!("{data}");
+            }
+        }
+        Cmd::AcecodeManifest { .. } => {}
         Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
         Cmd::Outbox { action: Some(_), .. } => {
             let entry: OutboxEntry = serde_json::from_value(result)?;

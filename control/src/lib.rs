@@ -35,6 +35,11 @@ pub mod code {
     /// The answer would exceed [`MAX_CONTROL_LINE`](super::MAX_CONTROL_LINE).
     pub const ANSWER_TOO_LARGE: &str = "answer_too_large";
     pub const INTERNAL: &str = "internal";
+    /// `action`: the driver answered the operator action `ok: false`; the message carries
+    /// its code (`unsupported`, `invalid_args`, `failed`) and sentence.
+    pub const ACTION_FAILED: &str = "action_failed";
+    /// `action`: the driver did not answer within the timeout (it may still act).
+    pub const ACTION_TIMEOUT: &str = "action_timeout";
     /// The connecting process's credentials are not admitted (`control_allow_uids` /
     /// `control_allow_gids`); sent with `id` 0 before the hub closes the connection.
     pub const PEER_NOT_ALLOWED: &str = "peer_not_allowed";
@@ -115,6 +120,35 @@ pub enum Op {
     /// Sends an `unknown`, `failed` or `expired` reply again, on an operator's explicit
     /// request (it may post a second copy).
     RepliesRetry { reply_id: i64 },
+    /// An operator action (extension `operator_action`) performed by the instance's
+    /// connected driver, e.g. `resume` or `login`; answered with the driver's result.
+    Action {
+        instance: String,
+        name: String,
+        /// The action's arguments (a JSON object; `{}` when omitted).
+        #[serde(default = "empty_object")]
+        args: serde_json::Value,
+        /// How long to wait for the driver's answer (default `hub.command_timeout_secs`).
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(serde_json::Map::new())
+}
+
+/// The result of `action`: what the driver answered `ok: true` with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActionResult {
+    pub instance: String,
+    pub name: String,
+    /// The driver's sentence for the operator, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// What the action produced (an object), if anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<serde_json::Value>,
 }
 
 /// The states of a reply's delivery, as `replies` shows and filters them: `pending` (waiting
@@ -369,6 +403,12 @@ mod tests {
                 before: Some(4),
             },
             Op::RepliesRetry { reply_id: 3 },
+            Op::Action {
+                instance: "a.b".into(),
+                name: "resume".into(),
+                args: serde_json::json!({"k": 1}),
+                timeout_ms: Some(5),
+            },
         ];
         for op in ops {
             let request = Request { id: 9, op };

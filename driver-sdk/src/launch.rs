@@ -30,6 +30,9 @@ pub const ENV_DRAIN: &str = "CHANNELD_DRAIN_SECONDS";
 /// systemd's `LoadCredential=` directory.
 pub const ENV_CREDENTIALS_DIRECTORY: &str = "CREDENTIALS_DIRECTORY";
 
+/// The socket path a `--acecode` driver's launch settings carry; never opened.
+pub const ACECODE_SOCKET: &str = "/nonexistent/channeld-acecode-transport.sock";
+
 /// The longest socket path the kernel takes (`sun_path` holds 108 bytes with the NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 
@@ -120,6 +123,28 @@ impl DriverLaunchConfig {
             credentials_dir,
             env,
         })
+    }
+
+    /// The launch settings of a driver run with `--acecode`: the channel id defaults to
+    /// `<family>.acecode`, and no socket is needed (a placeholder that is never opened).
+    pub fn for_acecode<I, K, V>(vars: I, family: &str) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: Into<String>,
+        V: Into<String>,
+    {
+        let mut env: Vec<(String, String)> =
+            vars.into_iter().map(|(k, v)| (k.into(), v.into())).collect();
+        let set = |env: &Vec<(String, String)>, names: &[&str]| {
+            env.iter().any(|(k, v)| names.contains(&k.as_str()) && !v.is_empty())
+        };
+        if !set(&env, &ENV_CHANNEL_ID) {
+            env.push((ENV_CHANNEL_ID[0].to_owned(), format!("{family}.acecode")));
+        }
+        // Only the placeholder: a socket named in the environment is not used either.
+        env.retain(|(k, _)| !ENV_SOCKET.contains(&k.as_str()));
+        env.push((ENV_SOCKET[0].to_owned(), ACECODE_SOCKET.to_owned()));
+        Self::from_vars(env)
     }
 
     /// A driver setting's text: `CHANNELD_<NAME>` from the launch environment (empty means

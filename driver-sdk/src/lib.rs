@@ -21,6 +21,7 @@
 //!
 //! With the `testing` feature, [`testing`] provides a fake hub and the conformance suite.
 
+pub mod acecode;
 pub mod config;
 mod driver;
 mod health;
@@ -53,7 +54,7 @@ pub use inbound::{Inbound, InboundError};
 pub use launch::DriverLaunchConfig;
 pub use pending::Acceptance;
 pub use reconnect::{Failure, Nudge, Reconnect, ReconnectPolicy};
-pub use runtime::{HEARTBEAT_INTERVAL, RunError, run_driver};
+pub use runtime::{HEARTBEAT_INTERVAL, RunError, run_driver, run_driver_acecode};
 pub use secret::Secret;
 pub use settle::{PendingAcks, SETTLE_WITHIN, Settle};
 pub use tls::install_crypto_provider;
@@ -79,6 +80,11 @@ pub fn init_logging(default_filter: &str) {
 /// unusable `CHANNELD_SOCKET`, conflicting launch variables, a refused channel), which are
 /// not restarted; 1 otherwise (including a `run` that had to be aborted).
 ///
+/// With `--acecode` among the arguments the driver is an ACECode channel platform plugin:
+/// it speaks the plugin protocol on stdin/stdout instead of connecting to a hub
+/// ([`acecode`]), with the channel id `<family>.acecode` unless `CHANNELD_CHANNEL_ID` says
+/// otherwise, and no socket.
+///
 /// `build` turns the launch settings into the driver; it should only read and check
 /// settings (`?` works on [`ConfigError`]), never connect to the platform: [`Driver::run`]
 /// does that once the hub accepted the driver.
@@ -90,7 +96,13 @@ where
 {
     install_crypto_provider();
     init_logging(D::LOG_FILTER);
-    let launch = match DriverLaunchConfig::from_env() {
+    let acecode = std::env::args_os().skip(1).any(|arg| arg == "--acecode");
+    let launch = if acecode {
+        DriverLaunchConfig::for_acecode(std::env::vars(), &family_of_binary())
+    } else {
+        DriverLaunchConfig::from_env()
+    };
+    let launch = match launch {
         Ok(launch) => launch,
         Err(err) => {
             tracing::error!(error = %err, "invalid launch settings");
@@ -118,7 +130,13 @@ where
         };
         let shutdown = CancellationToken::new();
         let _signals = channeld_link::process::spawn_signal_handler(shutdown.clone());
-        match run_driver(driver, launch.clone(), shutdown).await {
+        let ran = if acecode {
+            let (input, output) = (tokio::io::stdin(), tokio::io::stdout());
+            run_driver_acecode(driver, launch.clone(), shutdown, input, output).await
+        } else {
+            run_driver(driver, launch.clone(), shutdown).await
+        };
+        match ran {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 tracing::error!(channel = %launch.channel, error = %err, "driver stopped");
@@ -126,4 +144,16 @@ where
             }
         }
     })
+}
+
+/// The family in this binary's name (`channeld-slack` → `slack`), for `--acecode`'s default
+/// channel id.
+fn family_of_binary() -> String {
+    std::env::args_os()
+        .next()
+        .map(std::path::PathBuf::from)
+        .and_then(|path| path.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .map(|name| name.strip_prefix("channeld-").unwrap_or(&name).to_owned())
+        .filter(|family| channeld_protocol::ChannelId::new(format!("{family}.acecode")).is_ok())
+        .unwrap_or_else(|| "driver".to_owned())
 }

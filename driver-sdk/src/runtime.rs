@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use channeld_link::Backoff;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::UnixStream;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
@@ -73,6 +74,42 @@ pub async fn run_driver<D: Driver>(
     launch: DriverLaunchConfig,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    run(driver, launch, shutdown, Transport::Hub).await
+}
+
+/// Runs `driver` as an ACECode channel platform plugin: the plugin protocol on `input` /
+/// `output` (the process's stdin and stdout) instead of a hub socket; see [`crate::acecode`].
+/// ACECode's `shutdown` request (or the end of `input`) drains like `shutdown`.
+pub async fn run_driver_acecode<D, R, W>(
+    driver: D,
+    launch: DriverLaunchConfig,
+    shutdown: CancellationToken,
+    input: R,
+    output: W,
+) -> Result<(), RunError>
+where
+    D: Driver,
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let transport = Transport::Acecode { input: Box::new(input), output: Box::new(output) };
+    run(driver, launch, shutdown, transport).await
+}
+
+/// Where the driver's hub session runs.
+enum Transport {
+    /// The hub's Unix socket, reconnected with backoff.
+    Hub,
+    /// An in-process bridge to ACECode on these streams.
+    Acecode { input: Box<dyn AsyncRead + Unpin + Send>, output: Box<dyn AsyncWrite + Unpin + Send> },
+}
+
+async fn run<D: Driver>(
+    driver: D,
+    launch: DriverLaunchConfig,
+    shutdown: CancellationToken,
+    transport: Transport,
+) -> Result<(), RunError> {
     let declaration = driver.declaration();
     declaration.check()?;
     let driver = Arc::new(driver);
@@ -81,13 +118,25 @@ pub async fn run_driver<D: Driver>(
     let tracker = TaskTracker::new();
     let session_token = CancellationToken::new();
     let (admissions_tx, mut admissions) = mpsc::channel(ADMISSION_QUEUE);
-    let mut connection = tokio::spawn(connection_loop(
-        driver.clone(),
-        shared.clone(),
-        tracker.clone(),
-        session_token.clone(),
-        admissions_tx,
-    ));
+    let mut connection = match transport {
+        Transport::Hub => tokio::spawn(connection_loop(
+            driver.clone(),
+            shared.clone(),
+            tracker.clone(),
+            session_token.clone(),
+            admissions_tx,
+        )),
+        Transport::Acecode { input, output } => tokio::spawn(crate::acecode::connection(
+            driver.clone(),
+            shared.clone(),
+            tracker.clone(),
+            session_token.clone(),
+            admissions_tx,
+            input,
+            output,
+            shutdown.clone(),
+        )),
+    };
     let mut platform = PlatformSide { driver, shared: shared.clone(), running: None };
     let channel = shared.launch.channel.clone();
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use channeld_link::FrameSink;
 use channeld_protocol::Id;
 use channeld_protocol::ext::PeerDeclaration;
-use channeld_protocol::frame::{CommandResultFrame, ErrorFrame};
+use channeld_protocol::frame::{CommandResultFrame, ErrorFrame, OperatorActionResult};
 use channeld_protocol::types::{DeliveryReceipt, Health};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -52,6 +52,7 @@ struct Waits {
     receipts: HashMap<Id, oneshot::Sender<ReceiptOutcome>>,
     commands: HashMap<Id, oneshot::Sender<CommandResultFrame>>,
     health: HashMap<Id, oneshot::Sender<Health>>,
+    operator_actions: HashMap<Id, oneshot::Sender<OperatorActionResult>>,
 }
 
 /// One accepted socket connection.
@@ -61,6 +62,9 @@ pub struct Connection {
     pub kind: PeerKind,
     pub sink: FrameSink,
     pub declaration: PeerDeclaration,
+    /// The operator action names the driver declared (extension `operator_action`; empty
+    /// when it was not negotiated).
+    pub operator_actions: Vec<String>,
     pub connected_at: SystemTime,
     pub peer_pid: Option<i32>,
     /// Cancelled when the connection ends.
@@ -82,12 +86,19 @@ impl Connection {
             kind,
             sink,
             declaration,
+            operator_actions: Vec::new(),
             connected_at: SystemTime::now(),
             peer_pid,
             closed: CancellationToken::new(),
             last_seen: Mutex::new(Instant::now()),
             waits: Mutex::new(Waits::default()),
         }
+    }
+
+    /// The operator action names the driver declared in its `hello`.
+    pub fn with_operator_actions(mut self, names: Vec<String>) -> Self {
+        self.operator_actions = names;
+        self
     }
 
     pub fn touch(&self) {
@@ -178,6 +189,35 @@ impl Connection {
     pub fn complete_health(&self, request_id: &Id, health: Health) {
         if let Some(tx) = lock(&self.waits).health.remove(request_id) {
             let _ = tx.send(health);
+        }
+    }
+
+    pub fn expect_operator_action(
+        &self,
+        request_id: Id,
+    ) -> Option<oneshot::Receiver<OperatorActionResult>> {
+        let (tx, rx) = oneshot::channel();
+        let mut waits = lock(&self.waits);
+        if self.closed.is_cancelled() {
+            return None;
+        }
+        waits.operator_actions.insert(request_id, tx);
+        Some(rx)
+    }
+
+    pub fn forget_operator_action(&self, request_id: &Id) {
+        lock(&self.waits).operator_actions.remove(request_id);
+    }
+
+    /// Completes the wait for `result.request_id`; false when nobody waits for it.
+    pub fn complete_operator_action(&self, result: OperatorActionResult) -> bool {
+        let waiter = lock(&self.waits).operator_actions.remove(&result.request_id);
+        match waiter {
+            Some(tx) => {
+                let _ = tx.send(result);
+                true
+            }
+            None => false,
         }
     }
 

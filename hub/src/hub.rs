@@ -28,7 +28,7 @@ pub const HUB_EXTENSIONS: Extensions = Extensions {
     responder: true,
     health_status: true,
     reply_receipt: true,
-    operator_action: false,
+    operator_action: true,
 };
 
 /// The hub's name and version, sent in `hello_ack`.

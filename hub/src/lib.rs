@@ -23,6 +23,7 @@ pub mod listen;
 pub mod liveness;
 pub mod metrics;
 pub mod notice;
+pub mod operator;
 pub mod outbox;
 pub mod peer;
 mod recovery;

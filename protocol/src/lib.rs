@@ -10,7 +10,10 @@
 //! * [`ids`]: validated identifiers (bounded ids and channel ids).
 //! * [`framing`]: the bounded line framer that enforces [`MAX_LINE_BYTES`] while reading.
 //! * [`ext`]: extension names and the pure negotiation of what each side may send.
+//! * [`acecode`]: ACECode's channel platform plugin protocol (manifest, stdio frames), which
+//!   `channeld-acecode` hosts and the SDK's `--acecode` transport speaks.
 
+pub mod acecode;
 pub mod ext;
 pub mod frame;
 pub mod framing;

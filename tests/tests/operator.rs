@@ -1,13 +1,15 @@
 //! Smaller edges of the operator's paths, through the real binaries: a control request cut
 //! off before its newline, the deny notice's rate limit and `channeld check`'s warnings about
-//! allowlist entries that cannot be what was meant. (`channelctl health`'s exit status is
-//! checked in `hub.rs`.)
+//! allowlist entries that cannot be what was meant, and operator actions answered, refused
+//! and timed out by a raw driver. (`channelctl health`'s exit status is checked in `hub.rs`;
+//! operator actions through a real driver in `acecode.rs`.)
 
 use std::io::{Read, Write};
 use std::process::Command;
 use std::time::Duration;
 
-use channeld_protocol::Frame;
+use channeld_protocol::frame::{Hello, Lifecycle, OperatorActionResult};
+use channeld_protocol::{ChannelId, Frame};
 use channeld_tests::peer::caps;
 use channeld_tests::{HubProcess, RawPeer, workspace_bin, write_file};
 
@@ -83,4 +85,78 @@ fn channeld_check_warns_about_allowlist_entries_with_stray_spaces_or_invisible_c
     assert!(warnings.contains("carol\\u{200b}"), "{warnings}");
     assert!(warnings.contains("dave\\t"), "{warnings}");
     assert!(!warnings.contains("alice"), "{warnings}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_action_reaches_the_driver_once_and_its_answer_or_silence_is_the_exit_status() {
+    let hub = HubProcess::start(&format!("[instance.\"{ONE}\"]\nallow = [\"alice\"]\n"));
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver
+        .send(Frame::Hello(Hello {
+            request_id: channeld_tests::peer::id("hello-1"),
+            channel: ChannelId::new(ONE).unwrap(),
+            capabilities: caps(&["receive", "send"]),
+            actions: Default::default(),
+            extensions: vec!["operator_action".into()],
+            operator_actions: vec!["resume".into()],
+        }))
+        .await;
+    driver.send(Frame::Start(Lifecycle { request_id: channeld_tests::peer::id("start-1") })).await;
+    let Frame::HelloAck(ack) = driver.frame().await else { panic!("no hello_ack") };
+    assert_eq!(ack.extensions, ["operator_action"]);
+
+    // Answered ok, with data.
+    let call = hub.ctl_async(&["action", ONE, "resume", "--args", "{\"why\":\"test\"}", "--json"]);
+    let Frame::OperatorAction(action) = driver.frame().await else { panic!("no operator_action") };
+    assert_eq!(
+        (action.name.as_str(), &action.args),
+        ("resume", &serde_json::json!({"why": "test"}))
+    );
+    let answer = OperatorActionResult {
+        request_id: action.request_id,
+        ok: true,
+        code: None,
+        message: Some("resumed".into()),
+        data: Some(serde_json::json!({"was": "fenced"})),
+    };
+    driver.send(Frame::OperatorActionResult(answer)).await;
+    let out = call.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(result["data"], serde_json::json!({"was": "fenced"}));
+    assert_eq!(result["message"], "resumed");
+
+    // Answered failed: exit 6 with the driver's code and sentence.
+    let call = hub.ctl_async(&["resume", ONE]);
+    let Frame::OperatorAction(action) = driver.frame().await else { panic!("no operator_action") };
+    let answer = OperatorActionResult {
+        request_id: action.request_id,
+        ok: false,
+        code: Some("failed".into()),
+        message: Some("still displaced".into()),
+        data: None,
+    };
+    driver.send(Frame::OperatorActionResult(answer)).await;
+    let out = call.await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(6), "{err}");
+    assert!(err.contains("failed: still displaced") && err.contains("action_failed"), "{err}");
+
+    // Not answered: exit 5 after the timeout, and the action was sent once.
+    let out = hub.ctl_async(&["resume", ONE, "--timeout", "1"]).await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{err}");
+    assert!(err.contains("action_timeout"), "{err}");
+    let Frame::OperatorAction(_) = driver.frame().await else { panic!("no operator_action") };
+
+    // Not declared: refused by the hub; the driver sees nothing.
+    let out = hub.ctl(&["action", ONE, "relogin"]);
+    assert_eq!(out.status.code(), Some(4));
+    let out = hub.ctl(&["action", ONE, "resume", "--args", "[1]"]);
+    assert_eq!(out.status.code(), Some(2), "--args must be an object");
+    // The next frame the driver sees is the next declared action: nothing came in between.
+    let call = hub.ctl_async(&["action", ONE, "resume", "--args", "{\"n\":2}", "--timeout", "1"]);
+    let Frame::OperatorAction(action) = driver.frame().await else { panic!("no operator_action") };
+    assert_eq!(action.args, serde_json::json!({"n": 2}));
+    assert_eq!(call.await.unwrap().status.code(), Some(5));
 }

@@ -1,7 +1,7 @@
 //! Answers control requests: `send` through the outbox, `health` by probing, `status` and
 //! `catalog` from the hub's state (and the ledger's reply counts), `outbox` (paged,
 //! previews), `outbox_get` and `outbox_retry` from the ledger, `replies` and
-//! `replies_retry` through the reply courier.
+//! `replies_retry` through the reply courier, `action` through the connected driver.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,13 +10,13 @@ use std::time::Duration;
 use std::collections::HashMap;
 
 use channeld_control::{
-    CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
+    ActionResult, CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
     MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, REPLY_STATES, RepliesResult,
     ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
 };
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
-use tracing::debug;
+use tracing::{debug, info};
 
 use super::server::{failure, success};
 use crate::hub::{HUB_NAME, Hub};
@@ -24,6 +24,7 @@ use crate::instance::unix_ms;
 use crate::ledger::{
     LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,
 };
+use crate::operator::{self, OperatorError};
 use crate::outbox::SendRequest;
 use crate::send::{SendError, SendOutcome};
 
@@ -158,6 +159,57 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             }
             Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
         },
+        Op::Action { instance, name, args, timeout_ms } => {
+            let timeout = timeout_ms.map_or(hub.config.command_timeout, Duration::from_millis);
+            action(hub, id, instance, name, args, timeout).await
+        }
+    }
+}
+
+/// `action`: refused by the hub when it can decide alone (no such instance, no driver
+/// connected, a name the driver did not declare), otherwise the driver's answer.
+async fn action(
+    hub: &Arc<Hub>,
+    id: u64,
+    instance: String,
+    name: String,
+    args: serde_json::Value,
+    timeout: Duration,
+) -> Vec<u8> {
+    let Some(inst) = hub.instance(&instance) else {
+        return failure(id, code::UNKNOWN_INSTANCE, format!("no instance named {instance}"), None);
+    };
+    let Some(conn) = inst.live() else {
+        let message = format!("{instance} has no driver connected");
+        return failure(id, code::DRIVER_OFFLINE, message, None);
+    };
+    let request_id = hub.ids.request("op");
+    let rid = request_id.to_string();
+    match operator::perform(&conn, request_id, name.clone(), args, timeout).await {
+        Ok(result) if result.ok => {
+            info!(%instance, action = %name, request_id = %rid, "operator action performed");
+            success(id, ActionResult { instance, name, message: result.message, data: result.data })
+        }
+        Ok(result) => {
+            let code = result.code.unwrap_or_else(|| "failed".to_owned());
+            let message = match result.message {
+                Some(message) => format!("the driver refused {name}: {code}: {message}"),
+                None => format!("the driver refused {name}: {code}"),
+            };
+            info!(%instance, action = %name, request_id = %rid, %code, "operator action failed");
+            failure(id, code::ACTION_FAILED, message, Some(rid))
+        }
+        Err(err) => {
+            let code = match err {
+                OperatorError::NotNegotiated | OperatorError::NotDeclared { .. } => {
+                    code::NOT_DECLARED
+                }
+                OperatorError::ArgsNotObject => code::INVALID_REQUEST,
+                OperatorError::Disconnected | OperatorError::Send(_) => code::DRIVER_OFFLINE,
+                OperatorError::Timeout(_) => code::ACTION_TIMEOUT,
+            };
+            failure(id, code, err.to_string(), None)
+        }
     }
 }
 
@@ -383,6 +435,7 @@ pub fn catalog(exe: Option<&Path>) -> CatalogResult {
         ("wechat", "WeChat iLink HTTP long-poll"),
         ("wecom", "WeCom AI Bot WebSocket"),
         ("nostr", "Nostr relays, NIP-04/NIP-17 DMs"),
+        ("acecode", "an ACECode channel platform plugin (stdio JSONL child)"),
     ];
     let dir: Option<PathBuf> = exe.and_then(Path::parent).map(Path::to_path_buf);
     let families = FAMILIES

@@ -1,7 +1,7 @@
 //! A driver connection: the handshake (`hello` for this instance, one driver per instance,
 //! `hello_ack` with the negotiated extensions), then its frames — inbound to the inbound
-//! path, receipts and errors to the outbox (or the reply courier), command results and
-//! health to their waits.
+//! path, receipts and errors to the outbox (or the reply courier), command results, operator
+//! action results and health to their waits.
 //! Legacy connections (no `hello`) use the same frame loop.
 
 use std::sync::Arc;
@@ -55,13 +55,21 @@ async fn handshake(
         return None;
     }
     let declaration = PeerDeclaration::from_hello(&hello, HUB_EXTENSIONS);
-    let conn = Arc::new(Connection::new(
-        hub.ids.connection(),
-        PeerKind::Driver,
-        sink.clone(),
-        declaration,
-        peer_pid,
-    ));
+    let operator_actions = if declaration.extensions.operator_action {
+        hello.operator_actions.clone()
+    } else {
+        Vec::new()
+    };
+    let conn = Arc::new(
+        Connection::new(
+            hub.ids.connection(),
+            PeerKind::Driver,
+            sink.clone(),
+            declaration,
+            peer_pid,
+        )
+        .with_operator_actions(operator_actions),
+    );
     if let Err(existing) = inst.claim(&conn) {
         warn!(
             instance = %inst.config.id,
@@ -166,6 +174,12 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                 let request_id = result.request_id.clone();
                 if !conn.complete_command(result) {
                     debug!(%request_id, "command_result nobody waits for");
+                }
+            }
+            Frame::OperatorActionResult(result) => {
+                let request_id = result.request_id.clone();
+                if !conn.complete_operator_action(result) {
+                    debug!(%request_id, "operator_action_result nobody waits for");
                 }
             }
             Frame::Health(report) => {
