@@ -107,12 +107,18 @@ fn the_modules_of_the_hub_form_a_dag() {
         Ok(order) => eprintln!("bottom-up: {}", order.join(", ")),
         Err(cycle) => panic!("import circle among: {cycle:?}"),
     }
-    for expected in
-        [
-            "inbound", "ledger", "serve", "control", "outbox", "courier", "hub", "lifecycle", "metrics",
-            "scrape",
-        ]
-    {
+    for expected in [
+        "inbound",
+        "ledger",
+        "serve",
+        "control",
+        "outbox",
+        "courier",
+        "hub",
+        "lifecycle",
+        "metrics",
+        "scrape",
+    ] {
         assert!(
             graph.contains_key(expected),
             "module {expected} not found: the check read nothing"

@@ -220,7 +220,11 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     });
     let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
     inst.metrics.run_finished(outcome, began.elapsed());
-    debug!(outcome = outcome.as_str(), elapsed_ms = began.elapsed().as_millis() as u64, "run finished");
+    debug!(
+        outcome = outcome.as_str(),
+        elapsed_ms = began.elapsed().as_millis() as u64,
+        "run finished"
+    );
     let ended = Instant::now();
     let end = match &result {
         Ok(text) => RunEnd::Reply(text.clone()),
