@@ -97,8 +97,11 @@ fn assert_round_trip(frame: &Frame) {
 fn check_line(line: &[u8]) {
     let Ok(frame) = decode(line) else { return };
     assert_round_trip(&frame);
+    // A `Value` refuses numbers beyond f64 (`1E400`), which are valid JSON and which the
+    // decoder rightly skips in unknown fields (found by the mutation run): no second layout
+    // to compare then.
     let Ok(Value::Object(mut envelope)) = serde_json::from_slice::<Value>(line) else {
-        panic!("a line that decoded is not a JSON object")
+        return;
     };
     // Putting `frame` before `abi` sends the line down the general decoding path.
     if let Some(abi) = envelope.shift_remove("abi") {
