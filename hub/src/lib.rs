@@ -6,6 +6,7 @@
 //! single connection in memory ([`serve::serve`]). ARCHITECTURE.md has the module map; the
 //! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
+pub mod cancels;
 pub mod command;
 pub mod config;
 pub mod connection;
@@ -13,6 +14,7 @@ pub mod control;
 pub mod courier;
 pub mod demo;
 mod health;
+pub mod history;
 pub mod hub;
 pub mod ids;
 pub mod inbound;

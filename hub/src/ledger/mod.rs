@@ -12,6 +12,7 @@
 //!
 //! Architecture invariant: the ledger imports nothing from the rest of the hub.
 
+pub mod history;
 pub mod inbound;
 mod lock;
 pub mod outbox;
@@ -32,9 +33,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
 
+pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
 pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
-pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord};
+pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, StoredReply};
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
@@ -213,13 +215,59 @@ impl Ledger {
         drop(self.lock.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
-    /// Records an inbound unless its event id is known; see [`Recorded`].
+    /// Records an inbound unless its event id is known; see [`Recorded`]. A new one's
+    /// `history` entry (with the conversation's cap) is appended in the same step.
     pub async fn record_inbound(
         &self,
         new: NewInbound,
         rehash: Rehash,
+        history: Option<(NewHistory, usize)>,
     ) -> Result<Recorded, LedgerError> {
-        self.call(move |txn| inbound::record(txn, &new, rehash)).await
+        self.call(move |txn| {
+            let recorded = inbound::record(txn, &new, rehash)?;
+            if let (Recorded::New, Some((entry, cap))) = (&recorded, history) {
+                history::append(txn, &entry, cap)?;
+            }
+            Ok(recorded)
+        })
+        .await
+    }
+
+    /// The newest `limit` history entries of a conversation (and thread), oldest first.
+    pub async fn history_recent(
+        &self,
+        instance: String,
+        conversation: String,
+        thread: Option<String>,
+        limit: usize,
+    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+        self.call(move |txn| {
+            history::recent(txn, &instance, &conversation, thread.as_deref(), limit)
+        })
+        .await
+    }
+
+    /// The history entries of one inbound event (its text, the reply posted for it).
+    pub async fn history_of_event(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+        self.call(move |txn| history::by_event(txn, &instance, &event_id)).await
+    }
+
+    /// One history entry by its id.
+    pub async fn history_get(&self, id: i64) -> Result<Option<HistoryEntry>, LedgerError> {
+        self.call(move |txn| history::get(txn, id)).await
+    }
+
+    /// The state of `event_id`'s entry and its error code (`aborted` for a cancelled run).
+    pub async fn inbound_outcome(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
+        self.call(move |txn| inbound::outcome(txn, &instance, &event_id)).await
     }
 
     /// Counts the start of a run that waited (or was recovered); see [`inbound::start`].
@@ -347,7 +395,8 @@ impl Ledger {
         self.call(move |txn| {
             Ok(inbound::prune(txn, before_ms)?
                 + replies::prune(txn, before_ms)?
-                + outbox::prune(txn, before_ms)?)
+                + outbox::prune(txn, before_ms)?
+                + history::prune(txn, before_ms)?)
         })
         .await
     }
@@ -461,7 +510,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
-            assert_eq!(ledger.record_inbound(inbound("e1"), same).await.unwrap(), Recorded::New);
+            assert_eq!(ledger.record_inbound(inbound("e1"), same, None).await.unwrap(), Recorded::New);
             ledger.close().await;
         }
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
@@ -476,9 +525,9 @@ mod tests {
         ledger.ping().await.unwrap();
         ledger.close().await;
         assert_eq!(ledger.ping().await, Err(LedgerError::Unavailable));
-        assert_eq!(ledger.record_inbound(inbound("e"), same).await, Err(LedgerError::Unavailable));
+        assert_eq!(ledger.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Unavailable));
         let off = Ledger::off();
-        assert_eq!(off.record_inbound(inbound("e"), same).await, Err(LedgerError::Off));
+        assert_eq!(off.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Off));
         off.ping().await.unwrap();
     }
 
@@ -489,7 +538,7 @@ mod tests {
             .map(|n| {
                 let ledger = ledger.clone();
                 tokio::spawn(
-                    async move { ledger.record_inbound(inbound(&format!("e{n}")), same).await },
+                    async move { ledger.record_inbound(inbound(&format!("e{n}")), same, None).await },
                 )
             })
             .collect();
@@ -497,7 +546,7 @@ mod tests {
             assert_eq!(call.await.unwrap().unwrap(), Recorded::New);
         }
         assert!(matches!(
-            ledger.record_inbound(inbound("e7"), same).await,
+            ledger.record_inbound(inbound("e7"), same, None).await,
             Ok(Recorded::Replay(_))
         ));
     }
