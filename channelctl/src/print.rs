@@ -2,8 +2,8 @@
 //! answer as it is instead).
 
 use channeld_control::{
-    ActionResult, CancelView, CatalogResult, HealthResult, HistoryView, InstanceStatus, OutboxEntry, OutboxResult,
-    RepliesResult, ReplyCounts, ReplyEntry, SendResult, StatusResult,
+    ActionResult, CancelView, CatalogResult, HealthResult, HistoryView, InstanceStatus,
+    OutboxEntry, OutboxResult, RepliesResult, ReplyCounts, ReplyEntry, SendResult, StatusResult,
 };
 use channeld_protocol::types::Health;
 

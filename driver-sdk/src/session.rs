@@ -316,9 +316,10 @@ impl<D: Driver> Session<D> {
                 }
             }
             Frame::Error(err)
-                if err.request_id.as_ref().is_some_and(|id| {
-                    self.shared.lock().requests.contains_key(id)
-                }) =>
+                if err
+                    .request_id
+                    .as_ref()
+                    .is_some_and(|id| self.shared.lock().requests.contains_key(id)) =>
             {
                 let request_id = err.request_id.clone().expect("checked above");
                 self.shared.complete_request(&request_id, Err(err));

@@ -71,14 +71,8 @@ pub async fn read(
 /// the request's id.
 pub async fn answer(hub: &Arc<Hub>, inst: &Instance, request: HistoryRequest) -> Frame {
     let HistoryRequest { request_id, conversation, thread, limit } = request;
-    let read = read(
-        hub,
-        inst,
-        conversation.to_string(),
-        thread.map(|t| t.to_string()),
-        limit,
-    )
-    .await;
+    let read =
+        read(hub, inst, conversation.to_string(), thread.map(|t| t.to_string()), limit).await;
     match read {
         Ok(entries) => {
             let (entries, truncated) = fit(entries, channeld_protocol::MAX_LINE_BYTES);
@@ -127,7 +121,8 @@ fn encoded_len(entry: &HistoryEntry) -> usize {
 fn cut_to(entry: &mut HistoryEntry, budget: usize) {
     let text = std::mem::take(&mut entry.text);
     let room = budget.saturating_sub(encoded_len(entry)) / 6;
-    let end = text.char_indices().map(|(at, c)| at + c.len_utf8()).take_while(|end| *end <= room).last();
+    let end =
+        text.char_indices().map(|(at, c)| at + c.len_utf8()).take_while(|end| *end <= room).last();
     entry.text = text[..end.unwrap_or(0)].to_owned();
 }
 

@@ -357,8 +357,7 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         started: true,
         now_ms: 1,
     };
-    let recorded =
-        hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash, None);
+    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash, None);
     assert_eq!(recorded.await.unwrap(), Recorded::New);
     let text = "\"".repeat(200_000);
     let inst = hub.instance(ONE).unwrap();

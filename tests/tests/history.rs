@@ -31,7 +31,13 @@ async fn connect(hub: &HubProcess, instance: &str, extensions: &[&str]) -> RawPe
 }
 
 /// One exchange: `text` from alice in `conversation`, the echo reply posted as `p-<event>`.
-async fn exchange(driver: &mut RawPeer, instance: &str, event: &str, conversation: &str, text: &str) {
+async fn exchange(
+    driver: &mut RawPeer,
+    instance: &str,
+    event: &str,
+    conversation: &str,
+    text: &str,
+) {
     driver.inbound(instance, event, "alice", conversation, text).await;
     assert!(matches!(driver.frame().await, Frame::Accepted(_)));
     let delivery = expect_deliver(driver.frame().await);
@@ -102,7 +108,9 @@ async fn history_holds_each_exchange_in_order_and_survives_a_restart() {
     posted(&mut driver, "elsewhere", "x1").await;
     let entries = ask(&mut driver, "h-1", "room", None).await.unwrap();
     let expected: Vec<(HistoryRole, String)> = (1..=3)
-        .flat_map(|n| [(HistoryRole::User, format!("q{n}")), (HistoryRole::Assistant, format!("q{n}"))])
+        .flat_map(|n| {
+            [(HistoryRole::User, format!("q{n}")), (HistoryRole::Assistant, format!("q{n}"))]
+        })
         .collect();
     assert_eq!(summary(&entries), expected);
     assert_eq!(entries[0].sender.as_deref(), Some("alice"));

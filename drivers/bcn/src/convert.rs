@@ -119,6 +119,30 @@ pub fn chat_event(run_id: &str, group_id: Option<&str>, state: &str, text: Optio
     payload
 }
 
+/// A tool report as a `chat.event` state and its fields: a `status` of `start`, `started`,
+/// `running` or `call` is `tool_call_start` (with `args`), anything else `tool_call_end`
+/// (with `result` and `success`, false for `error`/`failed`). `tool_call_id` comes from the
+/// report's `id` or `tool_call_id`.
+pub fn tool_event(
+    name: &str,
+    status: &str,
+    mut rest: serde_json::Map<String, Value>,
+) -> (&'static str, serde_json::Map<String, Value>) {
+    let mut fields = serde_json::Map::new();
+    fields.insert("tool_name".into(), json!(name));
+    if let Some(id) = rest.remove("tool_call_id").or_else(|| rest.remove("id")) {
+        fields.insert("tool_call_id".into(), id);
+    }
+    if matches!(status, "start" | "started" | "running" | "call") {
+        fields.insert("args".into(), rest.remove("args").unwrap_or_else(|| json!({})));
+        (wire::state::TOOL_CALL_START, fields)
+    } else {
+        fields.insert("result".into(), rest.remove("result").unwrap_or(Value::Null));
+        fields.insert("success".into(), json!(!matches!(status, "error" | "failed")));
+        (wire::state::TOOL_CALL_END, fields)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,6 +214,19 @@ mod tests {
             inbound_message(&channel(), "run-1", &bad_key, &context),
             Err(ConvertError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn tool_reports_become_start_and_end_events() {
+        let rest = |v: Value| v.as_object().cloned().unwrap();
+        let (state, fields) =
+            tool_event("search", "start", rest(json!({"id": "tc-1", "args": {"q": "x"}})));
+        assert_eq!(state, wire::state::TOOL_CALL_START);
+        assert_eq!(fields["tool_call_id"], "tc-1");
+        assert_eq!(fields["args"]["q"], "x");
+        let (state, fields) = tool_event("search", "error", rest(json!({"tool_call_id": "tc-1"})));
+        assert_eq!(state, wire::state::TOOL_CALL_END);
+        assert_eq!(fields["success"], false);
     }
 
     #[test]

@@ -10,6 +10,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use channeld_driver_sdk::protocol::Id;
+use channeld_driver_sdk::protocol::ext::{Extensions, MAX_HISTORY_LIMIT, StreamEnd, StreamFrame};
 use channeld_driver_sdk::protocol::types::{Capabilities, DeliveryReceipt, InboundMessage};
 use channeld_driver_sdk::transport::websocket::WsSender;
 use channeld_driver_sdk::{
@@ -25,7 +27,9 @@ use crate::config::BcnConfig;
 use crate::convert::{self, Context};
 use crate::runs::{AbortCheck, Ending, Runs};
 use crate::session::{self, End, Handler};
-use crate::wire::{self, AbortParams, ChatParams, Connected, ErrorBody, Request, code, method};
+use crate::wire::{
+    self, AbortParams, ChatParams, Connected, ErrorBody, HistoryParams, Request, code, method,
+};
 
 /// `chat.send` messages accepted from BCN and waiting for the hub. When full, reading from
 /// BCN pauses until there is room (nothing is dropped).
@@ -76,6 +80,18 @@ impl Shared {
         text: Option<&str>,
         ending: Option<Ending>,
     ) -> Result<u64, String> {
+        self.chat_event_with(run_id, state, text, ending, serde_json::Map::new()).await
+    }
+
+    /// [`chat_event`](Self::chat_event) with `extra` payload fields (`routing`, tool fields).
+    async fn chat_event_with(
+        &self,
+        run_id: &str,
+        state: &str,
+        text: Option<&str>,
+        ending: Option<Ending>,
+        extra: serde_json::Map<String, Value>,
+    ) -> Result<u64, String> {
         let deadline = Instant::now() + self.config.send_timeout;
         let Some(sender) = self.sender(deadline).await else {
             return Err("not connected to BCN".into());
@@ -83,7 +99,10 @@ impl Shared {
         let Some(slot) = self.runs.next(run_id, ending) else {
             return Err(format!("run {run_id} is unknown or has ended"));
         };
-        let payload = convert::chat_event(run_id, slot.group_id.as_deref(), state, text);
+        let mut payload = convert::chat_event(run_id, slot.group_id.as_deref(), state, text);
+        if let Value::Object(fields) = &mut payload {
+            fields.extend(extra);
+        }
         if let Err(err) = sender.send_text(wire::event(method::CHAT_EVENT, payload, slot.seq)).await
         {
             // Not sent: the run stays where it was, so a retry sends the same event.
@@ -141,11 +160,8 @@ impl Handler for Shared {
             method::SEND => self.chat_send(request).await,
             // Observation only: nothing runs, nothing answers.
             method::INJECT => Ok(json!({})),
-            method::ABORT => self.chat_abort(request),
-            method::HISTORY => Err(ErrorBody::new(
-                code::UNAVAILABLE,
-                "this hub keeps no conversation history for drivers",
-            )),
+            method::ABORT => self.chat_abort(request).await,
+            method::HISTORY => self.chat_history(request).await,
             other => Err(ErrorBody::new(code::UNKNOWN_METHOD, format!("unknown method {other}"))),
         };
         let frame = match answer {
@@ -179,7 +195,39 @@ impl Shared {
         Ok(json!({"run_id": run_id}))
     }
 
-    fn chat_abort(&self, request: Request) -> Result<Value, ErrorBody> {
+    fn hub(&self) -> Result<Hub, ErrorBody> {
+        lock(&self.hub).clone().ok_or_else(|| {
+            ErrorBody::new(code::UNAVAILABLE, "the driver is not connected to its hub")
+        })
+    }
+
+    /// The hub's stored history of the session key: the newest `limit`, oldest first.
+    async fn chat_history(&self, request: Request) -> Result<Value, ErrorBody> {
+        let params: HistoryParams = serde_json::from_value(request.params)
+            .map_err(|err| ErrorBody::new(code::INVALID_REQUEST, format!("chat.history: {err}")))?;
+        let mut payload = json!({"session_key": params.session_key, "messages": []});
+        if let Some(group) = self.runs.group_of(&params.session_key) {
+            payload["session_id"] = json!(group);
+        }
+        let limit = params.limit.map(|limit| limit.min(u64::from(MAX_HISTORY_LIMIT)) as u32);
+        // No such conversation can exist (an invalid id) or nothing was asked for.
+        let Ok(conversation) = Id::new(params.session_key.clone()) else { return Ok(payload) };
+        if limit == Some(0) {
+            return Ok(payload);
+        }
+        let entries = self.hub()?.history(conversation, None, limit).await.map_err(|err| {
+            ErrorBody::new(code::UNAVAILABLE, format!("the hub's history is unavailable: {err}"))
+        })?;
+        payload["messages"] = entries
+            .iter()
+            .map(|entry| {
+                json!({"role": entry.role.as_str(), "content": entry.text, "timestamp": entry.at_ms})
+            })
+            .collect();
+        Ok(payload)
+    }
+
+    async fn chat_abort(&self, request: Request) -> Result<Value, ErrorBody> {
         let params: AbortParams = serde_json::from_value(request.params)
             .map_err(|err| ErrorBody::new(code::INVALID_REQUEST, format!("chat.abort: {err}")))?;
         match self.runs.check_abort(&params.run_id, &params.session_key) {
@@ -191,10 +239,60 @@ impl Shared {
                 format!("run {} belongs to another session_key", params.run_id),
             )),
             AbortCheck::Ended => Ok(json!({"aborted": false, "aborted_run_ids": []})),
-            AbortCheck::Active => Err(ErrorBody::new(
-                code::UNAVAILABLE,
-                "this hub cannot cancel a run; the run goes on",
-            )),
+            AbortCheck::Active => {
+                let event_id = Id::new(params.run_id.clone())
+                    .map_err(|err| ErrorBody::new(code::INVALID_REQUEST, err.to_string()))?;
+                let result = self.hub()?.cancel(event_id).await.map_err(|err| match err {
+                    HubError::Refused { code: refused, message, .. }
+                        if refused == "unknown_event" =>
+                    {
+                        ErrorBody::new(code::NOT_FOUND, message)
+                    }
+                    other => ErrorBody::new(
+                        code::UNAVAILABLE,
+                        format!("the hub could not cancel: {other}"),
+                    ),
+                })?;
+                // The hub has stopped the run; whatever it still had is suppressed. If its
+                // end did not come as a stream frame, the run ends here.
+                let _ = self
+                    .chat_event(&params.run_id, wire::state::ABORTED, None, Some(Ending::Aborted))
+                    .await;
+                self.runs.abort(&params.run_id);
+                let ids: Vec<&str> = result
+                    .cancelled
+                    .iter()
+                    .map(Id::as_str)
+                    .filter(|id| *id == params.run_id)
+                    .collect();
+                Ok(json!({"aborted": !ids.is_empty(), "aborted_run_ids": ids}))
+            }
+        }
+    }
+
+    /// A step of a run's streamed output as a `chat.event`.
+    async fn on_stream(&self, frame: StreamFrame) {
+        let run_id = frame.event_id.as_str();
+        let sent = if let Some(end) = frame.end {
+            let (state, text) = match end {
+                StreamEnd::Aborted => (wire::state::ABORTED, None),
+                StreamEnd::Error => (
+                    wire::state::ERROR,
+                    Some(frame.message.clone().unwrap_or_else(|| "the run failed".into())),
+                ),
+            };
+            let ending = if end == StreamEnd::Aborted { Ending::Aborted } else { Ending::Error };
+            self.chat_event(run_id, state, text.as_deref(), Some(ending)).await
+        } else if let Some(text) = &frame.text {
+            self.chat_event(run_id, wire::state::DELTA, Some(text), None).await
+        } else if let Some(tool) = frame.tool {
+            let (state, extra) = convert::tool_event(&tool.name, &tool.status, tool.rest);
+            self.chat_event_with(run_id, state, None, None, extra).await
+        } else {
+            return;
+        };
+        if let Err(err) = sent {
+            debug!(%run_id, seq = frame.seq, error = %err, "stream step not sent");
         }
     }
 }
@@ -357,6 +455,14 @@ impl Driver for BcnDriver {
             websocket: true,
             ..Capabilities::default()
         })
+    }
+
+    fn extensions(&self) -> Extensions {
+        Extensions::all()
+    }
+
+    async fn stream(&self, frame: StreamFrame) {
+        self.shared.on_stream(frame).await;
     }
 
     async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {

@@ -102,6 +102,27 @@ impl Runs {
         Some(Slot { group_id: run.group_id.clone(), seq: run.seq })
     }
 
+    /// Marks a run aborted without an event (its `aborted` event was sent or could not be).
+    pub fn abort(&self, run_id: &str) {
+        if let Some(run) = self.table().runs.get_mut(run_id)
+            && run.ended.is_none()
+        {
+            run.ended = Some(Ending::Aborted);
+        }
+    }
+
+    /// The group of the newest run of `session_key`, if one is remembered.
+    pub fn group_of(&self, session_key: &str) -> Option<String> {
+        let table = self.table();
+        table
+            .order
+            .iter()
+            .rev()
+            .filter_map(|id| table.runs.get(id))
+            .find(|run| run.session_key == session_key)
+            .and_then(|run| run.group_id.clone())
+    }
+
     /// Takes back the event `seq` that could not be sent: the run is as before it.
     pub fn undo(&self, run_id: &str, seq: u64) {
         if let Some(run) = self.table().runs.get_mut(run_id)

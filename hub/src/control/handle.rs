@@ -11,9 +11,9 @@ use std::time::Duration;
 use std::collections::HashMap;
 
 use channeld_control::{
-    ActionResult, CancelView, CatalogResult, HistoryView, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
-    MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, REPLY_STATES, RepliesResult,
-    ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
+    ActionResult, CancelView, CatalogResult, CountersView, DriverProcess, Family, HealthResult,
+    HistoryView, InstanceStatus, MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult,
+    REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
 };
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
@@ -21,8 +21,8 @@ use tracing::{debug, info};
 
 use super::server::{failure, success};
 use crate::history;
-use crate::inbound::cancel;
 use crate::hub::{HUB_NAME, Hub};
+use crate::inbound::cancel;
 use crate::instance::unix_ms;
 use crate::ledger::{
     LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,

@@ -18,7 +18,6 @@ use crate::instance::{Instance, unix_ms};
 use crate::ledger::{InboundState, RunEnd};
 use crate::runtime::RunError;
 
-
 /// How long a cancel waits for a running run to stop and record its end: the runtime's
 /// grace period and a kill, with room to spare.
 const STOP_WAIT: Duration = Duration::from_secs(30);

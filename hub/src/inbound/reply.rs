@@ -302,7 +302,8 @@ mod tests {
     #[test]
     fn a_reply_of_only_nuls_becomes_an_empty_reply_error() {
         let event = Id::new("e-1").unwrap();
-        let refused = deliver_line(&event, &target("c1"), &Metadata::new(), "\0\0".into()).unwrap_err();
+        let refused =
+            deliver_line(&event, &target("c1"), &Metadata::new(), "\0\0".into()).unwrap_err();
         assert_eq!(refused.0, "empty_reply");
     }
 }

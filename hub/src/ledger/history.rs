@@ -165,10 +165,8 @@ pub fn recent(
         "SELECT {COLUMNS} FROM history WHERE instance = ?1 AND conversation = ?2 AND thread = ?3
          ORDER BY id DESC LIMIT ?4"
     ))?;
-    let rows = stmt.query_map(
-        params![instance, conversation, thread.unwrap_or(""), limit as i64],
-        entry,
-    )?;
+    let rows =
+        stmt.query_map(params![instance, conversation, thread.unwrap_or(""), limit as i64], entry)?;
     let mut entries = rows.collect::<Result<Vec<_>, _>>()?;
     entries.reverse();
     Ok(entries)
@@ -265,8 +263,7 @@ mod tests {
     fn a_posted_reply_becomes_an_assistant_entry_in_its_conversation() {
         let mut conn = open_in_memory().unwrap();
         let txn = conn.transaction().unwrap();
-        let mut target =
-            MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new("c1").unwrap());
+        let mut target = MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new("c1").unwrap());
         target.thread = Some(Id::new("t1").unwrap());
         let message = OutboundMessage {
             target,

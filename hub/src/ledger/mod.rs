@@ -510,7 +510,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
-            assert_eq!(ledger.record_inbound(inbound("e1"), same, None).await.unwrap(), Recorded::New);
+            assert_eq!(
+                ledger.record_inbound(inbound("e1"), same, None).await.unwrap(),
+                Recorded::New
+            );
             ledger.close().await;
         }
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
@@ -525,7 +528,10 @@ mod tests {
         ledger.ping().await.unwrap();
         ledger.close().await;
         assert_eq!(ledger.ping().await, Err(LedgerError::Unavailable));
-        assert_eq!(ledger.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Unavailable));
+        assert_eq!(
+            ledger.record_inbound(inbound("e"), same, None).await,
+            Err(LedgerError::Unavailable)
+        );
         let off = Ledger::off();
         assert_eq!(off.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Off));
         off.ping().await.unwrap();
@@ -537,9 +543,9 @@ mod tests {
         let calls: Vec<_> = (0..100)
             .map(|n| {
                 let ledger = ledger.clone();
-                tokio::spawn(
-                    async move { ledger.record_inbound(inbound(&format!("e{n}")), same, None).await },
-                )
+                tokio::spawn(async move {
+                    ledger.record_inbound(inbound(&format!("e{n}")), same, None).await
+                })
             })
             .collect();
         for call in calls {

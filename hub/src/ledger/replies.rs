@@ -11,10 +11,10 @@ use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
 use serde::{Deserialize, Serialize};
 
 use super::LedgerError;
-use super::{history, inbound};
 use super::reply_state::{self, Answer, REPLY_STATES, ReplyState};
 use super::state::sql_list;
 use super::store::Cached;
+use super::{history, inbound};
 
 /// A reply's delivery record as stored: its `deliver` message and, for a streamed run, the
 /// seq its final `deliver` takes (given to drivers with `stream` as

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use channeld_protocol::Id;
 use channeld_protocol::ext::ToolReport;
-use channeld_protocol::types::Metadata;
 use channeld_protocol::framing::{LineEvent, LineFramer};
+use channeld_protocol::types::Metadata;
 use channeld_protocol::types::{Choice, Command, Effect, Participant};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -604,8 +604,11 @@ mod tests {
             ..Transcript::default()
         };
         assert_eq!(blank.reply(), None);
-        let empty_reply =
-            Transcript { replies: vec![" ".into()], plain: vec!["x".into()], ..Transcript::default() };
+        let empty_reply = Transcript {
+            replies: vec![" ".into()],
+            plain: vec!["x".into()],
+            ..Transcript::default()
+        };
         assert_eq!(empty_reply.reply(), None);
     }
 
