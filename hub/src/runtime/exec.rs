@@ -27,6 +27,37 @@ pub const AGENT_ENVELOPE_VERSION: &str = "channeld.agent/v1";
 /// Environment variables passed through from the hub to agents; everything else is cleared.
 const PASS_THROUGH_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER"];
 
+/// The prefix of inbound metadata keys a driver passes to its agents as environment.
+pub const METADATA_ENV_PREFIX: &str = "env.";
+
+/// The environment a run gets from its inbound's metadata: each `env.<NAME>` entry whose
+/// `NAME` is in the driver family's namespace (`<FAMILY>_…` in capitals, e.g. `BCN_BOT_UUID`
+/// for a `bcn` instance; only `A-Z`, `0-9`, `_`) and whose value has no NUL. Anything else is
+/// left out, so a driver cannot set `PATH`, `LD_PRELOAD` or the `CHANNELD_*` variables; the
+/// runtime's own `env` and the `CHANNELD_*` variables are applied after and win.
+pub fn metadata_env<'a>(
+    family: &str,
+    metadata: &'a channeld_protocol::types::Metadata,
+) -> Vec<(&'a str, &'a str)> {
+    let namespace: String = family
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
+        .chain(std::iter::once('_'))
+        .collect();
+    metadata
+        .iter()
+        .filter_map(|(key, value)| {
+            let name = key.strip_prefix(METADATA_ENV_PREFIX)?;
+            let valid = name.len() > namespace.len()
+                && name.len() <= 128
+                && name.starts_with(&namespace)
+                && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+                && !value.contains('\0');
+            valid.then_some((name, value.as_str()))
+        })
+        .collect()
+}
+
 /// How much of an agent's stderr is kept for the log line of a failed run.
 const STDERR_TAIL: usize = 2048;
 
@@ -206,6 +237,9 @@ fn spawn(config: &RuntimeConfig, request: &RunRequest) -> std::io::Result<Child>
     }
     let caps = request.capabilities.enabled().join(",");
     let socket = request.control_socket.as_os_str();
+    if let RunInput::Message { message } = &request.input {
+        command.envs(metadata_env(request.instance.family(), &message.metadata));
+    }
     command
         .envs(&config.env)
         .env("CHANNELD_CHANNEL_ID", request.instance.as_str())
@@ -498,6 +532,25 @@ async fn read_tail(mut pipe: impl AsyncRead + Unpin, keep: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_the_family_namespace_becomes_environment() {
+        let metadata: channeld_protocol::types::Metadata = [
+            ("env.BCN_BOT_UUID", "bot-1"),
+            ("env.BCN_", "empty name"),
+            ("env.PATH", "/evil"),
+            ("env.LD_PRELOAD", "/evil.so"),
+            ("env.CHANNELD_RUN_ID", "forged"),
+            ("env.BCN_lower", "x"),
+            ("env.BCN_NUL", "a\0b"),
+            ("bcn.group_id", "grp"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        assert_eq!(super::metadata_env("bcn", &metadata), [("BCN_BOT_UUID", "bot-1")]);
+        assert!(super::metadata_env("mqtt", &metadata).is_empty());
+    }
+
     use super::*;
 
     proptest::proptest! {
