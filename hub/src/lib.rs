@@ -6,6 +6,7 @@
 //! single connection in memory ([`serve::serve`]). ARCHITECTURE.md has the module map; the
 //! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
+pub mod agent;
 pub mod command;
 pub mod config;
 pub mod connection;
@@ -21,6 +22,7 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod listen;
 pub mod liveness;
+pub mod locator;
 pub mod metrics;
 pub mod notice;
 pub mod operator;

@@ -1,7 +1,8 @@
 //! Answers control requests: `send` through the outbox, `health` by probing, `status` and
 //! `catalog` from the hub's state (and the ledger's reply counts), `outbox` (paged,
 //! previews), `outbox_get` and `outbox_retry` from the ledger, `replies` and
-//! `replies_retry` through the reply courier, `action` through the connected driver.
+//! `replies_retry` through the reply courier, `action` through the connected driver, and the
+//! agent ops `inbox`, `read`, `respond`, `complete` (`agent.rs`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use channeld_protocol::{ChannelId, Id};
 use tracing::{debug, info};
 
 use super::server::{failure, success};
+use crate::agent::{self, AgentError};
 use crate::hub::{HUB_NAME, Hub};
 use crate::instance::unix_ms;
 use crate::ledger::{
@@ -162,6 +164,32 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         Op::Action { instance, name, args, timeout_ms } => {
             let timeout = timeout_ms.map_or(hub.config.command_timeout, Duration::from_millis);
             action(hub, id, instance, name, args, timeout).await
+        }
+        Op::Inbox { instance, unhandled, limit, before } => {
+            let limit = limit.unwrap_or(50).clamp(1, MAX_OUTBOX_PAGE);
+            answer(id, agent::inbox(hub, instance, unhandled, limit, before).await)
+        }
+        Op::Read { locator, limit } => {
+            let limit = limit.unwrap_or(agent::DEFAULT_READ_CONTEXT);
+            answer(id, agent::read(hub, &locator, limit).await)
+        }
+        Op::Respond { locator, text } => answer(id, agent::respond(hub, &locator, text).await),
+        Op::Complete { locator } => answer(id, agent::complete(hub, &locator).await),
+    }
+}
+
+/// The answer to an agent op.
+fn answer<T: serde::Serialize>(id: u64, result: Result<T, AgentError>) -> Vec<u8> {
+    match result {
+        Ok(result) => success(id, result),
+        Err(err) => {
+            let request_id = match &err {
+                AgentError::Send(
+                    SendError::Failed { request_id, .. } | SendError::Unknown { request_id, .. },
+                ) => Some(request_id.to_string()),
+                _ => None,
+            };
+            failure(id, err.code(), err.to_string(), request_id)
         }
     }
 }

@@ -30,7 +30,7 @@ use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
-use crate::ledger::{NewInbound, Recorded};
+use crate::ledger::{NewInbound, NewItem, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
@@ -76,6 +76,7 @@ pub(crate) fn rerun(
         origin: None,
         admitted,
         run_id,
+        entry: None,
         redelivered: attempt > 1,
         work,
         count_start: true,
@@ -121,6 +122,8 @@ struct Place {
     received_ms: u64,
     /// It had a run slot and an empty session: its run starts as soon as it is recorded.
     reserved: bool,
+    /// Its item's ledger entry id, once recorded.
+    entry: Option<i64>,
 }
 
 /// The first decision, made on the reader with the run queue locked: an inbound that may go
@@ -139,6 +142,7 @@ async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admi
                 run_id: run::new_run_id(hub),
                 received_ms: unix_ms(SystemTime::now()),
                 reserved: admission == Admission::Reserved,
+                entry: None,
             }
         });
         (action, place)
@@ -168,7 +172,7 @@ async fn record(
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
     admitted: Admitted,
-    place: Place,
+    mut place: Place,
 ) {
     let event_id = admitted.event_id.clone();
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
@@ -195,10 +199,19 @@ async fn record(
         run_id: place.run_id.clone(),
         started: place.reserved,
         now_ms: place.received_ms,
+        item: Some(NewItem {
+            conversation: admitted.origin.conversation.to_string(),
+            thread: admitted.origin.thread.as_ref().map(ToString::to_string),
+            message_id: admitted.reply_to.as_ref().map(ToString::to_string),
+            sender: admitted.sender.as_ref().map(|p| p.id.to_string()),
+        }),
     };
     let recorded = hub.ledger.record_inbound(new, fingerprint::rehash).await;
     let lookup = match &recorded {
-        Ok(Recorded::New) => Lookup::New,
+        Ok(Recorded::New { entry }) => {
+            place.entry = *entry;
+            Lookup::New
+        }
         Ok(Recorded::Replay(stored)) => Lookup::Stored(stored),
         Ok(Recorded::Conflict) => Lookup::Conflict,
         Err(err) => {
@@ -295,6 +308,7 @@ async fn carry_out(
                 origin: Some(conn.clone()),
                 admitted,
                 run_id: place.run_id,
+                entry: place.entry,
                 redelivered: false,
                 work,
                 // A run that waited was recorded with no attempt: count it when it starts.
