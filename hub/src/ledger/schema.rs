@@ -74,7 +74,8 @@ const MIGRATIONS: &[&str] = &[
      CREATE UNIQUE INDEX replies_by_event ON replies (instance, event_id);
      CREATE INDEX replies_by_state ON replies (state, instance, id);
      CREATE INDEX replies_by_conversation ON replies (instance, conversation, state, id);",
-    // 5 (issue 16): the agent's inbox (`ledger/items.rs`): one item per admitted inbound,
+    // 4 on this branch, 5 once the history migration of issue 15 is merged before it (it
+    // must be: migrations are append-only). Issue 16: the agent's inbox (`ledger/items.rs`): one item per admitted inbound,
     // its structural ids, the reply `respond` sent and whether it was handled. Inbound
     // recorded before this migration has no item.
     "CREATE TABLE items (
