@@ -10,7 +10,9 @@
 //! instance is Unavailable (no driver, or it does not answer). `replies retry` exits 0 once the
 //! reply is pending again, 4 when there is no such reply or it cannot be retried.
 //! `action`/`resume`: 4 refused by the hub (no driver connected, name not declared), 6 the
-//! driver answered it failed, 5 no answer in time.
+//! driver answered it failed, 5 no answer in time. `history`: 4 when the instance keeps no
+//! history (`history_off`) or is unknown. `cancel`: 0 cancelled or already ended (the output
+//! says which), 4 unknown event.
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -140,6 +142,21 @@ enum Cmd {
         /// Seconds to wait for the driver's answer.
         #[arg(long, default_value_t = 60)]
         timeout: u64,
+    },
+    /// Cancel the run started by an inbound (by its event id): a queued run leaves the queue,
+    /// a running agent is stopped. Prints what was cancelled (nothing if it had ended).
+    Cancel { instance: String, event_id: String },
+    /// A conversation's history: the newest entries (inbound texts the hub admitted, replies
+    /// posted), oldest first.
+    History {
+        instance: String,
+        conversation: String,
+        /// Only this thread's entries (default: the conversation outside threads).
+        #[arg(long)]
+        thread: Option<String>,
+        /// At most this many entries (1-1000).
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
     },
     /// The operator action `resume`: take the platform session back after a pause that only
     /// an operator may end (a displaced session, a new login).
@@ -300,6 +317,19 @@ fn main() -> ExitCode {
         Cmd::Complete { locator } => {
             (Op::Complete { locator: locator.clone() }, Duration::from_secs(30))
         }
+        Cmd::Cancel { instance, event_id } => (
+            Op::Cancel { instance: instance.clone(), event_id: event_id.clone() },
+            Duration::from_secs(60),
+        ),
+        Cmd::History { instance, conversation, thread, limit } => (
+            Op::History {
+                instance: instance.clone(),
+                conversation: conversation.clone(),
+                thread: thread.clone(),
+                limit: Some(*limit),
+            },
+            Duration::from_secs(10),
+        ),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
             (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
@@ -388,7 +418,11 @@ fn exit_code(error_code: &str) -> u8 {
         // The hub is there but will not serve this process (now): as unreachable as a socket
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
-        code::NOT_FOUND | code::NOT_RETRYABLE | code::INVALID_LOCATOR => EXIT_REFUSED,
+        code::NOT_FOUND
+        | code::NOT_RETRYABLE
+        | code::HISTORY_OFF
+        | code::UNKNOWN_EVENT
+        | code::INVALID_LOCATOR => EXIT_REFUSED,
         code::ACTION_FAILED => EXIT_FAILED,
         code::ACTION_TIMEOUT => EXIT_UNKNOWN,
         _ => EXIT_UNEXPECTED,

@@ -2,9 +2,9 @@
 //! answer as it is instead).
 
 use channeld_control::{
-    ActionResult, CatalogResult, CompleteResult, HealthResult, InboxResult, InstanceStatus,
-    OutboxEntry, OutboxResult, ReadEntry, ReadResult, RepliesResult, ReplyCounts, ReplyEntry,
-    RespondResult, SendResult, StatusResult,
+    ActionResult, CancelView, CatalogResult, CompleteResult, HealthResult, HistoryView,
+    InboxResult, InstanceStatus, OutboxEntry, OutboxResult, ReadEntry, ReadResult, RepliesResult,
+    ReplyCounts, ReplyEntry, RespondResult, SendResult, StatusResult,
 };
 use channeld_protocol::types::Health;
 
@@ -104,6 +104,27 @@ pub(crate) fn print_text(
             println!("handled {}", done.handled);
             if let Some(warning) = done.warning {
                 eprintln!("warning: {warning}");
+            }
+        }
+        Cmd::Cancel { .. } => {
+            let done: CancelView = serde_json::from_value(result)?;
+            if done.cancelled.is_empty() {
+                println!("{} {}: nothing cancelled ({})", done.instance, done.event_id, done.state);
+            } else {
+                println!("{} {}: cancelled", done.instance, done.event_id);
+            }
+        }
+        Cmd::History { .. } => {
+            let history: HistoryView = serde_json::from_value(result)?;
+            if history.truncated {
+                eprintln!("older entries left out: the answer holds what fits in one line");
+            }
+            for entry in &history.entries {
+                let who = match (&entry.role, &entry.sender) {
+                    (channeld_control::HistoryRole::User, Some(sender)) => sender.clone(),
+                    (role, _) => role.as_str().to_owned(),
+                };
+                println!("{:>8} {} {who}: {}", entry.id, entry.at_ms, one_line(&entry.text, 200));
             }
         }
         Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+pub use channeld_protocol::ext::{HistoryEntry, HistoryRole};
 use channeld_protocol::types::{DeliveryReceipt, Health};
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +39,10 @@ pub mod code {
     /// `action`: the driver answered the operator action `ok: false`; the message carries
     /// its code (`unsupported`, `invalid_args`, `failed`) and sentence.
     pub const ACTION_FAILED: &str = "action_failed";
+    /// `cancel`: no accepted inbound has this event id.
+    pub const UNKNOWN_EVENT: &str = "unknown_event";
+    /// `history`: the instance keeps no history (`history = false`, or the ledger is off).
+    pub const HISTORY_OFF: &str = "history_off";
     /// `action`: the driver did not answer within the timeout (it may still act).
     pub const ACTION_TIMEOUT: &str = "action_timeout";
     /// The connecting process's credentials are not admitted (`control_allow_uids` /
@@ -134,6 +139,21 @@ pub enum Op {
         /// How long to wait for the driver's answer (default `hub.command_timeout_secs`).
         #[serde(default)]
         timeout_ms: Option<u64>,
+    },
+    /// Cancels the run started by the inbound `event_id` (a queued one leaves the queue, a
+    /// running one is stopped); answered once it is stopped and recorded.
+    Cancel { instance: String, event_id: String },
+    /// The newest entries of a conversation's history (admitted inbound texts and posted
+    /// replies), oldest first.
+    History {
+        instance: String,
+        conversation: String,
+        /// Only this thread's entries; omitted: the conversation's entries outside threads.
+        #[serde(default)]
+        thread: Option<String>,
+        /// At most this many (default 50, at most 1,000).
+        #[serde(default)]
+        limit: Option<u32>,
     },
     /// Admitted inbound items (the agent's inbox), newest first, without their text: each
     /// with its locator and whether it was handled.
@@ -273,6 +293,31 @@ pub struct CompleteResult {
     pub handled: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
+}
+
+/// The result of `cancel`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelView {
+    pub instance: String,
+    pub event_id: String,
+    /// The event ids whose runs this request stopped or removed (empty: nothing was going on).
+    pub cancelled: Vec<String>,
+    /// `aborted`, or how the run had ended (`replied`, `delivered`, `failed`).
+    pub state: String,
+}
+
+/// The result of `history`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistoryView {
+    pub instance: String,
+    pub conversation: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<String>,
+    /// Oldest first.
+    pub entries: Vec<HistoryEntry>,
+    /// True when older entries were left out so the answer fits in one line.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
 }
 
 fn empty_object() -> serde_json::Value {

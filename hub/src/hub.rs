@@ -30,6 +30,9 @@ pub const HUB_EXTENSIONS: Extensions = Extensions {
     health_status: true,
     reply_receipt: true,
     operator_action: true,
+    history: true,
+    cancel: true,
+    stream: true,
 };
 
 /// The hub's name and version, sent in `hello_ack`.

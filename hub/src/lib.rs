@@ -7,6 +7,7 @@
 //! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
 pub mod agent;
+pub mod cancels;
 pub mod command;
 pub mod config;
 pub mod connection;
@@ -14,6 +15,7 @@ pub mod control;
 pub mod courier;
 pub mod demo;
 mod health;
+pub mod history;
 pub mod hub;
 pub mod ids;
 pub mod inbound;

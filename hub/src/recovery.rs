@@ -120,7 +120,7 @@ async fn track_untracked_replies(hub: &Hub, now: u64) {
         };
         let Ok(event_id) = channeld_protocol::Id::new(reply.event_id.clone()) else { continue };
         // Older hubs stored replies uncut: fitted now, as a new one would be.
-        let text = inbound::reply::fit_reply(&event_id, &target, reply.reply);
+        let text = inbound::reply::fit_reply(&event_id, &target, &Default::default(), reply.reply);
         let Ok(body) = MessageBody::text(text) else { continue };
         let conversation = target.conversation.to_string();
         let message = OutboundMessage { target, body, metadata: Default::default() };

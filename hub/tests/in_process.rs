@@ -358,12 +358,20 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         now_ms: 1,
         item: None,
     };
-    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash);
+    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash, None);
     assert_eq!(recorded.await.unwrap(), Recorded::New { entry: None });
     let text = "\"".repeat(200_000);
     let inst = hub.instance(ONE).unwrap();
     let target = MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1"));
-    let reply = channeld_hub::inbound::reply::new_reply(&hub, &inst, &id("big-1"), &target, &text);
+    let reply = channeld_hub::inbound::reply::new_reply(
+        &hub,
+        &inst,
+        &id("big-1"),
+        &target,
+        &Default::default(),
+        &text,
+        None,
+    );
     let stranded = RunEnd::Reply(text);
     assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, reply, 2).await.unwrap());
 

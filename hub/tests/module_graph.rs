@@ -120,6 +120,7 @@ fn the_modules_of_the_hub_form_a_dag() {
         "scrape",
         "agent",
         "locator",
+        "history",
     ] {
         assert!(
             graph.contains_key(expected),
@@ -153,6 +154,21 @@ fn metrics_sit_below_everything_that_counts() {
 }
 
 #[test]
+fn history_sits_between_the_ledger_and_its_callers() {
+    // Drivers (serve) and the control socket read history through `history`, which reads
+    // the ledger; nothing below it (the ledger, the inbound path) uses it.
+    let graph = graph();
+    let uses = graph.get("history").cloned().unwrap_or_default();
+    for below in ["serve", "control", "inbound", "courier"] {
+        assert!(!uses.contains(below), "history uses {below}");
+    }
+    for caller in ["serve", "control"] {
+        assert!(graph[caller].contains("history"), "{caller} does not use history");
+    }
+    assert!(!graph["ledger"].contains("history"));
+}
+
+#[test]
 fn pure_decisions_use_no_async_runtime_and_no_sockets() {
     let pure = [
         "inbound/decide.rs",
@@ -166,6 +182,7 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "ledger/schema.rs",
         "ledger/items.rs",
         "locator.rs",
+        "ledger/history.rs",
         "runqueue.rs",
         "route.rs",
         "command.rs",

@@ -28,6 +28,8 @@ pub const DEFAULT_MAX_QUEUED: usize = 64;
 /// A denied sender is told at most once an hour unless `deny_notice_interval_secs` says
 /// otherwise.
 pub const DEFAULT_DENY_NOTICE_INTERVAL_SECS: u64 = 3600;
+/// A conversation keeps this many history entries unless `history_max` says otherwise.
+pub const DEFAULT_HISTORY_MAX: usize = 200;
 /// Longest deny notice: far below the line limit, so its `deliver` frame always fits.
 pub const MAX_DENY_NOTICE_BYTES: usize = 16 * 1024;
 
@@ -65,6 +67,7 @@ struct RawHub {
     control_socket: Option<PathBuf>,
     max_inflight: Option<usize>,
     max_queued: Option<usize>,
+    history_max: Option<usize>,
     receipt_timeout_secs: Option<u64>,
     command_timeout_secs: Option<u64>,
     health_probe_interval_secs: Option<u64>,
@@ -163,6 +166,8 @@ struct RawInstance {
     max_queued: Option<usize>,
     deny_notice: Option<String>,
     deny_notice_interval_secs: Option<u64>,
+    history: Option<bool>,
+    history_max: Option<usize>,
     allow_uids: Option<Vec<Principal>>,
     allow_gids: Option<Vec<Principal>>,
 }
@@ -273,6 +278,9 @@ pub struct InstanceConfig {
     pub deny_notice: Option<String>,
     /// A denied sender is sent the notice at most once per this interval.
     pub deny_notice_interval: Duration,
+    /// Conversation history (`history`, `history_max`): the entries kept per conversation,
+    /// `None` when `history = false`. Needs the ledger.
+    pub history: Option<usize>,
     /// Which local processes may connect to the socket (`allow_uids` / `allow_gids`).
     pub peers: PeerRule,
 }
@@ -293,6 +301,7 @@ impl InstanceConfig {
             max_queued: DEFAULT_MAX_QUEUED,
             deny_notice: None,
             deny_notice_interval: Duration::from_secs(DEFAULT_DENY_NOTICE_INTERVAL_SECS),
+            history: Some(DEFAULT_HISTORY_MAX),
             peers: PeerRule::SocketMode,
         }
     }
@@ -365,6 +374,8 @@ impl HubConfig {
         let max_inflight =
             positive("hub.max_inflight", hub.max_inflight.unwrap_or(DEFAULT_MAX_INFLIGHT))?;
         let max_queued = hub.max_queued.unwrap_or(DEFAULT_MAX_QUEUED);
+        let history_max =
+            positive("hub.history_max", hub.history_max.unwrap_or(DEFAULT_HISTORY_MAX))?;
         let secs = |key: &str, value: Option<u64>, default: u64| -> Result<Duration, ConfigError> {
             let value = value.unwrap_or(default);
             if value == 0 {
@@ -462,6 +473,13 @@ impl HubConfig {
                     inst.deny_notice_interval_secs,
                     DEFAULT_DENY_NOTICE_INTERVAL_SECS,
                 )?,
+                history: match inst.history {
+                    Some(false) => None,
+                    _ => Some(positive(
+                        &format!("{key}.history_max"),
+                        inst.history_max.unwrap_or(history_max),
+                    )?),
+                },
                 peers: peer_rule(
                     &key,
                     "allow_uids",

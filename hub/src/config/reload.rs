@@ -16,6 +16,8 @@ pub struct InstancePolicy {
     pub deny_notice_interval: Duration,
     /// The runtime the instance's runs use (its whole definition: a changed command counts).
     pub runtime: RuntimeConfig,
+    /// Conversation history: the entries kept per conversation; `None`: off.
+    pub history: Option<usize>,
 }
 
 impl HubConfig {
@@ -26,6 +28,7 @@ impl HubConfig {
             deny_notice: instance.deny_notice.clone(),
             deny_notice_interval: instance.deny_notice_interval,
             runtime: self.runtime_for(instance).clone(),
+            history: instance.history,
         }
     }
 }
@@ -111,6 +114,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
             deny_notice: wanted.deny_notice.clone(),
             deny_notice_interval: wanted.deny_notice_interval,
             runtime: wanted.runtime.clone(),
+            history: wanted.history,
             ..current.clone()
         };
         let policy = applied.policy_of(&kept);

@@ -1,8 +1,8 @@
 //! Answers control requests: `send` through the outbox, `health` by probing, `status` and
 //! `catalog` from the hub's state (and the ledger's reply counts), `outbox` (paged,
 //! previews), `outbox_get` and `outbox_retry` from the ledger, `replies` and
-//! `replies_retry` through the reply courier, `action` through the connected driver, and the
-//! agent ops `inbox`, `read`, `respond`, `complete` (`agent.rs`).
+//! `replies_retry` through the reply courier, `action` through the connected driver, `history`
+//! from the ledger, and the agent ops `inbox`, `read`, `respond`, `complete` (`agent.rs`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -11,9 +11,9 @@ use std::time::Duration;
 use std::collections::HashMap;
 
 use channeld_control::{
-    ActionResult, CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
-    MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, REPLY_STATES, RepliesResult,
-    ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
+    ActionResult, CancelView, CatalogResult, CountersView, DriverProcess, Family, HealthResult,
+    HistoryView, InstanceStatus, MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult,
+    REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
 };
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
@@ -21,7 +21,9 @@ use tracing::{debug, info};
 
 use super::server::{failure, success};
 use crate::agent::{self, AgentError};
+use crate::history;
 use crate::hub::{HUB_NAME, Hub};
+use crate::inbound::cancel;
 use crate::instance::unix_ms;
 use crate::ledger::{
     LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,
@@ -164,6 +166,36 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         Op::Action { instance, name, args, timeout_ms } => {
             let timeout = timeout_ms.map_or(hub.config.command_timeout, Duration::from_millis);
             action(hub, id, instance, name, args, timeout).await
+        }
+        Op::Cancel { instance, event_id } => {
+            let Some(inst) = hub.instance(&instance) else {
+                let message = format!("no instance named {instance}");
+                return failure(id, code::UNKNOWN_INSTANCE, message, None);
+            };
+            let Ok(event) = channeld_protocol::Id::new(event_id.clone()) else {
+                return failure(id, code::INVALID_REQUEST, "event_id is not an id".into(), None);
+            };
+            match cancel::cancel(hub, &inst, event).await {
+                Ok(done) => {
+                    let cancelled = done.cancelled.iter().map(ToString::to_string).collect();
+                    success(id, CancelView { instance, event_id, cancelled, state: done.state })
+                }
+                Err(err) => failure(id, err.code(), err.to_string(), None),
+            }
+        }
+        Op::History { instance, conversation, thread, limit } => {
+            let Some(inst) = hub.instance(&instance) else {
+                let message = format!("no instance named {instance}");
+                return failure(id, code::UNKNOWN_INSTANCE, message, None);
+            };
+            match history::read(hub, &inst, conversation.clone(), thread.clone(), limit).await {
+                Ok(entries) => {
+                    let (entries, truncated) = history::fit(entries, MAX_CONTROL_LINE);
+                    let view = HistoryView { instance, conversation, thread, entries, truncated };
+                    success(id, view)
+                }
+                Err(err) => failure(id, err.code(), err.to_string(), None),
+            }
         }
         Op::Inbox { instance, unhandled, limit, before } => {
             let limit = limit.unwrap_or(50).clamp(1, MAX_OUTBOX_PAGE);

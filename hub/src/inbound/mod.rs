@@ -13,6 +13,7 @@
 //! content is a `conflict`, and a run cut off by a crash is started again once, flagged
 //! `redelivered`.
 
+pub mod cancel;
 pub mod decide;
 pub mod fingerprint;
 pub mod reply;
@@ -30,9 +31,11 @@ use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
-use crate::ledger::{NewInbound, NewItem, Recorded};
+use crate::ledger::{NewHistory, NewInbound, NewItem, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
+use crate::runtime::RunInput;
+use channeld_protocol::ext::HistoryRole;
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
 use reply::{accept, refuse};
 use run::{Admitted, Queued, Work};
@@ -74,6 +77,7 @@ pub(crate) fn rerun(
     let route = admitted.route.clone();
     let queued = Queued {
         origin: None,
+        cancel: lock(&inst.cancels).register(&event_id),
         admitted,
         run_id,
         entry: None,
@@ -206,7 +210,8 @@ async fn record(
             sender: admitted.sender.as_ref().map(|p| p.id.to_string()),
         }),
     };
-    let recorded = hub.ledger.record_inbound(new, fingerprint::rehash).await;
+    let history = history_entry(inst, &admitted, &place).zip(inst.policy().history);
+    let recorded = hub.ledger.record_inbound(new, fingerprint::rehash, history).await;
     let lookup = match &recorded {
         Ok(Recorded::New { entry }) => {
             place.entry = *entry;
@@ -223,6 +228,23 @@ async fn record(
     let policy = inst.policy();
     let action = decide(view(&admitted), instance_view(inst, &policy, Slot::Taken), lookup);
     carry_out(hub, inst, conn, admitted, action, Some(place)).await;
+}
+
+/// The history entry of an admitted message (events are not part of the history).
+fn history_entry(inst: &Instance, admitted: &Admitted, place: &Place) -> Option<NewHistory> {
+    let RunInput::Message { message } = &admitted.input else { return None };
+    Some(NewHistory {
+        instance: inst.config.id.to_string(),
+        conversation: message.target.conversation.to_string(),
+        thread: message.target.thread.as_ref().map(ToString::to_string),
+        role: HistoryRole::User,
+        text: message.body.text_str().to_owned(),
+        sender: Some(message.sender.id.to_string()),
+        message_id: Some(message.id.to_string()),
+        event_id: Some(admitted.event_id.to_string()),
+        reply_id: None,
+        at_ms: place.received_ms,
+    })
 }
 
 /// Carries out a decision. An inbound with a queue `place` (`Record`, `Run`, `Answer`, and
@@ -305,6 +327,7 @@ async fn carry_out(
             };
             let event_id = event_id.clone();
             let queued = Queued {
+                cancel: lock(&inst.cancels).register(&event_id),
                 origin: Some(conn.clone()),
                 admitted,
                 run_id: place.run_id,

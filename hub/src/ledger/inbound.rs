@@ -207,6 +207,22 @@ fn current_state(
     state.as_deref().map(parse_state).transpose()
 }
 
+/// The state of `event_id`'s entry and its error code, if the ledger holds it.
+pub fn outcome(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
+    let row: Option<(String, Option<String>)> = txn
+        .query_row_cached(
+            "SELECT state, error_code FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?;
+    row.map(|(state, code)| Ok((parse_state(&state)?, code))).transpose()
+}
+
 /// Records how a run ended (see [`RunEnd::state`]), and its reply, to be delivered, in the
 /// same step. False when the entry is not running.
 pub fn finish(

@@ -12,6 +12,7 @@
 //!
 //! Architecture invariant: the ledger imports nothing from the rest of the hub.
 
+pub mod history;
 pub mod inbound;
 pub mod items;
 mod lock;
@@ -33,10 +34,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
 
+pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
 pub use items::{Item, ItemView, NewItem};
 pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
-pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord};
+pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, StoredReply};
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
@@ -215,13 +217,59 @@ impl Ledger {
         drop(self.lock.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
-    /// Records an inbound unless its event id is known; see [`Recorded`].
+    /// Records an inbound unless its event id is known; see [`Recorded`]. A new one's
+    /// `history` entry (with the conversation's cap) is appended in the same step.
     pub async fn record_inbound(
         &self,
         new: NewInbound,
         rehash: Rehash,
+        history: Option<(NewHistory, usize)>,
     ) -> Result<Recorded, LedgerError> {
-        self.call(move |txn| inbound::record(txn, &new, rehash)).await
+        self.call(move |txn| {
+            let recorded = inbound::record(txn, &new, rehash)?;
+            if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, history) {
+                history::append(txn, &entry, cap)?;
+            }
+            Ok(recorded)
+        })
+        .await
+    }
+
+    /// The newest `limit` history entries of a conversation (and thread), oldest first.
+    pub async fn history_recent(
+        &self,
+        instance: String,
+        conversation: String,
+        thread: Option<String>,
+        limit: usize,
+    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+        self.call(move |txn| {
+            history::recent(txn, &instance, &conversation, thread.as_deref(), limit)
+        })
+        .await
+    }
+
+    /// The history entries of one inbound event (its text, the reply posted for it).
+    pub async fn history_of_event(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+        self.call(move |txn| history::by_event(txn, &instance, &event_id)).await
+    }
+
+    /// One history entry by its id.
+    pub async fn history_get(&self, id: i64) -> Result<Option<HistoryEntry>, LedgerError> {
+        self.call(move |txn| history::get(txn, id)).await
+    }
+
+    /// The state of `event_id`'s entry and its error code (`aborted` for a cancelled run).
+    pub async fn inbound_outcome(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
+        self.call(move |txn| inbound::outcome(txn, &instance, &event_id)).await
     }
 
     /// Counts the start of a run that waited (or was recovered); see [`inbound::start`].
@@ -350,7 +398,8 @@ impl Ledger {
             Ok(inbound::prune(txn, before_ms)?
                 + items::prune(txn, before_ms)?
                 + replies::prune(txn, before_ms)?
-                + outbox::prune(txn, before_ms)?)
+                + outbox::prune(txn, before_ms)?
+                + history::prune(txn, before_ms)?)
         })
         .await
     }
@@ -528,7 +577,7 @@ mod tests {
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
             assert_eq!(
-                ledger.record_inbound(inbound("e1"), same).await.unwrap(),
+                ledger.record_inbound(inbound("e1"), same, None).await.unwrap(),
                 Recorded::New { entry: None }
             );
             ledger.close().await;
@@ -545,9 +594,12 @@ mod tests {
         ledger.ping().await.unwrap();
         ledger.close().await;
         assert_eq!(ledger.ping().await, Err(LedgerError::Unavailable));
-        assert_eq!(ledger.record_inbound(inbound("e"), same).await, Err(LedgerError::Unavailable));
+        assert_eq!(
+            ledger.record_inbound(inbound("e"), same, None).await,
+            Err(LedgerError::Unavailable)
+        );
         let off = Ledger::off();
-        assert_eq!(off.record_inbound(inbound("e"), same).await, Err(LedgerError::Off));
+        assert_eq!(off.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Off));
         off.ping().await.unwrap();
     }
 
@@ -557,16 +609,16 @@ mod tests {
         let calls: Vec<_> = (0..100)
             .map(|n| {
                 let ledger = ledger.clone();
-                tokio::spawn(
-                    async move { ledger.record_inbound(inbound(&format!("e{n}")), same).await },
-                )
+                tokio::spawn(async move {
+                    ledger.record_inbound(inbound(&format!("e{n}")), same, None).await
+                })
             })
             .collect();
         for call in calls {
             assert_eq!(call.await.unwrap().unwrap(), Recorded::New { entry: None });
         }
         assert!(matches!(
-            ledger.record_inbound(inbound("e7"), same).await,
+            ledger.record_inbound(inbound("e7"), same, None).await,
             Ok(Recorded::Replay(_))
         ));
     }

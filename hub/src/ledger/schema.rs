@@ -74,8 +74,25 @@ const MIGRATIONS: &[&str] = &[
      CREATE UNIQUE INDEX replies_by_event ON replies (instance, event_id);
      CREATE INDEX replies_by_state ON replies (state, instance, id);
      CREATE INDEX replies_by_conversation ON replies (instance, conversation, state, id);",
-    // 4 on this branch, 5 once the history migration of issue 15 is merged before it (it
-    // must be: migrations are append-only). Issue 16: the agent's inbox (`ledger/items.rs`): one item per admitted inbound,
+    // 4: conversation history (`ledger/history.rs`): admitted inbound texts and posted
+    // replies per instance, conversation and thread (`''` when none).
+    "CREATE TABLE history (
+         id INTEGER PRIMARY KEY,
+         instance TEXT NOT NULL,
+         conversation TEXT NOT NULL,
+         thread TEXT NOT NULL,
+         role TEXT NOT NULL,
+         text TEXT NOT NULL,
+         sender TEXT,
+         message_id TEXT,
+         event_id TEXT,
+         reply_id INTEGER,
+         at_ms INTEGER NOT NULL
+     );
+     CREATE INDEX history_by_conversation ON history (instance, conversation, thread, id);
+     CREATE INDEX history_by_event ON history (instance, event_id);
+     CREATE INDEX history_by_age ON history (at_ms);",
+    // 5 (issue 16): the agent's inbox (`ledger/items.rs`): one item per admitted inbound,
     // its structural ids, the reply `respond` sent and whether it was handled. Inbound
     // recorded before this migration has no item.
     "CREATE TABLE items (

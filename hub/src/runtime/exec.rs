@@ -6,16 +6,19 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use channeld_protocol::Id;
+use channeld_protocol::ext::ToolReport;
 use channeld_protocol::framing::{LineEvent, LineFramer};
+use channeld_protocol::types::Metadata;
 use channeld_protocol::types::{Choice, Command, Effect, Participant};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin};
 use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
-use super::{CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
+use super::{CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest, StreamItem};
 use crate::config::{RuntimeConfig, StdinMode, Wake};
 
 /// The `version` field of the envelope written to an agent's stdin.
@@ -30,6 +33,9 @@ const STDERR_TAIL: usize = 2048;
 /// How long output is still read after the agent exited: enough for what it wrote before
 /// exiting, short enough that a background process holding the pipe does not hold the run.
 const EXIT_DRAIN_GRACE: Duration = Duration::from_millis(250);
+
+/// How long a cancelled run's agent has between SIGTERM and SIGKILL.
+pub const CANCEL_GRACE: Duration = Duration::from_secs(3);
 
 #[derive(Serialize)]
 struct Envelope<'a> {
@@ -100,7 +106,16 @@ fn body<'a>(wake: Wake, request: &'a RunRequest) -> Body<'a> {
 enum AgentLine {
     Reply {
         text: String,
+        /// Passed to the driver in the reply's metadata.
+        #[serde(default)]
+        metadata: Option<serde_json::Map<String, serde_json::Value>>,
     },
+    /// A piece of the reply as it is produced (extension `stream`).
+    Delta {
+        text: String,
+    },
+    /// A tool call report (extension `stream`).
+    Tool(ToolReport),
     Typing {
         active: bool,
     },
@@ -184,22 +199,44 @@ pub(super) async fn run(
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
+    cancel: &CancellationToken,
 ) -> Result<RunOutput, RunError> {
     let mut child = spawn(config, request).map_err(RunError::Spawn)?;
     let pid = child.id();
-    let result =
-        tokio::time::timeout(config.timeout, converse(config, request, io, &mut child, pid)).await;
+    // A cancel stops reading the agent at once (nothing it writes afterwards is carried
+    // out), then ends its process group.
+    let result = tokio::select! {
+        result = tokio::time::timeout(
+            config.timeout,
+            converse(config, request, io, &mut child, pid),
+        ) => Some(result),
+        () = cancel.cancelled() => None,
+    };
     match result {
-        Ok(Ok(output)) => Ok(output),
-        Ok(Err(err)) => {
+        Some(Ok(Ok(output))) => Ok(output),
+        Some(Ok(Err(err))) => {
             kill_group(pid, &mut child).await;
             Err(err)
         }
-        Err(_) => {
+        Some(Err(_)) => {
             kill_group(pid, &mut child).await;
             Err(RunError::Timeout(config.timeout.as_secs()))
         }
+        None => {
+            terminate_group(pid, &mut child).await;
+            Err(RunError::Aborted)
+        }
     }
+}
+
+/// A cancelled run's agent: SIGTERM to its process group, SIGKILL to the group once the
+/// agent exited or [`CANCEL_GRACE`] passed (whatever it left behind goes too).
+async fn terminate_group(pid: Option<u32>, child: &mut Child) {
+    signal_group_with(pid, libc::SIGTERM);
+    if tokio::time::timeout(CANCEL_GRACE, child.wait()).await.is_err() {
+        debug!(?pid, "the agent outlived its grace period; killed");
+    }
+    kill_group(pid, child).await;
 }
 
 fn spawn(config: &RuntimeConfig, request: &RunRequest) -> std::io::Result<Child> {
@@ -254,10 +291,14 @@ async fn kill_group(pid: Option<u32>, child: &mut Child) {
 /// SIGKILL to the agent's process group (`pid` is its leader's, recorded at spawn: the
 /// group outlives the leader, and the kernel does not reuse a pid while its group exists).
 fn signal_group(pid: Option<u32>) {
+    signal_group_with(pid, libc::SIGKILL);
+}
+
+fn signal_group_with(pid: Option<u32>, signal: i32) {
     if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
         // SAFETY: plain syscall; the group was created for this agent by process_group(0).
         unsafe {
-            libc::kill(-pid, libc::SIGKILL);
+            libc::kill(-pid, signal);
         }
     }
 }
@@ -356,17 +397,44 @@ async fn converse(
     if !status.success() {
         return Err(RunError::Failed { status: status.to_string(), stderr });
     }
-    Ok(RunOutput { reply: transcript.reply() })
+    let metadata = std::mem::take(&mut transcript.metadata);
+    Ok(RunOutput { reply: transcript.reply(), metadata })
 }
 
 fn missing(what: &str) -> std::io::Error {
     std::io::Error::other(format!("agent {what} was not captured"))
 }
 
+/// Most bytes of reply metadata (as JSON) a run may carry; keys beyond are dropped.
+const MAX_METADATA_BYTES: usize = 8 * 1024;
+
 #[derive(Default)]
 struct Transcript {
     replies: Vec<String>,
     plain: Vec<String>,
+    metadata: Metadata,
+}
+
+impl Transcript {
+    /// Adds a reply line's metadata: a string value as it is, any other as its JSON text;
+    /// a later line's key wins. Keys that would take the whole past
+    /// [`MAX_METADATA_BYTES`] are dropped.
+    fn add_metadata(&mut self, run_id: &str, metadata: serde_json::Map<String, serde_json::Value>) {
+        for (key, value) in metadata {
+            let value = match value {
+                serde_json::Value::String(text) => text,
+                other => other.to_string(),
+            };
+            let mut next = self.metadata.clone();
+            next.insert(key.clone(), value);
+            if serde_json::to_vec(&next).map_or(usize::MAX, |json| json.len()) > MAX_METADATA_BYTES
+            {
+                warn!(run_id, %key, "reply metadata over {MAX_METADATA_BYTES} bytes; key dropped");
+                continue;
+            }
+            self.metadata = next;
+        }
+    }
 }
 
 impl Transcript {
@@ -401,10 +469,15 @@ async fn handle_line(
         }
     };
     let (command, command_id) = match parsed {
-        AgentLine::Reply { text } => {
+        AgentLine::Reply { text, metadata } => {
             transcript.replies.push(text);
+            if let Some(metadata) = metadata {
+                transcript.add_metadata(&request.run_id, metadata);
+            }
             return;
         }
+        AgentLine::Delta { text } => return io.stream(StreamItem::Delta(text)).await,
+        AgentLine::Tool(report) => return io.stream(StreamItem::Tool(report)).await,
         AgentLine::Typing { active } => return io.effect(Effect::Typing { active }),
         AgentLine::Preview { text } => return io.effect(Effect::Preview { text }),
         AgentLine::Effect { effect } => return io.effect(effect),
@@ -519,9 +592,46 @@ mod tests {
         transcript.plain.push("thinking".into());
         transcript.replies.push("answer".into());
         assert_eq!(transcript.reply().as_deref(), Some("answer"));
-        let blank = Transcript { replies: vec![], plain: vec!["   ".into(), String::new()] };
+        let blank = Transcript {
+            replies: vec![],
+            plain: vec!["   ".into(), String::new()],
+            ..Transcript::default()
+        };
         assert_eq!(blank.reply(), None);
-        let empty_reply = Transcript { replies: vec![" ".into()], plain: vec!["x".into()] };
+        let empty_reply = Transcript {
+            replies: vec![" ".into()],
+            plain: vec!["x".into()],
+            ..Transcript::default()
+        };
         assert_eq!(empty_reply.reply(), None);
+    }
+
+    #[test]
+    fn deltas_tools_and_reply_metadata_are_actions() {
+        assert!(matches!(
+            classify(r#"{"type":"delta","text":"Hel"}"#),
+            Output::Action(AgentLine::Delta { text }) if text == "Hel"
+        ));
+        match classify(r#"{"type":"tool","name":"search","status":"done","took_ms":5}"#) {
+            Output::Action(AgentLine::Tool(report)) => {
+                assert_eq!((report.name.as_str(), report.status.as_str()), ("search", "done"));
+                assert_eq!(report.rest.get("took_ms"), Some(&serde_json::json!(5)));
+                assert!(!report.rest.contains_key("type"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let line = r#"{"type":"reply","text":"ok","metadata":{"routing":{"to":"b"},"tag":"x"}}"#;
+        let Output::Action(AgentLine::Reply { metadata: Some(metadata), .. }) = classify(line)
+        else {
+            panic!("a reply with metadata");
+        };
+        let mut transcript = Transcript::default();
+        transcript.add_metadata("run-1", metadata);
+        assert_eq!(transcript.metadata.get("routing").map(String::as_str), Some(r#"{"to":"b"}"#));
+        assert_eq!(transcript.metadata.get("tag").map(String::as_str), Some("x"));
+        let mut big = serde_json::Map::new();
+        big.insert("huge".into(), serde_json::Value::String("x".repeat(MAX_METADATA_BYTES)));
+        transcript.add_metadata("run-1", big);
+        assert!(!transcript.metadata.contains_key("huge"));
     }
 }

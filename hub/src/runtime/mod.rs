@@ -9,11 +9,13 @@ mod exec;
 use std::future::Future;
 use std::path::PathBuf;
 
+use channeld_protocol::ext::ToolReport;
 use channeld_protocol::types::{
-    Actions, Capabilities, Command, Effect, InboundMessage, IncomingEvent, Participant,
+    Actions, Capabilities, Command, Effect, InboundMessage, IncomingEvent, Metadata, Participant,
 };
 use channeld_protocol::{ChannelId, Id};
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{RuntimeConfig, RuntimeKind};
 
@@ -51,6 +53,18 @@ pub struct RunRequest {
 pub struct RunOutput {
     /// The reply text, if the run has one.
     pub reply: Option<String>,
+    /// The reply's metadata (an agent's `reply` line may carry it): goes to the driver in
+    /// the reply's `message.metadata`.
+    pub metadata: Metadata,
+}
+
+/// One step of a run's output as it is produced (extension `stream`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamItem {
+    /// A piece of the reply (`{"type":"delta","text":…}`).
+    Delta(String),
+    /// A tool call report (`{"type":"tool","name":…,"status":…}`).
+    Tool(ToolReport),
 }
 
 /// The live side of a run: effects go out at once, commands wait for their result.
@@ -66,6 +80,10 @@ pub trait RunIo: Send + Sync {
         command_id: Id,
         command: Command,
     ) -> impl Future<Output = CommandAnswer> + Send;
+
+    /// Passes one step of the output on, in order (to drivers that negotiated `stream`;
+    /// dropped for the others).
+    fn stream(&self, item: StreamItem) -> impl Future<Output = ()> + Send;
 }
 
 /// Why a run produced no reply.
@@ -84,6 +102,9 @@ pub enum RunError {
     /// The run ended without reply text (nothing, only whitespace, a `reply` without text).
     #[error("agent produced no reply")]
     EmptyReply,
+    /// The run was cancelled (extension `cancel`, control op `cancel`).
+    #[error("the run was cancelled")]
+    Aborted,
 }
 
 fn stderr_suffix(stderr: &str) -> String {
@@ -97,19 +118,24 @@ impl RunError {
             RunError::Timeout(_) => "agent_timeout",
             RunError::OutputTooLarge(_) => "agent_output_too_large",
             RunError::EmptyReply => "empty_reply",
+            RunError::Aborted => "aborted",
             RunError::Spawn(_) | RunError::Failed { .. } | RunError::Io(_) => "agent_failed",
         }
     }
 }
 
-/// Runs `request` on the configured runtime.
+/// Runs `request` on the configured runtime; `cancel` stops it (`RunError::Aborted`).
 pub async fn run(
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
+    cancel: &CancellationToken,
 ) -> Result<RunOutput, RunError> {
+    if cancel.is_cancelled() {
+        return Err(RunError::Aborted);
+    }
     match config.kind {
         RuntimeKind::Echo => Ok(echo::run(request)),
-        RuntimeKind::Exec => exec::run(config, request, io).await,
+        RuntimeKind::Exec => exec::run(config, request, io, cancel).await,
     }
 }

@@ -1,14 +1,15 @@
 //! A driver connection: the handshake (`hello` for this instance, one driver per instance,
 //! `hello_ack` with the negotiated extensions), then its frames — inbound to the inbound
 //! path, receipts and errors to the outbox (or the reply courier), command results, operator
-//! action results and health to their waits.
+//! action results and health to their waits, history requests to the ledger,
+//! cancels to the run they name.
 //! Legacy connections (no `hello`) use the same frame loop.
 
 use std::sync::Arc;
 
 use channeld_link::{FrameReader, FrameSink};
 use channeld_protocol::Frame;
-use channeld_protocol::ext::PeerDeclaration;
+use channeld_protocol::ext::{CancelRequest, CancelResult, PeerDeclaration};
 use channeld_protocol::frame::{Hello, HelloAck, Lifecycle};
 use channeld_protocol::types::{Health, HealthState};
 use tokio::io::AsyncRead;
@@ -16,8 +17,9 @@ use tracing::{debug, info, warn};
 
 use super::{answer_decode_error, closing};
 use crate::connection::{Connection, PeerKind};
+use crate::history;
 use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
-use crate::inbound;
+use crate::inbound::{self, cancel};
 use crate::instance::Instance;
 use crate::outbox::receipts;
 
@@ -196,6 +198,36 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                     health: Health::new(HealthState::Ready, None),
                 });
                 let _ = conn.sink.try_send(&answer);
+            }
+            Frame::HistoryRequest(request) if conn.declaration.extensions.history => {
+                // A ledger read: answered off the reader, so the frames behind it go on.
+                let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+                hub.clone().tasks.spawn(async move {
+                    let answer = history::answer(&hub, &inst, request).await;
+                    let _ = conn.sink.send(&answer).await;
+                });
+            }
+            Frame::Cancel(request) if conn.declaration.extensions.cancel => {
+                // Answered once the run stopped: off the reader, which must go on meanwhile.
+                let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+                hub.clone().tasks.spawn(async move {
+                    let CancelRequest { request_id, event_id } = request;
+                    let answer = match cancel::cancel(&hub, &inst, event_id.clone()).await {
+                        Ok(done) => Frame::CancelResult(CancelResult {
+                            request_id,
+                            event_id,
+                            cancelled: done.cancelled,
+                            state: done.state,
+                        }),
+                        Err(err) => Frame::error(
+                            Some(request_id),
+                            err.code(),
+                            err.to_string(),
+                            err.retryable(),
+                        ),
+                    };
+                    let _ = conn.sink.send(&answer).await;
+                });
             }
             Frame::Event(_) => {}
             Frame::Hello(hello) => {
