@@ -28,6 +28,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 mod manifest;
+mod mcp;
 mod print;
 
 use print::print_text;
@@ -165,6 +166,38 @@ enum Cmd {
         #[arg(long, default_value_t = 60)]
         timeout: u64,
     },
+    /// The agent's inbox: admitted messages newest first, each with its locator, whether it
+    /// was answered and handled (no text: `read` shows it).
+    Inbox {
+        /// Only this instance.
+        instance: Option<String>,
+        /// Only items not handled yet.
+        #[arg(long)]
+        unhandled: bool,
+        /// Items per page (at most 1000).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Only items older than this entry id (the next page).
+        #[arg(long, value_name = "ENTRY")]
+        before: Option<i64>,
+    },
+    /// One item by its locator and up to N entries before it in its conversation (thread),
+    /// marked untrusted, and whether it was handled.
+    Read {
+        locator: String,
+        /// Previous entries to show (at most 50).
+        #[arg(long, default_value_t = 10)]
+        limit: usize,
+    },
+    /// Reply to an item in its conversation (thread) and mark it handled. Never posts twice:
+    /// a repeat prints the first reply's outcome.
+    Respond { locator: String, text: String },
+    /// Mark an item handled without replying.
+    Complete { locator: String },
+    /// Serve the Model Context Protocol on stdin/stdout (tools channel_inbox, channel_read,
+    /// channel_respond, channel_complete, channel_send, channel_status) for an agent, using
+    /// this process's access to the control socket.
+    Mcp,
     /// Write DIR/channel-platform.json so ACECode runs the driver binary channeld-FAMILY as
     /// a channel platform plugin (`--acecode`). Does not talk to the hub.
     AcecodeManifest {
@@ -209,6 +242,15 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_UNEXPECTED);
         }
     };
+    if let Cmd::Mcp = &cli.command {
+        return match runtime.block_on(mcp::serve(socket)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("channelctl mcp: {err}");
+                ExitCode::from(EXIT_UNEXPECTED)
+            }
+        };
+    }
     let (op, wait_budget) = match &cli.command {
         Cmd::Send { instance, conversation, thread, no_wait, timeout, key, text } => (
             Op::Send {
@@ -255,6 +297,26 @@ fn main() -> ExitCode {
             },
             Duration::from_secs(timeout + 10),
         ),
+        Cmd::AcecodeManifest { .. } | Cmd::Mcp => unreachable!("handled before connecting"),
+        Cmd::Inbox { instance, unhandled, limit, before } => (
+            Op::Inbox {
+                instance: instance.clone(),
+                unhandled: *unhandled,
+                limit: Some(*limit),
+                before: *before,
+            },
+            Duration::from_secs(10),
+        ),
+        Cmd::Read { locator, limit } => {
+            (Op::Read { locator: locator.clone(), limit: Some(*limit) }, Duration::from_secs(10))
+        }
+        // The hub waits for the receipt (`hub.receipt_timeout_secs`) and the handled effect.
+        Cmd::Respond { locator, text } => {
+            (Op::Respond { locator: locator.clone(), text: text.clone() }, Duration::from_secs(300))
+        }
+        Cmd::Complete { locator } => {
+            (Op::Complete { locator: locator.clone() }, Duration::from_secs(30))
+        }
         Cmd::Cancel { instance, event_id } => (
             Op::Cancel { instance: instance.clone(), event_id: event_id.clone() },
             Duration::from_secs(60),
@@ -268,7 +330,6 @@ fn main() -> ExitCode {
             },
             Duration::from_secs(10),
         ),
-        Cmd::AcecodeManifest { .. } => unreachable!("handled before connecting"),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
             (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
@@ -357,9 +418,11 @@ fn exit_code(error_code: &str) -> u8 {
         // The hub is there but will not serve this process (now): as unreachable as a socket
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
-        code::NOT_FOUND | code::NOT_RETRYABLE | code::HISTORY_OFF | code::UNKNOWN_EVENT => {
-            EXIT_REFUSED
-        }
+        code::NOT_FOUND
+        | code::NOT_RETRYABLE
+        | code::HISTORY_OFF
+        | code::UNKNOWN_EVENT
+        | code::INVALID_LOCATOR => EXIT_REFUSED,
         code::ACTION_FAILED => EXIT_FAILED,
         code::ACTION_TIMEOUT => EXIT_UNKNOWN,
         _ => EXIT_UNEXPECTED,
@@ -384,7 +447,7 @@ fn default_socket() -> PathBuf {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum CallError {
+pub(crate) enum CallError {
     #[error("cannot reach the hub at {path}: {source}")]
     Unreachable { path: String, source: std::io::Error },
     #[error("connection to the hub failed: {0}")]
@@ -407,7 +470,7 @@ impl CallError {
     }
 }
 
-async fn call(
+pub(crate) async fn call(
     socket: &std::path::Path,
     request: Request,
     budget: Duration,

@@ -18,6 +18,7 @@ use crate::ids::Ids;
 use crate::instance::{Instance, Instances, Registry};
 use crate::ledger::Ledger;
 use crate::liveness::Probes;
+use crate::locator::LocatorKey;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
 
@@ -133,5 +134,10 @@ impl Hub {
     /// The instance served as `id` now.
     pub fn instance(&self, id: &str) -> Option<Arc<Instance>> {
         self.instances.get(id)
+    }
+
+    /// What this hub's locators are bound to: its ledger's id.
+    pub fn locator_key(&self) -> LocatorKey {
+        LocatorKey::new(self.ledger.id())
     }
 }

@@ -6,6 +6,7 @@
 //! single connection in memory ([`serve::serve`]). ARCHITECTURE.md has the module map; the
 //! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
+pub mod agent;
 pub mod cancels;
 pub mod command;
 pub mod config;
@@ -23,6 +24,7 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod listen;
 pub mod liveness;
+pub mod locator;
 pub mod metrics;
 pub mod notice;
 pub mod operator;

@@ -356,9 +356,10 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         run_id: "run-big-1".into(),
         started: true,
         now_ms: 1,
+        item: None,
     };
     let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash, None);
-    assert_eq!(recorded.await.unwrap(), Recorded::New);
+    assert_eq!(recorded.await.unwrap(), Recorded::New { entry: None });
     let text = "\"".repeat(200_000);
     let inst = hub.instance(ONE).unwrap();
     let target = MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1"));

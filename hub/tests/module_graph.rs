@@ -118,6 +118,8 @@ fn the_modules_of_the_hub_form_a_dag() {
         "lifecycle",
         "metrics",
         "scrape",
+        "agent",
+        "locator",
         "history",
     ] {
         assert!(
@@ -132,6 +134,14 @@ fn the_ledger_imports_nothing_from_the_hub() {
     let graph = graph();
     let uses = graph.get("ledger").cloned().unwrap_or_default();
     assert!(uses.is_empty(), "ledger uses {uses:?}");
+}
+
+#[test]
+fn locators_are_decoded_by_a_module_that_uses_nothing_else_of_the_hub() {
+    // Only the hub decodes locators, in one place that needs nothing but the protocol types.
+    let graph = graph();
+    let uses = graph.get("locator").cloned().unwrap_or_default();
+    assert!(uses.is_empty(), "locator uses {uses:?}");
 }
 
 #[test]
@@ -170,6 +180,8 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "ledger/sessions.rs",
         "ledger/state.rs",
         "ledger/schema.rs",
+        "ledger/items.rs",
+        "locator.rs",
         "ledger/history.rs",
         "runqueue.rs",
         "route.rs",

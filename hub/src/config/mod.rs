@@ -142,6 +142,9 @@ struct RawRuntime {
     max_output_bytes: Option<usize>,
     #[serde(default)]
     stdin: StdinMode,
+    #[serde(default)]
+    wake: Wake,
+    max_runs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -191,6 +194,18 @@ pub enum StdinMode {
     Stream,
 }
 
+/// What the exec runtime's envelope tells the agent about the inbound that woke it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Wake {
+    /// The whole inbound message or event (text, attachments, the sender's names).
+    #[default]
+    Full,
+    /// Its locator, sender id and conversation only: no text, attachments or display
+    /// names. The agent reads the content with `read`, marked untrusted.
+    BodyFree,
+}
+
 /// A runtime binding.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuntimeConfig {
@@ -201,6 +216,10 @@ pub struct RuntimeConfig {
     pub timeout: Duration,
     pub max_output_bytes: usize,
     pub stdin: StdinMode,
+    pub wake: Wake,
+    /// At most this many runs at once of an instance using this runtime (applied at start,
+    /// as the lower of it and the instance's `max_inflight`).
+    pub max_runs: Option<usize>,
 }
 
 impl RuntimeConfig {
@@ -213,6 +232,8 @@ impl RuntimeConfig {
             timeout: Duration::from_secs(300),
             max_output_bytes: 1024 * 1024,
             stdin: StdinMode::Envelope,
+            wake: Wake::Full,
+            max_runs: None,
         }
     }
 }
@@ -384,6 +405,11 @@ impl HubConfig {
                     rt.max_output_bytes.unwrap_or(1024 * 1024),
                 )?,
                 stdin: rt.stdin,
+                wake: rt.wake,
+                max_runs: rt
+                    .max_runs
+                    .map(|max| positive(&format!("{key}.max_runs"), max))
+                    .transpose()?,
             };
             runtimes.insert(name, config);
         }
@@ -425,6 +451,12 @@ impl HubConfig {
                     format!("{} is already used by instance {other:?}", socket.display()),
                 ));
             }
+            // A runtime's `max_runs` lowers it (1 serializes the runs of a resident agent).
+            let max_inflight = positive(
+                &format!("{key}.max_inflight"),
+                inst.max_inflight.unwrap_or(max_inflight),
+            )?
+            .min(runtimes[&runtime].max_runs.unwrap_or(usize::MAX));
             instances.push(InstanceConfig {
                 id,
                 socket,
@@ -433,10 +465,7 @@ impl HubConfig {
                 runtime,
                 allow,
                 identity_isolation: inst.identity_isolation,
-                max_inflight: positive(
-                    &format!("{key}.max_inflight"),
-                    inst.max_inflight.unwrap_or(max_inflight),
-                )?,
+                max_inflight,
                 max_queued: inst.max_queued.unwrap_or(max_queued),
                 deny_notice: deny_notice(&key, inst.deny_notice)?,
                 deny_notice_interval: secs(

@@ -2,7 +2,7 @@
 //! `catalog` from the hub's state (and the ledger's reply counts), `outbox` (paged,
 //! previews), `outbox_get` and `outbox_retry` from the ledger, `replies` and
 //! `replies_retry` through the reply courier, `action` through the connected driver, `history`
-//! from the ledger.
+//! from the ledger, and the agent ops `inbox`, `read`, `respond`, `complete` (`agent.rs`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,6 +20,7 @@ use channeld_protocol::{ChannelId, Id};
 use tracing::{debug, info};
 
 use super::server::{failure, success};
+use crate::agent::{self, AgentError};
 use crate::history;
 use crate::hub::{HUB_NAME, Hub};
 use crate::inbound::cancel;
@@ -195,6 +196,32 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 }
                 Err(err) => failure(id, err.code(), err.to_string(), None),
             }
+        }
+        Op::Inbox { instance, unhandled, limit, before } => {
+            let limit = limit.unwrap_or(50).clamp(1, MAX_OUTBOX_PAGE);
+            answer(id, agent::inbox(hub, instance, unhandled, limit, before).await)
+        }
+        Op::Read { locator, limit } => {
+            let limit = limit.unwrap_or(agent::DEFAULT_READ_CONTEXT);
+            answer(id, agent::read(hub, &locator, limit).await)
+        }
+        Op::Respond { locator, text } => answer(id, agent::respond(hub, &locator, text).await),
+        Op::Complete { locator } => answer(id, agent::complete(hub, &locator).await),
+    }
+}
+
+/// The answer to an agent op.
+fn answer<T: serde::Serialize>(id: u64, result: Result<T, AgentError>) -> Vec<u8> {
+    match result {
+        Ok(result) => success(id, result),
+        Err(err) => {
+            let request_id = match &err {
+                AgentError::Send(
+                    SendError::Failed { request_id, .. } | SendError::Unknown { request_id, .. },
+                ) => Some(request_id.to_string()),
+                _ => None,
+            };
+            failure(id, err.code(), err.to_string(), request_id)
         }
     }
 }

@@ -31,7 +31,7 @@ use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
-use crate::ledger::{NewHistory, NewInbound, Recorded};
+use crate::ledger::{NewHistory, NewInbound, NewItem, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
 use crate::runtime::RunInput;
@@ -80,6 +80,7 @@ pub(crate) fn rerun(
         cancel: lock(&inst.cancels).register(&event_id),
         admitted,
         run_id,
+        entry: None,
         redelivered: attempt > 1,
         work,
         count_start: true,
@@ -125,6 +126,8 @@ struct Place {
     received_ms: u64,
     /// It had a run slot and an empty session: its run starts as soon as it is recorded.
     reserved: bool,
+    /// Its item's ledger entry id, once recorded.
+    entry: Option<i64>,
 }
 
 /// The first decision, made on the reader with the run queue locked: an inbound that may go
@@ -143,6 +146,7 @@ async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admi
                 run_id: run::new_run_id(hub),
                 received_ms: unix_ms(SystemTime::now()),
                 reserved: admission == Admission::Reserved,
+                entry: None,
             }
         });
         (action, place)
@@ -172,7 +176,7 @@ async fn record(
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
     admitted: Admitted,
-    place: Place,
+    mut place: Place,
 ) {
     let event_id = admitted.event_id.clone();
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
@@ -199,11 +203,20 @@ async fn record(
         run_id: place.run_id.clone(),
         started: place.reserved,
         now_ms: place.received_ms,
+        item: Some(NewItem {
+            conversation: admitted.origin.conversation.to_string(),
+            thread: admitted.origin.thread.as_ref().map(ToString::to_string),
+            message_id: admitted.reply_to.as_ref().map(ToString::to_string),
+            sender: admitted.sender.as_ref().map(|p| p.id.to_string()),
+        }),
     };
     let history = history_entry(inst, &admitted, &place).zip(inst.policy().history);
     let recorded = hub.ledger.record_inbound(new, fingerprint::rehash, history).await;
     let lookup = match &recorded {
-        Ok(Recorded::New) => Lookup::New,
+        Ok(Recorded::New { entry }) => {
+            place.entry = *entry;
+            Lookup::New
+        }
         Ok(Recorded::Replay(stored)) => Lookup::Stored(stored),
         Ok(Recorded::Conflict) => Lookup::Conflict,
         Err(err) => {
@@ -318,6 +331,7 @@ async fn carry_out(
                 origin: Some(conn.clone()),
                 admitted,
                 run_id: place.run_id,
+                entry: place.entry,
                 redelivered: false,
                 work,
                 // A run that waited was recorded with no attempt: count it when it starts.

@@ -24,6 +24,7 @@ use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun, unix_ms};
 use crate::ledger::RunEnd;
+use crate::locator::Locator;
 use crate::metrics::RunOutcome;
 use crate::route::RouteKey;
 use crate::runqueue::Turn;
@@ -91,6 +92,18 @@ impl Admitted {
     pub fn reply_target(&self) -> MessageTarget {
         reply_target(&self.origin, self.reply_to.clone())
     }
+
+    /// Its locator: structural ids only, never the text or a display name.
+    pub fn locator(&self, entry: Option<i64>) -> Locator {
+        Locator {
+            instance: self.origin.channel.clone(),
+            conversation: self.origin.conversation.clone(),
+            thread: self.origin.thread.clone(),
+            message: self.reply_to.clone(),
+            event_id: self.event_id.clone(),
+            entry,
+        }
+    }
 }
 
 /// Who answers a run.
@@ -110,6 +123,7 @@ fn request(
     inst: &Instance,
     admitted: &Admitted,
     run_id: String,
+    entry: Option<i64>,
     conn: Option<&Arc<Connection>>,
     redelivered: bool,
 ) -> RunRequest {
@@ -128,6 +142,7 @@ fn request(
         actions,
         redelivered,
         control_socket: hub.config.control_socket.clone(),
+        locator: admitted.locator(entry).encode(&hub.locator_key()),
     }
 }
 
@@ -139,6 +154,8 @@ pub struct Queued {
     pub origin: Option<Arc<Connection>>,
     pub admitted: Admitted,
     pub run_id: String,
+    /// Its item's ledger entry id, when known (not for a run queued again after a restart).
+    pub entry: Option<i64>,
     pub redelivered: bool,
     pub work: Work,
     /// The ledger counts the start as an attempt first (a run that waited, or was recovered).
@@ -194,9 +211,9 @@ pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun
 /// One run, from its request to its reply (or error) handed to the driver's writer: the
 /// next run of its session starts only after that, so replies keep the inbound order.
 async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queued) {
-    let Queued { origin, admitted, run_id, redelivered, work, cancel, .. } = queued;
+    let Queued { origin, admitted, run_id, entry, redelivered, work, cancel, .. } = queued;
     let admitted = &admitted;
-    let request = request(hub, inst, admitted, run_id, origin.as_ref(), redelivered);
+    let request = request(hub, inst, admitted, run_id, entry, origin.as_ref(), redelivered);
     let target = admitted.reply_target();
     let (began, event_id) = (Instant::now(), request.event_id.clone());
     inst.metrics.run_started();

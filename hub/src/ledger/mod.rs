@@ -14,6 +14,7 @@
 
 pub mod history;
 pub mod inbound;
+pub mod items;
 mod lock;
 pub mod outbox;
 pub mod replies;
@@ -35,6 +36,7 @@ use lock::StateLock;
 
 pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
+pub use items::{Item, ItemView, NewItem};
 pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
 pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, StoredReply};
 pub use reply_state::{Answer, ReplyState};
@@ -225,7 +227,7 @@ impl Ledger {
     ) -> Result<Recorded, LedgerError> {
         self.call(move |txn| {
             let recorded = inbound::record(txn, &new, rehash)?;
-            if let (Recorded::New, Some((entry, cap))) = (&recorded, history) {
+            if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, history) {
                 history::append(txn, &entry, cap)?;
             }
             Ok(recorded)
@@ -394,11 +396,74 @@ impl Ledger {
     pub async fn prune(&self, before_ms: u64) -> Result<usize, LedgerError> {
         self.call(move |txn| {
             Ok(inbound::prune(txn, before_ms)?
+                + items::prune(txn, before_ms)?
                 + replies::prune(txn, before_ms)?
                 + outbox::prune(txn, before_ms)?
                 + history::prune(txn, before_ms)?)
         })
         .await
+    }
+
+    /// The item of `event_id` with what `read` shows of it.
+    pub async fn item_get(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Option<ItemView>, LedgerError> {
+        self.call(move |txn| items::get(txn, &instance, &event_id)).await
+    }
+
+    /// Up to `limit` items before entry `before` in a conversation (thread), newest first.
+    pub async fn item_context(
+        &self,
+        instance: String,
+        conversation: String,
+        thread: Option<String>,
+        before: i64,
+        limit: usize,
+    ) -> Result<Vec<ItemView>, LedgerError> {
+        self.call(move |txn| {
+            items::context(txn, &instance, &conversation, thread.as_deref(), before, limit)
+        })
+        .await
+    }
+
+    /// The inbox, newest first; see [`items::list`].
+    pub async fn items_list(
+        &self,
+        instance: Option<String>,
+        unhandled: bool,
+        before: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<Item>, LedgerError> {
+        self.call(move |txn| items::list(txn, instance.as_deref(), unhandled, before, limit)).await
+    }
+
+    /// Records the outbox record of an item's `respond` reply (the first one stays).
+    pub async fn item_set_reply(
+        &self,
+        instance: String,
+        event_id: String,
+        outbox_id: i64,
+        now_ms: u64,
+    ) -> Result<bool, LedgerError> {
+        self.call(move |txn| items::set_reply(txn, &instance, &event_id, outbox_id, now_ms)).await
+    }
+
+    /// Marks an item handled (the first marking stays); false when there is no such item.
+    pub async fn item_mark_handled(
+        &self,
+        instance: String,
+        event_id: String,
+        by: &'static str,
+        now_ms: u64,
+    ) -> Result<bool, LedgerError> {
+        self.call(move |txn| items::mark_handled(txn, &instance, &event_id, by, now_ms)).await
+    }
+
+    /// The ledger's id (empty when off): what locators are bound to.
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     /// Starts a new session generation for a route; returns it.
@@ -502,6 +567,7 @@ mod tests {
             run_id: format!("run-{event_id}"),
             started: true,
             now_ms: 1,
+            item: None,
         }
     }
 
@@ -512,7 +578,7 @@ mod tests {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
             assert_eq!(
                 ledger.record_inbound(inbound("e1"), same, None).await.unwrap(),
-                Recorded::New
+                Recorded::New { entry: None }
             );
             ledger.close().await;
         }
@@ -549,7 +615,7 @@ mod tests {
             })
             .collect();
         for call in calls {
-            assert_eq!(call.await.unwrap().unwrap(), Recorded::New);
+            assert_eq!(call.await.unwrap().unwrap(), Recorded::New { entry: None });
         }
         assert!(matches!(
             ledger.record_inbound(inbound("e7"), same, None).await,

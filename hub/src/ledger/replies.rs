@@ -487,6 +487,7 @@ mod tests {
             run_id: format!("run-{event_id}"),
             now_ms: now,
             started: true,
+            item: None,
         };
         record(txn, &new, |_| None).unwrap();
         let reply = NewReply {

@@ -92,6 +92,27 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX history_by_conversation ON history (instance, conversation, thread, id);
      CREATE INDEX history_by_event ON history (instance, event_id);
      CREATE INDEX history_by_age ON history (at_ms);",
+    // 5 (issue 16): the agent's inbox (`ledger/items.rs`): one item per admitted inbound,
+    // its structural ids, the reply `respond` sent and whether it was handled. Inbound
+    // recorded before this migration has no item.
+    "CREATE TABLE items (
+         id INTEGER PRIMARY KEY,
+         instance TEXT NOT NULL,
+         event_id TEXT NOT NULL,
+         conversation TEXT NOT NULL,
+         thread TEXT,
+         message_id TEXT,
+         sender TEXT,
+         received_ms INTEGER NOT NULL,
+         outbox_id INTEGER,
+         handled_ms INTEGER,
+         handled_by TEXT,
+         updated_ms INTEGER NOT NULL
+     );
+     CREATE UNIQUE INDEX items_by_event ON items (instance, event_id);
+     CREATE INDEX items_by_conversation ON items (instance, conversation, thread, id);
+     CREATE INDEX items_unhandled ON items (instance, handled_ms, id);
+     CREATE INDEX items_by_age ON items (updated_ms);",
 ];
 
 /// How many migrations this build knows (the schema version it writes).

@@ -253,6 +253,12 @@ impl Outbox {
         };
         if may_settle && let Some(wait) = wait {
             let mut settled = self.waiters.watch(record.id);
+            // It may have settled between the ledger's answer and the watch: look again.
+            if let Ok(Some(now)) = self.ledger.outbox_get(record.id).await
+                && !matches!(now.state, OutboxState::Queued | OutboxState::Sent)
+            {
+                return outcome_result(request_id, record.id, record_outcome(&now));
+            }
             if let Some(outcome) = settled.outcome(wait).await {
                 return outcome_result(request_id, record.id, outcome);
             }

@@ -19,7 +19,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
 use super::{CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest, StreamItem};
-use crate::config::{RuntimeConfig, StdinMode};
+use crate::config::{RuntimeConfig, StdinMode, Wake};
 
 /// The `version` field of the envelope written to an agent's stdin.
 pub const AGENT_ENVELOPE_VERSION: &str = "channeld.agent/v1";
@@ -77,12 +77,58 @@ struct Envelope<'a> {
     family: &'a str,
     session: &'a str,
     event_id: &'a str,
+    locator: &'a str,
     #[serde(flatten)]
-    input: &'a RunInput,
-    sender: Option<&'a Participant>,
+    body: Body<'a>,
     capabilities: Vec<&'static str>,
     actions: Vec<&'static str>,
     control_socket: &'a Path,
+}
+
+/// What the envelope says about the inbound, by the runtime's `wake`.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Body<'a> {
+    /// The whole message or event and its sender.
+    Full {
+        #[serde(flatten)]
+        input: &'a RunInput,
+        sender: Option<&'a Participant>,
+    },
+    /// Structural ids only: nothing a sender wrote reaches the agent's prompt unmarked.
+    BodyFree {
+        wake: &'static str,
+        kind: &'static str,
+        conversation: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        thread: Option<&'a str>,
+        sender: Option<SenderId<'a>>,
+    },
+}
+
+/// A sender as a body-free envelope names it: the platform id, no names.
+#[derive(Serialize)]
+struct SenderId<'a> {
+    id: &'a str,
+}
+
+fn body<'a>(wake: Wake, request: &'a RunRequest) -> Body<'a> {
+    match wake {
+        Wake::Full => Body::Full { input: &request.input, sender: request.sender.as_ref() },
+        Wake::BodyFree => {
+            let (kind, target) = match &request.input {
+                RunInput::Message { message } => ("message", &message.target),
+                RunInput::Event { event } => ("event", &event.context().target),
+            };
+            Body::BodyFree {
+                wake: "body_free",
+                kind,
+                conversation: target.conversation.as_str(),
+                thread: target.thread.as_ref().map(Id::as_str),
+                sender: request.sender.as_ref().map(|p| SenderId { id: p.id.as_str() }),
+            }
+        }
+    }
 }
 
 /// One line of agent output that is a JSON object with a known `type`.
@@ -248,6 +294,7 @@ fn spawn(config: &RuntimeConfig, request: &RunRequest) -> std::io::Result<Child>
         .env("CHANNELD_CAPS", &caps)
         .env("CHANNELD_CONTROL_SOCKET", socket)
         .env("CHANNELD_REDELIVERED", if request.redelivered { "1" } else { "0" })
+        .env("CHANNELD_LOCATOR", &request.locator)
         .env("CTX_CHANNEL_ID", request.instance.as_str())
         .env("CTX_CHANNEL_SESSION", &request.session)
         .env("CTX_CHANNEL_CAPS", &caps)
@@ -312,8 +359,8 @@ async fn converse(
         family: request.instance.family(),
         session: &request.session,
         event_id: request.event_id.as_str(),
-        input: &request.input,
-        sender: request.sender.as_ref(),
+        locator: &request.locator,
+        body: body(config.wake, request),
         capabilities: request.capabilities.enabled(),
         actions: request.actions.enabled(),
         control_socket: &request.control_socket,

@@ -44,6 +44,8 @@ pub struct RunRequest {
     /// True when this run was cut off by a crash and is being started again.
     pub redelivered: bool,
     pub control_socket: PathBuf,
+    /// The inbound's locator (for `read`, `respond`, `complete`).
+    pub locator: String,
 }
 
 /// What a run produced.
