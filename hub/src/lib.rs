@@ -6,6 +6,7 @@
 //! single connection in memory ([`serve::serve`]). ARCHITECTURE.md has the module map; the
 //! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
+pub mod clock;
 pub mod command;
 pub mod config;
 pub mod connection;

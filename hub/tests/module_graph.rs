@@ -118,6 +118,7 @@ fn the_modules_of_the_hub_form_a_dag() {
         "lifecycle",
         "metrics",
         "scrape",
+        "clock",
     ] {
         assert!(
             graph.contains_key(expected),
@@ -131,6 +132,14 @@ fn the_ledger_imports_nothing_from_the_hub() {
     let graph = graph();
     let uses = graph.get("ledger").cloned().unwrap_or_default();
     assert!(uses.is_empty(), "ledger uses {uses:?}");
+}
+
+#[test]
+fn the_clock_uses_nothing_from_the_hub() {
+    // Everything that stamps ledger times reads it, so it sits at the bottom.
+    let graph = graph();
+    let uses = graph.get("clock").cloned().unwrap_or_default();
+    assert!(uses.is_empty(), "clock uses {uses:?}");
 }
 
 #[test]
@@ -154,6 +163,8 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "ledger/sessions.rs",
         "ledger/state.rs",
         "ledger/schema.rs",
+        "ledger/ops.rs",
+        "clock.rs",
         "runqueue.rs",
         "route.rs",
         "command.rs",

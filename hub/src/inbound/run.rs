@@ -5,7 +5,7 @@
 //! the inbound.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use channeld_protocol::ext::EffectGate;
 use channeld_protocol::frame::{EffectFrame, Inbound, InboundEventFrame};
@@ -18,7 +18,7 @@ use super::reply::{self, refuse, reply_target};
 use crate::command::{self, Presented};
 use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, StartRun, unix_ms};
+use crate::instance::{Counters, Instance, StartRun};
 use crate::ledger::RunEnd;
 use crate::metrics::RunOutcome;
 use crate::route::RouteKey;
@@ -239,7 +239,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     };
     let mut recorded = false;
     if hub.ledger.is_on() {
-        let now = unix_ms(SystemTime::now());
+        let now = crate::clock::now_ms();
         let with_reply = reply.is_some();
         let finished = hub
             .ledger
