@@ -29,12 +29,23 @@ pub fn hostile_value() -> impl Strategy<Value = Value> {
 /// node, wrapped around).
 #[derive(Debug, Clone)]
 pub enum Mutation {
-    Replace { at: usize, with: Value },
-    Remove { at: usize },
+    Replace {
+        at: usize,
+        with: Value,
+    },
+    Remove {
+        at: usize,
+    },
     /// Adds a key (to an object node) with a hostile value.
-    Insert { at: usize, key: String, with: Value },
+    Insert {
+        at: usize,
+        key: String,
+        with: Value,
+    },
     /// Puts the node inside an array (`x` → `[x]`), a common type confusion.
-    Wrap { at: usize },
+    Wrap {
+        at: usize,
+    },
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {

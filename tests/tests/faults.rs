@@ -69,6 +69,7 @@ impl Tmpfs {
 impl Drop for Tmpfs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
@@ -296,7 +297,10 @@ async fn ledger_check_backup_and_vacuum_for_operators() {
     assert_ne!(again.status.code(), Some(0), "an existing backup is never overwritten");
     let vacuum = ledger_cmd(&state, &["vacuum"]);
     assert_eq!(vacuum.status.code(), Some(75), "{vacuum:?}");
-    assert!(String::from_utf8_lossy(&vacuum.stderr).contains("in use by another hub"), "{vacuum:?}");
+    assert!(
+        String::from_utf8_lossy(&vacuum.stderr).contains("in use by another hub"),
+        "{vacuum:?}"
+    );
 
     driver.close().await;
     assert!(hub.terminate().success());
@@ -421,4 +425,113 @@ async fn silent_connections_are_bounded_and_the_driver_keeps_being_served() {
     drop(silent);
     assert!(alive(hub.pid()));
     eprintln!("hub RSS with 400 silent connections: {rss_before} KiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_floods_output_ignores_sigterm_and_forks_is_killed_whole_and_fails_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("child.pid");
+    // The agent and its child ignore SIGTERM; the agent prints without end.
+    let agent = channeld_tests::write_script(
+        dir.path(),
+        "flood.sh",
+        &format!(
+            "trap '' TERM\ncat > /dev/null\nsh -c \"trap '' TERM; echo \\$\\$ > '{}'; exec sleep 60\" &\nexec yes 'gigabytes of output, gigabytes of output'\n",
+            pid_file.display()
+        ),
+    );
+    let config = format!(
+        "[runtime.flood]\nkind = \"exec\"\ncommand = [\"{}\"]\nmax_output_bytes = 65536\ntimeout_secs = 20\n\
+         [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"flood\"\n",
+        agent.display()
+    );
+    let hub = HubProcess::start_in(tempfile::tempdir().unwrap(), &config);
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    let rss_before = channeld_tests::rss_kib(hub.pid());
+    for n in 0..5 {
+        driver.inbound(ONE, &format!("flood-{n}"), "alice", "c1", "talk a lot").await;
+        let error = driver.error().await;
+        assert_eq!(error.code, "agent_output_too_large", "{error:?}");
+        wait_for("the agent's child is written down", Duration::from_secs(5), || {
+            std::fs::read_to_string(&pid_file).is_ok_and(|pid| pid.ends_with('\n'))
+        });
+        let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+        wait_for("the child that ignores SIGTERM is killed", Duration::from_secs(5), || {
+            !alive(pid)
+        });
+        std::fs::remove_file(&pid_file).unwrap();
+    }
+    let rss_after = channeld_tests::rss_kib(hub.pid());
+    eprintln!("hub RSS: {rss_before} KiB before five flooding agents, {rss_after} KiB after");
+    assert!(rss_after < rss_before + 32 * 1024, "{rss_before} KiB -> {rss_after} KiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_flooding_faster_than_agents_run_gets_busy_and_nothing_accepted_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = channeld_tests::write_script(
+        dir.path(),
+        "slow.sh",
+        "cat > /dev/null\nsleep 0.2\necho done\n",
+    );
+    let config = format!(
+        "[runtime.slow]\nkind = \"exec\"\ncommand = [\"{}\"]\n\
+         [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"slow\"\nmax_inflight = 2\nmax_queued = 8\n",
+        agent.display()
+    );
+    let hub = HubProcess::start_in(tempfile::tempdir().unwrap(), &config);
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive", "send"]), &["accepted"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    let rss_before = channeld_tests::rss_kib(hub.pid());
+    let text = "z".repeat(16 * 1024);
+    let total = 2000;
+    let sender = {
+        let sink = driver.sink.clone();
+        let text = text.clone();
+        tokio::spawn(async move {
+            for n in 0..total {
+                let event = format!("flood-{n}");
+                let frame = Frame::Inbound(channeld_protocol::frame::Inbound {
+                    event_id: channeld_tests::peer::id(&event),
+                    message: channeld_tests::peer::message(
+                        ONE,
+                        &event,
+                        "alice",
+                        &format!("c{}", n % 50),
+                        &text,
+                    ),
+                });
+                sink.send(&frame).await.expect("send");
+            }
+        })
+    };
+    let (mut accepted, mut busy) = (BTreeSet::new(), 0usize);
+    let mut delivered = BTreeSet::new();
+    while accepted.len() + busy < total || delivered.len() < accepted.len() {
+        match driver.frame().await {
+            Frame::Accepted(a) => {
+                accepted.insert(a.event_id.to_string());
+            }
+            Frame::Error(error) => {
+                assert_eq!(error.code, "busy", "{error:?}");
+                assert!(error.retryable);
+                busy += 1;
+            }
+            Frame::Deliver(delivery) => {
+                assert!(delivered.insert(delivery.request_id.to_string()), "delivered twice");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    sender.await.unwrap();
+    let rss_after = channeld_tests::rss_kib(hub.pid());
+    eprintln!(
+        "flood: {total} inbound of 16 KiB, {} accepted, {busy} busy; hub RSS {rss_before} KiB -> {rss_after} KiB",
+        accepted.len()
+    );
+    assert!(busy > 0, "a flood this fast must meet the queue bound");
+    assert_eq!(delivered, accepted, "every accepted message is answered");
+    assert!(rss_after < rss_before + 64 * 1024, "{rss_before} KiB -> {rss_after} KiB");
 }

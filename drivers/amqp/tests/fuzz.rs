@@ -24,8 +24,7 @@ fn short_text() -> impl Strategy<Value = String> {
 fn header_value() -> impl Strategy<Value = AMQPValue> {
     prop_oneof![
         short_text().prop_map(|s| AMQPValue::LongString(LongString::from(s))),
-        prop::collection::vec(any::<u8>(), 0..40)
-            .prop_map(|b| AMQPValue::ByteArray(b.into())),
+        prop::collection::vec(any::<u8>(), 0..40).prop_map(|b| AMQPValue::ByteArray(b.into())),
         short_text().prop_map(|s| AMQPValue::ShortString(ShortString::from(s))),
         any::<i64>().prop_map(AMQPValue::LongLongInt),
         any::<bool>().prop_map(AMQPValue::Boolean),
@@ -101,7 +100,16 @@ fn props() -> impl Strategy<Value = Props> {
         headers(),
     )
         .prop_map(
-            |(message_id, user_id, app_id, reply_to, correlation_id, content_type, timestamp, headers)| {
+            |(
+                message_id,
+                user_id,
+                app_id,
+                reply_to,
+                correlation_id,
+                content_type,
+                timestamp,
+                headers,
+            )| {
                 Props {
                     message_id,
                     user_id,

@@ -4,11 +4,11 @@
 //! do. Nothing panics, the same frame is always classified the same way (a redelivery is
 //! the same inbound), and what reaches the hub is bounded by what came in.
 
+use channeld_driver_sdk::protocol::ChannelId;
 use channeld_slack::blocks;
 use channeld_slack::config::{InboundEvents, Respond};
 use channeld_slack::convert::{BotIdentity, Classified, classify, slack_text_to_markdown};
 use channeld_slack::wire::{EventCallback, Interaction, SocketFrame};
-use channeld_driver_sdk::protocol::ChannelId;
 use channeld_tests::fuzz::{mutated_bytes, seeds};
 use proptest::prelude::*;
 

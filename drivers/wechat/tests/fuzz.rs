@@ -13,13 +13,13 @@ use proptest::prelude::*;
 const CDN: &str = "https://novac2c.cdn.weixin.qq.com/c2c";
 
 fn fixtures() -> Vec<serde_json::Value> {
-    let mut all = seeds(&[
-        include_str!("fixtures/getupdates.json"),
-        include_str!("fixtures/expired.json"),
-    ]);
+    let mut all =
+        seeds(&[include_str!("fixtures/getupdates.json"), include_str!("fixtures/expired.json")]);
     // Each recorded message on its own too, so mutations land inside messages more often.
     let messages = all[0]["msgs"].as_array().cloned().unwrap_or_default();
-    all.extend(messages.into_iter().map(|message| serde_json::json!({"ret": 0, "msgs": [message]})));
+    all.extend(
+        messages.into_iter().map(|message| serde_json::json!({"ret": 0, "msgs": [message]})),
+    );
     all
 }
 

@@ -3,7 +3,6 @@
 //! delivers and retries it; here are the reply's record, the direct hand-over of a reply the
 //! ledger does not track (ledger off, legacy peers), and the answer to a redelivered event.
 
-
 use channeld_protocol::frame::{Accepted, Delivery};
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{EncodeError, Frame, Id, MAX_LINE_BYTES, encode};

@@ -14,10 +14,10 @@
 
 pub mod inbound;
 mod lock;
+pub mod ops;
 pub mod outbox;
 pub mod replies;
 pub mod reply_state;
-pub mod ops;
 mod schema;
 pub mod sessions;
 pub mod state;
