@@ -162,6 +162,7 @@ fn visit_object(map: &mut Map<String, Value>, index: &mut usize, op: &Mutation) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
 
     #[test]

@@ -88,7 +88,8 @@ async fn soak() {
         "[instance.\"{MQTT}\"]\nallow = [\"alice\"]\n[instance.\"{CONSOLE}\"]\nallow = [\"bob\"]\n"
     ));
     let inbound_filter = format!("channeld/{MQTT}/in/+/+");
-    provision_session(broker.port(), &format!("channeld-{MQTT}"), None, &[&inbound_filter]).await;
+    provision_session(broker.port(), &format!("channeld-{MQTT}"), None, &[inbound_filter.as_str()])
+        .await;
     let mqtt_env = vec![("CHANNELD_MQTT_URL".to_owned(), broker.url())];
     let mut driver = DriverProcess::spawn("channeld-mqtt", &hub, MQTT, &mqtt_env);
 

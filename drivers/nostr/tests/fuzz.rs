@@ -20,14 +20,16 @@ fn keys(n: u8) -> Keys {
 fn rumors() -> Vec<serde_json::Value> {
     let me = keys(1).public_key();
     let alice = keys(2).public_key();
-    let message = EventBuilder::private_msg_rumor(me, "hello there").build(alice);
-    let reply = EventBuilder::private_msg_rumor(me, "and again")
-        .tag(Tag::event(message.id.unwrap()))
-        .build(alice);
-    let reaction = EventBuilder::new(Kind::Reaction, "+")
-        .tag(Tag::event(message.id.unwrap()))
+    let mut message = EventBuilder::private_msg_rumor(me, "hello there").build(alice);
+    let message_id = message.id();
+    let mut reply =
+        EventBuilder::private_msg_rumor(me, "and again").tag(Tag::event(message_id)).build(alice);
+    reply.ensure_id();
+    let mut reaction = EventBuilder::new(Kind::Reaction, "+")
+        .tag(Tag::event(message_id))
         .tag(Tag::public_key(me))
         .build(alice);
+    reaction.ensure_id();
     let texts: Vec<String> = [message, reply, reaction].iter().map(JsonUtil::as_json).collect();
     seeds(&texts.iter().map(String::as_str).collect::<Vec<_>>())
 }
