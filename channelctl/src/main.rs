@@ -7,7 +7,9 @@
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
 //! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
 //! (the idempotency key was already used for a different message); 9 `health`: the
-//! instance is Unavailable (no driver, or it does not answer). `replies retry` exits 0 once the
+//! instance is Unavailable (no driver, or it does not answer); 10 storage full (the hub's
+//! ledger has no space left: nothing was recorded or sent; retry once space returns).
+//! `replies retry` exits 0 once the
 //! reply is pending again, 4 when there is no such reply or it cannot be retried.
 //! `action`/`resume`: 4 refused by the hub (no driver connected, name not declared), 6 the
 //! driver answered it failed, 5 no answer in time. `history`: 4 when the instance keeps no
@@ -219,6 +221,7 @@ const EXIT_FAILED: u8 = 6;
 const EXIT_QUEUED: u8 = 7;
 const EXIT_CONFLICT: u8 = 8;
 const EXIT_UNAVAILABLE: u8 = 9;
+const EXIT_STORAGE_FULL: u8 = 10;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -425,6 +428,7 @@ fn exit_code(error_code: &str) -> u8 {
         | code::INVALID_LOCATOR => EXIT_REFUSED,
         code::ACTION_FAILED => EXIT_FAILED,
         code::ACTION_TIMEOUT => EXIT_UNKNOWN,
+        code::STORAGE_FULL => EXIT_STORAGE_FULL,
         _ => EXIT_UNEXPECTED,
     }
 }

@@ -32,6 +32,9 @@ pub(crate) fn print_text(
                     println!("{} {}: {reason}", health.instance, health.health.state.as_str())
                 }
             }
+            if let Some(storage) = &health.storage {
+                println!("hub ledger: {storage}: {STORAGE_NOTE}");
+            }
         }
         Cmd::Action { .. } | Cmd::Resume { .. } => {
             let done: ActionResult = serde_json::from_value(result)?;
@@ -231,11 +234,18 @@ fn one_line(text: &str, max: usize) -> String {
     text.chars().take(max).map(|c| if c.is_control() { ' ' } else { c }).collect()
 }
 
+/// What `storage_full` means for an operator.
+const STORAGE_NOTE: &str = "no space left for the ledger; new messages are refused (drivers \
+     retry them) and sends fail until space returns";
+
 fn print_status(status: &StatusResult) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     println!("{} (pid {}), up {}", status.hub, status.pid, ago(now, status.started_ms));
+    if let Some(storage) = &status.storage {
+        println!("ledger: {storage}: {STORAGE_NOTE}");
+    }
     println!(
         "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  REASON / LAST ERROR",
         "INSTANCE",

@@ -29,6 +29,9 @@ pub mod code {
     pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
     pub const LEDGER_OFF: &str = "ledger_off";
     pub const LEDGER_UNAVAILABLE: &str = "ledger_unavailable";
+    /// The ledger cannot write for lack of space: nothing was recorded, nothing sent; try
+    /// again once space returns (the hub notices by itself).
+    pub const STORAGE_FULL: &str = "storage_full";
     pub const NOT_FOUND: &str = "not_found";
     pub const NOT_RETRYABLE: &str = "not_retryable";
     /// An idempotency key reused for a different message on the same instance.
@@ -471,6 +474,10 @@ pub struct ReplyCounts {
 pub struct HealthResult {
     pub instance: String,
     pub health: Health,
+    /// `storage_full` while the hub's ledger cannot write for lack of space (new inbound is
+    /// refused, sends fail); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
 }
 
 /// Counters of one instance.
@@ -540,6 +547,10 @@ pub struct StatusResult {
     pub pid: u32,
     pub started_ms: u64,
     pub instances: Vec<InstanceStatus>,
+    /// `storage_full` while the hub's ledger cannot write for lack of space (new inbound is
+    /// refused, sends fail); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
 }
 
 /// One family in `catalog`.

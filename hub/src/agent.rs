@@ -8,7 +8,7 @@
 //! marking failed is answered `replied: true, handled: false` with a warning.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use channeld_control::{
     CompleteResult, InboxItem, InboxResult, MAX_CONTROL_LINE, MAX_READ_CONTEXT, MAX_READ_TEXT,
@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::connection::ReceiptOutcome;
 use crate::hub::Hub;
-use crate::instance::{Instance, unix_ms};
+use crate::instance::Instance;
 use crate::ledger::{Item, ItemView, LedgerError};
 use crate::locator::{Locator, LocatorError};
 use crate::outbox::SendRequest;
@@ -73,7 +73,7 @@ impl AgentError {
 }
 
 fn now_ms() -> u64 {
-    unix_ms(SystemTime::now())
+    crate::clock::now_ms()
 }
 
 /// The item a locator names, with what `read` shows of it.

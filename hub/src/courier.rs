@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use channeld_protocol::frame::{Delivery, ErrorFrame, Receipt};
 use channeld_protocol::{Frame, Id, encode};
@@ -27,7 +27,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::connection::{Connection, lock};
-use crate::instance::{Counters, Instance, Registry, unix_ms};
+use crate::instance::{Counters, Instance, Registry};
 use crate::ledger::{
     Answer, Ledger, LedgerError, ReplyAnswer, ReplyRecord, ReplyState, StoredReply,
 };
@@ -42,7 +42,7 @@ const CLAIM_BATCH: usize = 256;
 const SEND_UNKNOWN: &str = "send_unknown";
 
 fn now_ms() -> u64 {
-    unix_ms(SystemTime::now())
+    crate::clock::now_ms()
 }
 
 /// A reply handed to a connection and waiting for its answer.

@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod cancels;
+pub mod clock;
 pub mod command;
 pub mod config;
 pub mod connection;

@@ -121,6 +121,7 @@ fn the_modules_of_the_hub_form_a_dag() {
         "agent",
         "locator",
         "history",
+        "clock",
     ] {
         assert!(
             graph.contains_key(expected),
@@ -142,6 +143,14 @@ fn locators_are_decoded_by_a_module_that_uses_nothing_else_of_the_hub() {
     let graph = graph();
     let uses = graph.get("locator").cloned().unwrap_or_default();
     assert!(uses.is_empty(), "locator uses {uses:?}");
+}
+
+#[test]
+fn the_clock_uses_nothing_from_the_hub() {
+    // Everything that stamps ledger times reads it, so it sits at the bottom.
+    let graph = graph();
+    let uses = graph.get("clock").cloned().unwrap_or_default();
+    assert!(uses.is_empty(), "clock uses {uses:?}");
 }
 
 #[test]
@@ -183,6 +192,8 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "ledger/items.rs",
         "locator.rs",
         "ledger/history.rs",
+        "ledger/ops.rs",
+        "clock.rs",
         "runqueue.rs",
         "route.rs",
         "command.rs",

@@ -73,6 +73,7 @@ struct RawHub {
     health_probe_interval_secs: Option<u64>,
     health_probe_timeout_secs: Option<u64>,
     liveness_secs: Option<u64>,
+    stall_timeout_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
     durability: Option<DurabilityMode>,
     retention_days: Option<u64>,
@@ -331,6 +332,9 @@ pub struct HubConfig {
     pub health_probe_timeout: Duration,
     /// A driver that sends nothing (not even a heartbeat) for this long is Unavailable.
     pub liveness: Duration,
+    /// A driver connection whose socket the hub could not write to for this long (the
+    /// driver stopped reading) is closed; a third of it marks the instance Degraded.
+    pub stall_timeout: Duration,
     pub drain_timeout: Duration,
     /// Where `/metrics` is served; `None` (the default) turns metrics off.
     pub metrics_listen: Option<MetricsListen>,
@@ -522,6 +526,7 @@ impl HubConfig {
                 5,
             )?,
             liveness: secs("hub.liveness_secs", hub.liveness_secs, 60)?,
+            stall_timeout: secs("hub.stall_timeout_secs", hub.stall_timeout_secs, 60)?,
             drain_timeout: secs("hub.drain_timeout_secs", hub.drain_timeout_secs, 10)?,
             metrics_listen: hub.metrics_listen.as_deref().map(MetricsListen::parse).transpose()?,
             runtimes,

@@ -75,6 +75,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
         ),
         ("hub.health_probe_timeout_secs", running.health_probe_timeout != new.health_probe_timeout),
         ("hub.liveness_secs", running.liveness != new.liveness),
+        ("hub.stall_timeout_secs", running.stall_timeout != new.stall_timeout),
         ("hub.drain_timeout_secs", running.drain_timeout != new.drain_timeout),
         ("hub.metrics_listen", running.metrics_listen != new.metrics_listen),
     ]

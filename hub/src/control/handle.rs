@@ -87,7 +87,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         Op::Health { instance } => match hub.instance(&instance) {
             Some(inst) => {
                 let health = crate::health::probe(hub, &inst).await;
-                success(id, HealthResult { instance, health })
+                success(id, HealthResult { instance, health, storage: storage(hub) })
             }
             None => {
                 let message = format!("no instance named {instance}");
@@ -333,6 +333,7 @@ fn reply_counts(counts: Vec<ReplyCount>) -> HashMap<String, ReplyCounts> {
 fn ledger_code(err: &LedgerError) -> &'static str {
     match err {
         LedgerError::Off => code::LEDGER_OFF,
+        LedgerError::StorageFull => code::STORAGE_FULL,
         _ => code::LEDGER_UNAVAILABLE,
     }
 }
@@ -419,6 +420,11 @@ fn outbound(
     })
 }
 
+/// `storage_full` while the ledger cannot write for lack of space.
+fn storage(hub: &Hub) -> Option<String> {
+    hub.ledger.storage_full().then(|| code::STORAGE_FULL.to_owned())
+}
+
 async fn status(hub: &Hub) -> StatusResult {
     use std::sync::atomic::Ordering::Relaxed;
     let mut replies = if hub.ledger.is_on() {
@@ -482,6 +488,7 @@ async fn status(hub: &Hub) -> StatusResult {
         pid: std::process::id(),
         started_ms: unix_ms(hub.started),
         instances,
+        storage: storage(hub),
     }
 }
 

@@ -6,7 +6,7 @@
 //! answered with what it ended as, and nothing is cancelled.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use channeld_protocol::Id;
 use tracing::{info, warn};
@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use crate::cancels::{ABORTED, Lookup, RunCancel};
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
-use crate::instance::{Instance, unix_ms};
+use crate::instance::Instance;
 use crate::ledger::{InboundState, RunEnd};
 use crate::runtime::RunError;
 
@@ -126,7 +126,7 @@ pub async fn end_aborted(
     if hub.ledger.is_on() {
         let end =
             RunEnd::Failed { code: ABORTED.to_owned(), message: RunError::Aborted.to_string() };
-        let now = unix_ms(SystemTime::now());
+        let now = crate::clock::now_ms();
         let recorded = hub
             .ledger
             .finish_run(inst.config.id.to_string(), event_id.to_string(), end, None, now)

@@ -20,7 +20,6 @@ pub mod reply;
 pub mod run;
 
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use channeld_protocol::frame::{Delivery, Inbound, InboundEventFrame};
 use channeld_protocol::types::{MessageBody, OutboundMessage};
@@ -30,7 +29,7 @@ use tracing::{info, warn};
 use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, StartRun, unix_ms};
+use crate::instance::{Counters, Instance, StartRun};
 use crate::ledger::{NewHistory, NewInbound, NewItem, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
@@ -144,7 +143,7 @@ async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admi
             let admission = runs.admit(&admitted.event_id, &admitted.route);
             Place {
                 run_id: run::new_run_id(hub),
-                received_ms: unix_ms(SystemTime::now()),
+                received_ms: crate::clock::now_ms(),
                 reserved: admission == Admission::Reserved,
                 entry: None,
             }
@@ -314,8 +313,14 @@ async fn carry_out(
         }
         Action::Unrecorded => {
             inst.metrics.inbound(InboundOutcome::Error);
-            let text = "the hub could not record this message".to_owned();
-            refuse(conn, event_id, "ledger_unavailable", text, true).await;
+            // Retryable either way: the driver keeps the message and sends it again.
+            if hub.ledger.storage_full() {
+                let text = "the hub's storage is full; try again later".to_owned();
+                refuse(conn, event_id, "storage_full", text, true).await;
+            } else {
+                let text = "the hub could not record this message".to_owned();
+                refuse(conn, event_id, "ledger_unavailable", text, true).await;
+            }
         }
         Action::Answer(_) | Action::Run => {
             inst.metrics.inbound(InboundOutcome::Accepted);

@@ -3,8 +3,6 @@
 //! delivers and retries it; here are the reply's record, the direct hand-over of a reply the
 //! ledger does not track (ledger off, legacy peers), and the answer to a redelivered event.
 
-use std::time::SystemTime;
-
 use channeld_protocol::frame::{Accepted, Delivery};
 use channeld_protocol::types::{MessageBody, MessageTarget, Metadata, OutboundMessage};
 use channeld_protocol::{EncodeError, Frame, Id, MAX_LINE_BYTES, encode};
@@ -13,7 +11,7 @@ use tracing::{debug, warn};
 use super::decide::EMPTY_REPLY;
 use crate::connection::{Connection, PeerKind};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, unix_ms};
+use crate::instance::{Counters, Instance};
 use crate::ledger::{NewReply, ReplyState, StoredReply};
 
 /// Ends a reply that was cut so that its `deliver` frame fits in one line.
@@ -149,7 +147,7 @@ pub fn new_reply(
 ) -> Option<NewReply> {
     let body = MessageBody::text(fit_reply(event_id, target, metadata, text.to_owned())).ok()?;
     let message = OutboundMessage { target: target.clone(), body, metadata: metadata.clone() };
-    let now = unix_ms(SystemTime::now());
+    let now = crate::clock::now_ms();
     Some(NewReply {
         instance: inst.config.id.to_string(),
         event_id: event_id.to_string(),

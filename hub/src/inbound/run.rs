@@ -5,7 +5,7 @@
 //! the inbound.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -22,7 +22,7 @@ use crate::cancels::{ABORTED, RunCancel};
 use crate::command::{self, Presented};
 use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, StartRun, unix_ms};
+use crate::instance::{Counters, Instance, StartRun};
 use crate::ledger::RunEnd;
 use crate::locator::Locator;
 use crate::metrics::RunOutcome;
@@ -275,7 +275,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     };
     let mut recorded = false;
     if hub.ledger.is_on() {
-        let now = unix_ms(SystemTime::now());
+        let now = crate::clock::now_ms();
         let with_reply = reply.is_some();
         let finished = hub
             .ledger

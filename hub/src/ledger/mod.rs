@@ -16,6 +16,7 @@ pub mod history;
 pub mod inbound;
 pub mod items;
 mod lock;
+pub mod ops;
 pub mod outbox;
 pub mod replies;
 pub mod reply_state;
@@ -29,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use rusqlite::Transaction;
+use rusqlite::{Transaction, params};
 use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
@@ -42,7 +43,7 @@ pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, S
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
-pub use store::{LedgerMetrics, QUEUE_CAPACITY};
+pub use store::{LedgerMetrics, QUEUE_CAPACITY, StorageFlag};
 
 /// The database file inside the state directory.
 pub const DB_FILE: &str = "ledger.sqlite3";
@@ -56,10 +57,18 @@ pub enum LedgerError {
     Unavailable,
     #[error("the ledger commit failed")]
     Commit,
+    /// `SQLITE_FULL`: no space left for the database or its log. Retryable: it clears by
+    /// itself once space returns.
+    #[error("the ledger's storage is full (no space left on the state directory's file system)")]
+    StorageFull,
     #[error("ledger database error: {0}")]
     Sql(String),
-    #[error("cannot open the ledger at {path}: {message}")]
+    #[error("cannot open the ledger at {}: {message}", .path.display())]
     Open { path: PathBuf, message: String },
+    /// The state directory or the database file cannot be used as it is; restarting the hub
+    /// cannot help, an operator must act (`remedy` says how).
+    #[error("cannot use {}: {problem}; {remedy}", .path.display())]
+    Unusable { path: PathBuf, problem: String, remedy: &'static str },
     #[error("the state directory {} is in use by another hub ({})", .dir.display(), holder(*.pid))]
     InUse { dir: PathBuf, pid: Option<u32> },
     #[error("outbox record {0} does not exist")]
@@ -72,12 +81,56 @@ pub enum LedgerError {
     ReplyNotRetryable { id: i64, state: ReplyState },
 }
 
+/// What to do about a state directory the hub cannot create or write.
+const REMEDY_DIR: &str = "make the state directory writable by the hub's user (or mount its \
+     file system read-write), or set hub.state_dir (--state-dir) to one that is";
+/// What to do about a corrupted database.
+const REMEDY_CORRUPT: &str = "stop the hub, move the file aside (keep it for recovery), then \
+     restore a backup made with `channeld ledger backup` or start with an empty ledger";
+/// What to do about a database from a newer channeld.
+const REMEDY_NEWER: &str = "run the channeld version that wrote it (or a newer one), or \
+     restore a backup made by this version";
+
+/// Creates `dir` (mode 0700) if it is missing and checks the hub may write in it.
+fn check_state_dir(dir: &Path) -> Result<(), LedgerError> {
+    let fail = |problem: String| LedgerError::Unusable {
+        path: dir.to_owned(),
+        problem,
+        remedy: REMEDY_DIR,
+    };
+    std::fs::create_dir_all(dir)
+        .map_err(|err| fail(format!("cannot create the state directory: {err}")))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
+    rustix::fs::access(dir, rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK)
+        .map_err(|err| fail(format!("the state directory is not writable: {err}")))
+}
+
+/// The database file at `path` cannot be used: which problem, and the remedy.
+fn unusable(path: &Path, err: schema::OpenError) -> LedgerError {
+    use schema::OpenError;
+    let remedy = match &err {
+        OpenError::Newer { .. } => REMEDY_NEWER,
+        OpenError::Corrupt(_) => REMEDY_CORRUPT,
+        OpenError::ReadOnly(_) => REMEDY_DIR,
+        OpenError::Sql(_) => {
+            return LedgerError::Open { path: path.to_owned(), message: err.to_string() };
+        }
+    };
+    LedgerError::Unusable { path: path.to_owned(), problem: err.to_string(), remedy }
+}
+
 fn holder(pid: Option<u32>) -> String {
     pid.map_or_else(|| "pid unknown".to_owned(), |pid| format!("pid {pid}"))
 }
 
 impl From<rusqlite::Error> for LedgerError {
     fn from(err: rusqlite::Error) -> Self {
+        if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+            return LedgerError::StorageFull;
+        }
         LedgerError::Sql(err.to_string())
     }
 }
@@ -92,6 +145,7 @@ pub struct Ledger {
     id: String,
     path: Option<PathBuf>,
     metrics: LedgerMetrics,
+    storage: StorageFlag,
 }
 
 impl Ledger {
@@ -104,28 +158,29 @@ impl Ledger {
             id: String::new(),
             path: None,
             metrics: LedgerMetrics::default(),
+            storage: StorageFlag::default(),
         }
     }
 
     /// Opens `dir/ledger.sqlite3`, creating the directory (mode 0700) and schema as needed.
     /// Only one ledger (one hub) at a time may use `dir`: another gets
     /// [`LedgerError::InUse`] naming the holder's pid.
+    ///
+    /// A state directory that cannot be created or written, a corrupted database and one
+    /// written by a newer channeld are [`LedgerError::Unusable`], naming the path and what
+    /// to do.
     pub fn open(dir: &Path, durability: Durability) -> Result<Self, LedgerError> {
         let path = dir.join(DB_FILE);
         let open_err = |message: String| LedgerError::Open { path: path.clone(), message };
-        std::fs::create_dir_all(dir).map_err(|err| open_err(err.to_string()))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-        }
+        check_state_dir(dir)?;
         let lock = StateLock::acquire(dir)?;
-        let conn = schema::open(&path, durability).map_err(|err| open_err(err.to_string()))?;
+        let conn = schema::open(&path, durability).map_err(|err| unusable(&path, err))?;
         Self::start(conn, Some(path.clone()), Some(lock)).map_err(|err| open_err(err.to_string()))
     }
 
     /// A ledger in memory: everything works, nothing survives the process (tests).
     pub fn in_memory() -> Result<Self, LedgerError> {
-        let conn = schema::open_in_memory()?;
+        let conn = schema::open_in_memory().map_err(|err| LedgerError::Sql(err.to_string()))?;
         Self::start(conn, None, None)
     }
 
@@ -136,8 +191,9 @@ impl Ledger {
     ) -> Result<Self, LedgerError> {
         let id = schema::ledger_id(&conn)?;
         let metrics = LedgerMetrics::default();
-        let (tx, thread) =
-            store::spawn(conn, metrics.clone()).map_err(|err| LedgerError::Sql(err.to_string()))?;
+        let storage = StorageFlag::default();
+        let (tx, thread) = store::spawn(conn, metrics.clone(), storage.clone())
+            .map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -145,6 +201,7 @@ impl Ledger {
             id,
             path,
             metrics,
+            storage,
         })
     }
 
@@ -155,6 +212,25 @@ impl Ledger {
     /// The ledger thread's commit latency and batch sizes.
     pub fn metrics(&self) -> &LedgerMetrics {
         &self.metrics
+    }
+
+    /// Whether the last write failed for lack of space (`storage_full` in `status`).
+    pub fn storage_full(&self) -> bool {
+        self.storage.is_full()
+    }
+
+    /// A small real write (the `meta` row `storage_probe`), so a ledger marked full notices
+    /// that space returned even when no message arrives. Clears or confirms the mark.
+    pub async fn probe_storage(&self, now_ms: u64) -> Result<(), LedgerError> {
+        self.call(move |txn| {
+            txn.execute(
+                "INSERT INTO meta (key, value) VALUES ('storage_probe', ?1)
+                 ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                params![now_ms.to_string()],
+            )?;
+            Ok(())
+        })
+        .await
     }
 
     /// Jobs queued for the ledger thread now (0 when off).
@@ -185,10 +261,14 @@ impl Ledger {
     {
         let tx = self.tx.as_ref().ok_or(LedgerError::Off)?;
         let (done, answer) = oneshot::channel();
+        let storage = self.storage.clone();
         let job: store::Job = Box::new(move |txn| {
             let result = store::savepoint(txn, f);
-            Box::new(move |committed| {
-                let _ = done.send(if committed { result } else { Err(LedgerError::Commit) });
+            if let Err(err) = &result {
+                storage.note(err);
+            }
+            Box::new(move |outcome: Result<(), LedgerError>| {
+                let _ = done.send(outcome.and(result));
             })
         });
         tx.send(store::Message::Job(job)).await.map_err(|_| LedgerError::Unavailable)?;

@@ -128,8 +128,40 @@ pub enum Durability {
     Normal,
 }
 
-/// Opens (or creates) the database file, migrates it, and returns it ready for the thread.
-pub fn open(path: &Path, durability: Durability) -> rusqlite::Result<Connection> {
+/// Why the database file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Written by a newer channeld: this build does not know its schema.
+    #[error("ledger schema version {found} is newer than this hub understands ({known})")]
+    Newer { found: usize, known: usize },
+    /// The file is not a SQLite database, or its pages are damaged.
+    #[error("the database is corrupted: {0}")]
+    Corrupt(String),
+    /// The file or its directory cannot be written.
+    #[error("the database cannot be written: {0}")]
+    ReadOnly(String),
+    #[error(transparent)]
+    Sql(rusqlite::Error),
+}
+
+impl From<rusqlite::Error> for OpenError {
+    fn from(err: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode;
+        match err.sqlite_error_code() {
+            Some(ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt) => {
+                OpenError::Corrupt(err.to_string())
+            }
+            Some(ErrorCode::ReadOnly | ErrorCode::CannotOpen | ErrorCode::PermissionDenied) => {
+                OpenError::ReadOnly(err.to_string())
+            }
+            _ => OpenError::Sql(err),
+        }
+    }
+}
+
+/// Opens (or creates) the database file, checks it is whole (`quick_check`), migrates it,
+/// and returns it ready for the thread.
+pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError> {
     let mut conn = Connection::open(path)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     let sync = match durability {
@@ -139,27 +171,52 @@ pub fn open(path: &Path, durability: Durability) -> rusqlite::Result<Connection>
     conn.pragma_update(None, "synchronous", sync)?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     conn.busy_timeout(Duration::from_secs(5))?;
+    quick_check(&conn)?;
     migrate(&mut conn, SCHEMA_VERSION)?;
     Ok(conn)
 }
 
+/// `PRAGMA quick_check`: the pages and their structure, without the slower index checks
+/// of `integrity_check` (that one is `channeld ledger check`).
+fn quick_check(conn: &Connection) -> Result<(), OpenError> {
+    let problems = check_with(conn, "quick_check", 5)?;
+    if problems.is_empty() { Ok(()) } else { Err(OpenError::Corrupt(problems.join("; "))) }
+}
+
+/// Runs `PRAGMA <pragma>(limit)` (`quick_check` or `integrity_check`); the problems it
+/// found, none when the database is whole.
+pub fn check_with(conn: &Connection, pragma: &str, limit: u32) -> rusqlite::Result<Vec<String>> {
+    let mut statement = conn.prepare(&format!("PRAGMA {pragma}({limit})"))?;
+    let rows = statement.query_map([], |row| row.get::<_, String>(0))?;
+    let mut problems = Vec::new();
+    for row in rows {
+        let line = row?;
+        if line != "ok" {
+            problems.push(line);
+        }
+    }
+    Ok(problems)
+}
+
+/// The schema version recorded in the database (`PRAGMA user_version`).
+pub fn version(conn: &Connection) -> rusqlite::Result<usize> {
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    Ok(usize::try_from(version).unwrap_or(0))
+}
+
 /// A migrated database in memory: for tests, and for a hub that wants dedupe within one run
 /// without a state directory.
-pub fn open_in_memory() -> rusqlite::Result<Connection> {
+pub fn open_in_memory() -> Result<Connection, OpenError> {
     let mut conn = Connection::open_in_memory()?;
     migrate(&mut conn, SCHEMA_VERSION)?;
     Ok(conn)
 }
 
 /// Applies the migrations up to `target` (all of them, except in tests of an upgrade).
-pub(super) fn migrate(conn: &mut Connection, target: usize) -> rusqlite::Result<()> {
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
-    let version = usize::try_from(version).unwrap_or(0);
+pub(super) fn migrate(conn: &mut Connection, target: usize) -> Result<(), OpenError> {
+    let version = version(conn)?;
     if version > MIGRATIONS.len() {
-        return Err(rusqlite::Error::InvalidParameterName(format!(
-            "ledger schema version {version} is newer than this hub understands ({})",
-            MIGRATIONS.len()
-        )));
+        return Err(OpenError::Newer { found: version, known: MIGRATIONS.len() });
     }
     for (index, sql) in MIGRATIONS.iter().enumerate().take(target).skip(version) {
         let tx = conn.transaction()?;

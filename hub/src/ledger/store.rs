@@ -2,13 +2,15 @@
 //! batches, one transaction (and so one fsync) per batch — group commit. A caller's answer is
 //! released only after its batch committed.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use rusqlite::{Connection, Transaction};
 use tokio::sync::mpsc::{Receiver, Sender};
-use tracing::error;
+use tracing::{error, info};
 
 use super::LedgerError;
 
@@ -41,8 +43,37 @@ impl Default for LedgerMetrics {
 }
 
 /// A unit of work. It runs inside the batch transaction and returns what to do once the
-/// batch's commit is known (`true`: committed).
-pub type Job = Box<dyn FnOnce(&Transaction<'_>) -> Box<dyn FnOnce(bool) + Send> + Send>;
+/// batch's commit is known (`Ok`: committed; else why not).
+pub type Job = Box<dyn FnOnce(&Transaction<'_>) -> Finish + Send>;
+
+/// What a job does once its batch's commit is known.
+pub type Finish = Box<dyn FnOnce(Result<(), LedgerError>) + Send>;
+
+/// Whether the ledger's last write failed for lack of space. Set by the thread (or a job)
+/// that met `SQLITE_FULL`, cleared by the next batch that committed a change.
+#[derive(Debug, Clone, Default)]
+pub struct StorageFlag(Arc<AtomicBool>);
+
+impl StorageFlag {
+    pub fn is_full(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Records a failure; logs the change to full once.
+    pub fn note(&self, err: &LedgerError) {
+        if matches!(err, LedgerError::StorageFull) && !self.0.swap(true, Ordering::Relaxed) {
+            error!(
+                "ledger storage is full: new inbound is refused (retryable) and sends fail until space returns"
+            );
+        }
+    }
+
+    fn clear(&self) {
+        if self.0.swap(false, Ordering::Relaxed) {
+            info!("ledger storage writable again");
+        }
+    }
+}
 
 /// What the thread is sent.
 pub enum Message {
@@ -57,15 +88,21 @@ pub enum Message {
 pub fn spawn(
     conn: Connection,
     metrics: LedgerMetrics,
+    storage: StorageFlag,
 ) -> std::io::Result<(Sender<Message>, JoinHandle<()>)> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Message>(QUEUE_CAPACITY);
     let thread = std::thread::Builder::new()
         .name("channeld-ledger".into())
-        .spawn(move || run(conn, rx, &metrics))?;
+        .spawn(move || run(conn, rx, &metrics, &storage))?;
     Ok((tx, thread))
 }
 
-fn run(mut conn: Connection, mut rx: Receiver<Message>, metrics: &LedgerMetrics) {
+fn run(
+    mut conn: Connection,
+    mut rx: Receiver<Message>,
+    metrics: &LedgerMetrics,
+    storage: &StorageFlag,
+) {
     let mut batch: Vec<Job> = Vec::with_capacity(64);
     let mut stopping = false;
     while !stopping {
@@ -81,7 +118,7 @@ fn run(mut conn: Connection, mut rx: Receiver<Message>, metrics: &LedgerMetrics)
             }
         }
         if !batch.is_empty() {
-            apply(&mut conn, &mut batch, metrics);
+            apply(&mut conn, &mut batch, metrics, storage);
         }
     }
     // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
@@ -89,9 +126,15 @@ fn run(mut conn: Connection, mut rx: Receiver<Message>, metrics: &LedgerMetrics)
     let _ = conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
 }
 
-fn apply(conn: &mut Connection, batch: &mut Vec<Job>, metrics: &LedgerMetrics) {
+fn apply(
+    conn: &mut Connection,
+    batch: &mut Vec<Job>,
+    metrics: &LedgerMetrics,
+    storage: &StorageFlag,
+) {
     let began = Instant::now();
     let jobs = batch.len();
+    let changes_before = conn.total_changes();
     let tx = match conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate) {
         Ok(tx) => tx,
         Err(err) => {
@@ -104,19 +147,28 @@ fn apply(conn: &mut Connection, batch: &mut Vec<Job>, metrics: &LedgerMetrics) {
     for job in batch.drain(..) {
         finishers.push(job(&tx));
     }
-    let committed = match tx.commit() {
+    let outcome = match tx.commit() {
         Ok(()) => {
             metrics.commit_seconds.observe(began.elapsed().as_secs_f64());
             metrics.batch_jobs.observe(jobs as f64);
-            true
+            // Only a batch that wrote proves there is room again (an empty one writes nothing).
+            if conn.total_changes() > changes_before {
+                storage.clear();
+            }
+            Ok(())
         }
         Err(err) => {
-            error!(error = %err, "ledger commit failed");
-            false
+            if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+                storage.note(&LedgerError::StorageFull);
+                Err(LedgerError::StorageFull)
+            } else {
+                error!(error = %err, "ledger commit failed");
+                Err(LedgerError::Commit)
+            }
         }
     };
     for finish in finishers {
-        finish(committed);
+        finish(outcome.clone());
     }
 }
 

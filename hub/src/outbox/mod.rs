@@ -10,7 +10,7 @@ pub mod receipts;
 mod waiters;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
 use channeld_protocol::{Id, MAX_LINE_BYTES};
@@ -22,7 +22,7 @@ pub use waiters::{OutboxOutcome, Waiters, Watch};
 
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
-use crate::instance::{Instance, Registry, unix_ms};
+use crate::instance::{Instance, Registry};
 use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
 use crate::metrics::SendOutcome as SendMetric;
 use crate::send::{self, SendError, SendOutcome, SendState};
@@ -66,7 +66,7 @@ pub struct Outbox {
 }
 
 fn now_ms() -> u64 {
-    unix_ms(SystemTime::now())
+    crate::clock::now_ms()
 }
 
 impl Outbox {
