@@ -39,6 +39,7 @@ pub fn open_ledger(config: &HubConfig) -> Result<Ledger, LedgerError> {
     match &config.state_dir {
         Some(dir) => {
             let durability = match config.durability {
+                DurabilityMode::Strict => Durability::Strict,
                 DurabilityMode::Full => Durability::Full,
                 DurabilityMode::Normal => Durability::Normal,
             };

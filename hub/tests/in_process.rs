@@ -279,14 +279,17 @@ async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_be
     for text in ["first".to_owned(), "x".repeat(300_000), "second".to_owned()] {
         let added = hub
             .ledger
-            .outbox_add(NewSend {
-                instance: ONE.into(),
-                idempotency_key: None,
-                message: serde_json::to_vec(&outbound(text)).unwrap(),
-                state: OutboxState::Queued,
-                now_ms: 1,
-                expires_ms: u64::MAX / 2,
-            })
+            .outbox_add(
+                NewSend {
+                    instance: ONE.into(),
+                    idempotency_key: None,
+                    message: serde_json::to_vec(&outbound(text)).unwrap(),
+                    state: OutboxState::Queued,
+                    now_ms: 1,
+                    expires_ms: u64::MAX / 2,
+                },
+                channeld_hub::ledger::Commit::Durable,
+            )
             .await
             .unwrap();
         match added {

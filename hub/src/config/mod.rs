@@ -124,7 +124,10 @@ impl std::fmt::Display for MetricsListen {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DurabilityMode {
-    /// Survives power loss (`synchronous = FULL`).
+    /// Every commit survives power loss (an fsync per batch).
+    Strict,
+    /// What a caller or platform was told survives power loss; intermediate records survive
+    /// a hub crash at once and power loss within `FLUSH_DELAY` (see README).
     #[default]
     Full,
     /// Survives a crash of the hub, not of the machine (`synchronous = NORMAL`).

@@ -43,7 +43,7 @@ pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, S
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
-pub use store::{LedgerMetrics, QUEUE_CAPACITY, StorageFlag};
+pub use store::{Commit, FLUSH_DELAY, LedgerMetrics, QUEUE_CAPACITY, StorageFlag};
 
 /// The database file inside the state directory.
 pub const DB_FILE: &str = "ledger.sqlite3";
@@ -175,24 +175,26 @@ impl Ledger {
         check_state_dir(dir)?;
         let lock = StateLock::acquire(dir)?;
         let conn = schema::open(&path, durability).map_err(|err| unusable(&path, err))?;
-        Self::start(conn, Some(path.clone()), Some(lock)).map_err(|err| open_err(err.to_string()))
+        Self::start(conn, durability, Some(path.clone()), Some(lock))
+            .map_err(|err| open_err(err.to_string()))
     }
 
     /// A ledger in memory: everything works, nothing survives the process (tests).
     pub fn in_memory() -> Result<Self, LedgerError> {
         let conn = schema::open_in_memory().map_err(|err| LedgerError::Sql(err.to_string()))?;
-        Self::start(conn, None, None)
+        Self::start(conn, Durability::Normal, None, None)
     }
 
     fn start(
         conn: rusqlite::Connection,
+        durability: Durability,
         path: Option<PathBuf>,
         lock: Option<StateLock>,
     ) -> Result<Self, LedgerError> {
         let id = schema::ledger_id(&conn)?;
         let metrics = LedgerMetrics::default();
         let storage = StorageFlag::default();
-        let (tx, thread) = store::spawn(conn, metrics.clone(), storage.clone())
+        let (tx, thread) = store::spawn(conn, durability, metrics.clone(), storage.clone())
             .map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
@@ -253,8 +255,17 @@ impl Ledger {
         format!("ob-{}-{id}", self.id)
     }
 
-    /// Runs `f` inside the next batch; resolves once that batch committed.
+    /// Runs `f` inside the next batch; resolves once that batch committed durably.
     async fn call<T, F>(&self, f: F) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+    {
+        self.call_with(Commit::Durable, f).await
+    }
+
+    /// Runs `f` inside the next batch; resolves once that batch committed as `commit` asks.
+    async fn call_with<T, F>(&self, commit: Commit, f: F) -> Result<T, LedgerError>
     where
         T: Send + 'static,
         F: FnOnce(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
@@ -271,7 +282,7 @@ impl Ledger {
                 let _ = done.send(outcome.and(result));
             })
         });
-        tx.send(store::Message::Job(job)).await.map_err(|_| LedgerError::Unavailable)?;
+        tx.send(store::Message::Job(job, commit)).await.map_err(|_| LedgerError::Unavailable)?;
         answer.await.map_err(|_| LedgerError::Unavailable)?
     }
 
@@ -358,7 +369,8 @@ impl Ledger {
     }
 
     /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record
-    /// (`pending`), in one step.
+    /// (`pending`), in one step. Deferred: it survives a hub crash at once, power loss with
+    /// the next fsync (a run whose end was lost that way runs again, flagged `redelivered`).
     pub async fn finish_run(
         &self,
         instance: String,
@@ -367,7 +379,7 @@ impl Ledger {
         reply: Option<NewReply>,
         now_ms: u64,
     ) -> Result<bool, LedgerError> {
-        self.call(move |txn| {
+        self.call_with(Commit::Deferred, move |txn| {
             inbound::finish(txn, &instance, &event_id, &end, reply.as_ref(), now_ms)
         })
         .await
@@ -384,13 +396,18 @@ impl Ledger {
     }
 
     /// Claims the replies of `instance` due for hand-over; see [`replies::claim_due`].
+    /// Deferred: a claim lost to power loss changes nothing, as a restart makes every
+    /// `handed` reply `pending` again.
     pub async fn replies_claim(
         &self,
         instance: String,
         now_ms: u64,
         limit: usize,
     ) -> Result<Vec<HandedReply>, LedgerError> {
-        self.call(move |txn| replies::claim_due(txn, &instance, now_ms, limit)).await
+        self.call_with(Commit::Deferred, move |txn| {
+            replies::claim_due(txn, &instance, now_ms, limit)
+        })
+        .await
     }
 
     /// Applies a driver's answer (or silence); see [`replies::answer`].
@@ -560,9 +577,11 @@ impl Ledger {
         self.call(move |txn| sessions::generations(txn, &instance)).await
     }
 
-    /// Adds a send, or returns the record that already holds its idempotency key.
-    pub async fn outbox_add(&self, send: NewSend) -> Result<Added, LedgerError> {
-        self.call(move |txn| outbox::add(txn, &send)).await
+    /// Adds a send, or returns the record that already holds its idempotency key. `commit`
+    /// is [`Commit::Deferred`] only when the caller hears nothing before the send's outcome
+    /// is recorded durably.
+    pub async fn outbox_add(&self, send: NewSend, commit: Commit) -> Result<Added, LedgerError> {
+        self.call_with(commit, move |txn| outbox::add(txn, &send)).await
     }
 
     /// Moves a send to `state` (with its receipt or error) when the state machine allows it.

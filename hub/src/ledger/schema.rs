@@ -121,7 +121,12 @@ pub const SCHEMA_VERSION: usize = MIGRATIONS.len();
 /// How hard each commit pushes to disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
-    /// `synchronous = FULL`: a commit survives power loss. One fsync per batch.
+    /// Every commit survives power loss (`synchronous = FULL` for every batch).
+    Strict,
+    /// What a caller or platform was told survives power loss (those batches are fsynced);
+    /// the intermediate records (a send's record before its driver answers, a run's end, a
+    /// reply's claim) survive a hub crash at once and power loss with the next fsync, at the
+    /// latest [`FLUSH_DELAY`](super::store::FLUSH_DELAY) after the ledger went quiet.
     Full,
     /// `synchronous = NORMAL` in WAL mode: a commit survives a crash of the hub, but the last
     /// commits can be lost on power loss or kernel crash.
@@ -165,7 +170,7 @@ pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError
     let mut conn = Connection::open(path)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     let sync = match durability {
-        Durability::Full => "FULL",
+        Durability::Strict | Durability::Full => "FULL",
         Durability::Normal => "NORMAL",
     };
     conn.pragma_update(None, "synchronous", sync)?;

@@ -23,7 +23,7 @@ pub use waiters::{OutboxOutcome, Waiters, Watch};
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
 use crate::instance::{Instance, Registry};
-use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
+use crate::ledger::{Added, Commit, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
 use crate::metrics::SendOutcome as SendMetric;
 use crate::send::{self, SendError, SendOutcome, SendState};
 
@@ -145,9 +145,18 @@ impl Outbox {
             now_ms: now,
             expires_ms: now + self.ttl.as_millis() as u64,
         };
+        // A send handed straight to its driver whose caller waits for the outcome hears
+        // nothing before that outcome is recorded durably, and that fsync carries the record
+        // too: one fsync on its path. A queued send, or one answered `handed` at once, is
+        // durable before its caller hears of it.
+        let commit = if state == OutboxState::Sent && wait.is_some() {
+            Commit::Deferred
+        } else {
+            Commit::Durable
+        };
         let added = {
             let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
-            self.ledger.outbox_add(new).await?
+            self.ledger.outbox_add(new, commit).await?
         };
         let id = match added {
             Added::New(id) => id,
