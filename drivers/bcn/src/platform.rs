@@ -402,18 +402,17 @@ impl BcnDriver {
                 Err(HubError::ShuttingDown) => return,
                 Err(err) => {
                     warn!(run_id = %job.run_id, error = %err, "message cannot be passed to the hub");
-                    let shared = self.shared.clone();
+                    // Said here, not in a task of its own: nothing outlives the intake loop.
                     let text = format!("the hub could not take the message: {err}");
-                    tokio::spawn(async move {
-                        let _ = shared
-                            .chat_event(
-                                &job.run_id,
-                                wire::state::ERROR,
-                                Some(&text),
-                                Some(Ending::Error),
-                            )
-                            .await;
-                    });
+                    let _ = self
+                        .shared
+                        .chat_event(
+                            &job.run_id,
+                            wire::state::ERROR,
+                            Some(&text),
+                            Some(Ending::Error),
+                        )
+                        .await;
                 }
             }
         }
