@@ -174,17 +174,7 @@ pub enum RuntimeKind {
     Exec,
 }
 
-/// How the exec runtime uses the agent's stdin.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StdinMode {
-    /// One envelope line, then end of file. The agent may read stdin to the end.
-    #[default]
-    Envelope,
-    /// The envelope line, then one line per command result; closed when the agent exits.
-    /// Needed for agents that ask for input, approval or a choice.
-    Stream,
-}
+pub use channeld_agent_exec::StdinMode;
 
 /// A runtime binding.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -228,7 +228,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     let ended = Instant::now();
     let end = match &result {
         Ok(text) => RunEnd::Reply(text.clone()),
-        Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
+        Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: err.public_message() },
     };
     // A driver's reply is recorded with the outcome, and the courier delivers it (and
     // retries it); a legacy peer's goes back on its connection, once.
@@ -279,7 +279,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
             inst.record_error(format!("run {}: {err}", request.run_id));
             warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
             if let Some(conn) = conn {
-                refuse(&conn, &event_id, err.code(), public_message(&err), false).await;
+                refuse(&conn, &event_id, err.code(), err.public_message(), false).await;
             }
         }
     }
@@ -309,14 +309,6 @@ async fn answer(hub: &Hub, inst: &Instance, command: SlashCommand, route: &Route
             info!(instance = %inst.config.id, generation, "new session started by /new");
             "Started a new session.".to_owned()
         }
-    }
-}
-
-/// What the driver (and so possibly the platform) is told about a failed run: no stderr.
-fn public_message(err: &RunError) -> String {
-    match err {
-        RunError::Failed { status, .. } => format!("agent exited with {status}"),
-        other => other.to_string(),
     }
 }
 

@@ -1,35 +1,15 @@
-//! The exec runtime: one agent process per run, a JSON envelope on stdin, JSON lines or plain
-//! text on stdout. See PROTOCOL.md, "Agent contract".
+//! The exec runtime: one agent process per run on the hub's machine, under the agent contract
+//! of `channeld-agent-exec` (PROTOCOL.md, "Agent contract"). The envelope is built here,
+//! once, for this runtime and the `amqp` one.
 
 use std::path::Path;
-use std::process::{ExitStatus, Stdio};
-use std::time::Duration;
 
-use channeld_protocol::Id;
-use channeld_protocol::framing::{LineEvent, LineFramer};
-use channeld_protocol::types::{Choice, Command, Effect, Participant};
-use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStdin};
-use tokio::time::{Instant, sleep_until};
-use tokio_util::task::AbortOnDropHandle;
-use tracing::{debug, warn};
+use channeld_agent_exec::{AgentRun, ExecSpec};
+use channeld_protocol::types::Participant;
+use serde::Serialize;
 
-use super::{CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
-use crate::config::{RuntimeConfig, StdinMode};
-
-/// The `version` field of the envelope written to an agent's stdin.
-pub const AGENT_ENVELOPE_VERSION: &str = "channeld.agent/v1";
-
-/// Environment variables passed through from the hub to agents; everything else is cleared.
-const PASS_THROUGH_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER"];
-
-/// How much of an agent's stderr is kept for the log line of a failed run.
-const STDERR_TAIL: usize = 2048;
-
-/// How long output is still read after the agent exited: enough for what it wrote before
-/// exiting, short enough that a background process holding the pipe does not hold the run.
-const EXIT_DRAIN_GRACE: Duration = Duration::from_millis(250);
+use super::{AGENT_ENVELOPE_VERSION, RunError, RunInput, RunIo, RunOutput, RunRequest};
+use crate::config::RuntimeConfig;
 
 #[derive(Serialize)]
 struct Envelope<'a> {
@@ -48,187 +28,8 @@ struct Envelope<'a> {
     control_socket: &'a Path,
 }
 
-/// One line of agent output that is a JSON object with a known `type`.
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-enum AgentLine {
-    Reply {
-        text: String,
-    },
-    Typing {
-        active: bool,
-    },
-    Preview {
-        text: String,
-    },
-    Effect {
-        effect: Effect,
-    },
-    RequestInput {
-        prompt: String,
-        command_id: Option<Id>,
-    },
-    RequestApproval {
-        tool: String,
-        arguments: serde_json::Value,
-        command_id: Option<Id>,
-    },
-    RequestChoice {
-        question: String,
-        choices: Vec<Choice>,
-        #[serde(default)]
-        multiple: bool,
-        command_id: Option<Id>,
-    },
-    Notify {
-        level: String,
-        text: String,
-        command_id: Option<Id>,
-    },
-    Invoke {
-        name: String,
-        payload: serde_json::Value,
-        command_id: Option<Id>,
-    },
-}
-
-/// What one line of agent output is (see PROTOCOL.md, "Agent contract").
-#[derive(Debug)]
-enum Output {
-    /// Reply text: anything that is not a JSON object with a string `type`.
-    Text,
-    /// An action the hub carries out.
-    Action(AgentLine),
-    /// A JSON object with a string `type` the hub does not know, or a known one with missing
-    /// or invalid fields: logged and ignored, never shown to the user.
-    Unusable { kind: String, error: String },
-}
-
-/// Just the `type` of a JSON object line.
-#[derive(Deserialize)]
-struct Tagged {
-    #[serde(rename = "type")]
-    kind: String,
-}
-
-fn classify(line: &str) -> Output {
-    let trimmed = line.trim();
-    if !trimmed.starts_with('{') {
-        return Output::Text;
-    }
-    match serde_json::from_str::<AgentLine>(trimmed) {
-        Ok(action) => Output::Action(action),
-        Err(err) => match serde_json::from_str::<Tagged>(trimmed) {
-            Ok(Tagged { kind }) => Output::Unusable { kind, error: err.to_string() },
-            Err(_) => Output::Text,
-        },
-    }
-}
-
-#[derive(Serialize)]
-struct CommandResultLine<'a> {
-    #[serde(rename = "type")]
-    kind: &'static str,
-    command_id: &'a str,
-    result: &'a channeld_protocol::types::CommandResult,
-    responder: Option<&'a Participant>,
-}
-
-pub(super) async fn run(
-    config: &RuntimeConfig,
-    request: &RunRequest,
-    io: &impl RunIo,
-) -> Result<RunOutput, RunError> {
-    let mut child = spawn(config, request).map_err(RunError::Spawn)?;
-    let pid = child.id();
-    let result =
-        tokio::time::timeout(config.timeout, converse(config, request, io, &mut child, pid)).await;
-    match result {
-        Ok(Ok(output)) => Ok(output),
-        Ok(Err(err)) => {
-            kill_group(pid, &mut child).await;
-            Err(err)
-        }
-        Err(_) => {
-            kill_group(pid, &mut child).await;
-            Err(RunError::Timeout(config.timeout.as_secs()))
-        }
-    }
-}
-
-fn spawn(config: &RuntimeConfig, request: &RunRequest) -> std::io::Result<Child> {
-    let (program, args) = config.command.split_first().ok_or_else(|| {
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty agent command")
-    })?;
-    let mut command = tokio::process::Command::new(program);
-    command.args(args).env_clear();
-    for name in PASS_THROUGH_ENV {
-        if let Some(value) = std::env::var_os(name) {
-            command.env(name, value);
-        }
-    }
-    let caps = request.capabilities.enabled().join(",");
-    let socket = request.control_socket.as_os_str();
-    command
-        .envs(&config.env)
-        .env("CHANNELD_CHANNEL_ID", request.instance.as_str())
-        .env("CHANNELD_SESSION", &request.session)
-        .env("CHANNELD_RUN_ID", &request.run_id)
-        .env("CHANNELD_CAPS", &caps)
-        .env("CHANNELD_CONTROL_SOCKET", socket)
-        .env("CHANNELD_REDELIVERED", if request.redelivered { "1" } else { "0" })
-        .env("CTX_CHANNEL_ID", request.instance.as_str())
-        .env("CTX_CHANNEL_SESSION", &request.session)
-        .env("CTX_CHANNEL_CAPS", &caps)
-        .env("CTX_CHANNEL_SOCKET", socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .process_group(0);
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        command.pre_exec(|| {
-            // The agent dies with the hub, even on SIGKILL: no run outlives it.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    command.spawn()
-}
-
-async fn kill_group(pid: Option<u32>, child: &mut Child) {
-    signal_group(pid);
-    let _ = child.kill().await;
-}
-
-/// SIGKILL to the agent's process group (`pid` is its leader's, recorded at spawn: the
-/// group outlives the leader, and the kernel does not reuse a pid while its group exists).
-fn signal_group(pid: Option<u32>) {
-    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
-        // SAFETY: plain syscall; the group was created for this agent by process_group(0).
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-        }
-    }
-}
-
-async fn converse(
-    config: &RuntimeConfig,
-    request: &RunRequest,
-    io: &impl RunIo,
-    child: &mut Child,
-    pid: Option<u32>,
-) -> Result<RunOutput, RunError> {
-    let mut stdin = child.stdin.take();
-    let stdout = child.stdout.take().ok_or_else(|| RunError::Io(missing("stdout")))?;
-    let stderr = child.stderr.take().ok_or_else(|| RunError::Io(missing("stderr")))?;
-    // Read concurrently (a full stderr pipe would stall the agent); aborted if the run ends
-    // early, so the reader never outlives its run.
-    let stderr_task = AbortOnDropHandle::new(tokio::spawn(read_tail(stderr, STDERR_TAIL)));
-
+/// The `channeld.agent/v1` envelope of `request`.
+pub(super) fn agent_run(request: &RunRequest) -> Result<AgentRun, RunError> {
     let envelope = Envelope {
         version: AGENT_ENVELOPE_VERSION,
         run_id: &request.run_id,
@@ -243,238 +44,27 @@ async fn converse(
         actions: request.actions.enabled(),
         control_socket: &request.control_socket,
     };
-    let mut line = serde_json::to_vec(&envelope).map_err(|err| RunError::Io(err.into()))?;
-    line.push(b'\n');
-    if let Some(pipe) = stdin.as_mut() {
-        // An agent that never reads its stdin is allowed: ignore a broken pipe.
-        if let Err(err) = pipe.write_all(&line).await {
-            debug!(run_id = %request.run_id, error = %err, "agent did not read its envelope");
-        }
-    }
-    if config.stdin == StdinMode::Envelope {
-        stdin = None;
-    }
-
-    let mut transcript = Transcript::default();
-    let mut framer = LineFramer::new(config.max_output_bytes.saturating_add(1).max(2));
-    let mut reader = stdout;
-    let mut total = 0usize;
-    let mut commands = 0u32;
-    // The run ends when the agent process exits, not when its stdout closes: a process it
-    // left in the background may hold the pipe open for as long as it lives. What is already
-    // written is read for up to `EXIT_DRAIN_GRACE` after the exit.
-    let mut exited: Option<(ExitStatus, Instant)> = None;
-    loop {
-        while let Some(event) = framer.next_line() {
-            let LineEvent::Line(raw) = event else {
-                return Err(RunError::OutputTooLarge(config.max_output_bytes));
-            };
-            let text = String::from_utf8_lossy(raw).into_owned();
-            handle_line(&text, request, io, &mut transcript, &mut stdin, &mut commands).await;
-        }
-        let drained_by = exited.map(|(_, at)| at + EXIT_DRAIN_GRACE);
-        let read = tokio::select! {
-            read = reader.read_buf(framer.buffer_for_read()) => read.map_err(RunError::Io)?,
-            status = child.wait(), if exited.is_none() => {
-                exited = Some((status.map_err(RunError::Io)?, Instant::now()));
-                continue;
-            }
-            () = sleep_until(drained_by.unwrap_or_else(Instant::now)), if drained_by.is_some() => {
-                debug!(run_id = %request.run_id, "the agent exited; a process it left behind still holds its stdout");
-                break;
-            }
-        };
-        if read == 0 {
-            break;
-        }
-        total += read;
-        if total > config.max_output_bytes {
-            return Err(RunError::OutputTooLarge(config.max_output_bytes));
-        }
-    }
-    if let Some(rest) = framer.take_remainder() {
-        let text = String::from_utf8_lossy(&rest).into_owned();
-        handle_line(&text, request, io, &mut transcript, &mut stdin, &mut commands).await;
-    }
-    drop(stdin);
-    let status = match exited {
-        Some((status, _)) => status,
-        None => child.wait().await.map_err(RunError::Io)?,
-    };
-    // Whatever the agent left running ends with its run (and so releases its pipes).
-    signal_group(pid);
-    let stderr =
-        tokio::time::timeout(EXIT_DRAIN_GRACE, stderr_task).await.ok().and_then(Result::ok);
-    let stderr = stderr.unwrap_or_default();
-    if !status.success() {
-        return Err(RunError::Failed { status: status.to_string(), stderr });
-    }
-    Ok(RunOutput { reply: transcript.reply() })
+    let value = serde_json::to_value(&envelope).map_err(|err| RunError::Envelope(err.to_string()))?;
+    AgentRun::from_envelope(value).map_err(|err| RunError::Envelope(err.to_string()))
 }
 
-fn missing(what: &str) -> std::io::Error {
-    std::io::Error::other(format!("agent {what} was not captured"))
-}
-
-#[derive(Default)]
-struct Transcript {
-    replies: Vec<String>,
-    plain: Vec<String>,
-}
-
-impl Transcript {
-    /// Explicit `reply` lines win; otherwise the plain text lines are the reply.
-    fn reply(self) -> Option<String> {
-        let text = if self.replies.is_empty() {
-            self.plain.join("\n").trim_end().to_owned()
-        } else {
-            self.replies.join("\n")
-        };
-        (!text.trim().is_empty()).then_some(text)
+/// The command and limits of an exec runtime.
+pub(super) fn spec(config: &RuntimeConfig) -> ExecSpec {
+    ExecSpec {
+        command: config.command.clone(),
+        env: config.env.clone(),
+        timeout: config.timeout,
+        max_output_bytes: config.max_output_bytes,
+        stdin: config.stdin,
     }
 }
 
-async fn handle_line(
-    line: &str,
+pub(super) async fn run(
+    config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
-    transcript: &mut Transcript,
-    stdin: &mut Option<ChildStdin>,
-    commands: &mut u32,
-) {
-    let parsed = match classify(line) {
-        Output::Text => {
-            transcript.plain.push(line.trim_end_matches('\r').to_owned());
-            return;
-        }
-        Output::Action(parsed) => parsed,
-        Output::Unusable { kind, error } => {
-            warn!(run_id = %request.run_id, action = %kind, %error, "agent wrote an action the hub does not understand; ignored");
-            return;
-        }
-    };
-    let (command, command_id) = match parsed {
-        AgentLine::Reply { text } => {
-            transcript.replies.push(text);
-            return;
-        }
-        AgentLine::Typing { active } => return io.effect(Effect::Typing { active }),
-        AgentLine::Preview { text } => return io.effect(Effect::Preview { text }),
-        AgentLine::Effect { effect } => return io.effect(effect),
-        AgentLine::RequestInput { prompt, command_id } => {
-            (Command::RequestInput { prompt }, command_id)
-        }
-        AgentLine::RequestApproval { tool, arguments, command_id } => {
-            (Command::RequestApproval { tool, arguments }, command_id)
-        }
-        AgentLine::RequestChoice { question, choices, multiple, command_id } => {
-            (Command::RequestChoice { question, choices, multiple }, command_id)
-        }
-        AgentLine::Notify { level, text, command_id } => {
-            (Command::Notify { level, text }, command_id)
-        }
-        AgentLine::Invoke { name, payload, command_id } => {
-            (Command::Invoke { name, payload }, command_id)
-        }
-    };
-    *commands += 1;
-    let command_id = command_id.unwrap_or_else(|| {
-        Id::new(format!("{}-c{}", request.run_id, commands)).expect("run ids are short")
-    });
-    let needs_answer = !matches!(command, Command::Notify { .. });
-    if needs_answer && stdin.is_none() {
-        warn!(
-            run_id = %request.run_id,
-            command = command.kind(),
-            "agent asked for a command but its runtime has stdin = \"envelope\"; rejected"
-        );
-        return;
-    }
-    let answer: CommandAnswer = io.command(command_id.clone(), command).await;
-    if let Some(pipe) = stdin.as_mut() {
-        let line = CommandResultLine {
-            kind: "command_result",
-            command_id: command_id.as_str(),
-            result: &answer.result,
-            responder: answer.responder.as_ref(),
-        };
-        let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
-        bytes.push(b'\n');
-        if pipe.write_all(&bytes).await.is_err() {
-            debug!(run_id = %request.run_id, "agent closed stdin before its command result");
-        }
-    }
-}
-
-async fn read_tail(mut pipe: impl AsyncRead + Unpin, keep: usize) -> String {
-    let mut tail: Vec<u8> = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match pipe.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                tail.extend_from_slice(&chunk[..n]);
-                if tail.len() > keep {
-                    tail.drain(..tail.len() - keep);
-                }
-            }
-        }
-    }
-    String::from_utf8_lossy(&tail).trim().to_owned()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    proptest::proptest! {
-        /// The agent stdout parser: any line is text, an action or an unusable object, without
-        /// panicking; a line that does not start with `{` (after spaces) is always text.
-        #[test]
-        fn fuzz_any_agent_line_is_classified(
-            line in "\\PC{0,200}|\\{\"type\":\"(reply|typing|preview|effect|request_input|request_approval|delta|x)\"(,\"[a-z_]{1,10}\":(\"\\PC{0,20}\"|true|1|null|\\{\\}|\\[\\]))*\\}?"
-        ) {
-            let output = classify(&line);
-            if !line.trim().starts_with('{') {
-                proptest::prop_assert!(matches!(output, Output::Text));
-            }
-        }
-    }
-
-    #[test]
-    fn only_json_objects_with_a_string_type_are_actions() {
-        assert!(matches!(classify("hello"), Output::Text));
-        assert!(matches!(classify("{\"answer\":42}"), Output::Text));
-        assert!(matches!(classify("{\"type\":7}"), Output::Text));
-        assert!(matches!(classify("{not json"), Output::Text));
-        assert!(matches!(classify("[1,2]"), Output::Text));
-        assert!(matches!(
-            classify(" {\"type\":\"reply\",\"text\":\"hi\"}\r"),
-            Output::Action(AgentLine::Reply { .. })
-        ));
-        match classify("{\"type\":\"thought\",\"text\":\"x\"}") {
-            Output::Unusable { kind, .. } => assert_eq!(kind, "thought"),
-            other => panic!("{other:?}"),
-        }
-        // A known type without its fields is no reply: it is reported, not shown.
-        match classify("{\"type\":\"reply\"}") {
-            Output::Unusable { kind, error } => {
-                assert_eq!(kind, "reply");
-                assert!(error.contains("text"), "{error}");
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn explicit_replies_win_and_blank_output_is_no_reply() {
-        let mut transcript = Transcript::default();
-        transcript.plain.push("thinking".into());
-        transcript.replies.push("answer".into());
-        assert_eq!(transcript.reply().as_deref(), Some("answer"));
-        let blank = Transcript { replies: vec![], plain: vec!["   ".into(), String::new()] };
-        assert_eq!(blank.reply(), None);
-        let empty_reply = Transcript { replies: vec![" ".into()], plain: vec!["x".into()] };
-        assert_eq!(empty_reply.reply(), None);
-    }
+) -> Result<RunOutput, RunError> {
+    let run = agent_run(request)?;
+    let output = channeld_agent_exec::run(&spec(config), &run, io).await?;
+    Ok(RunOutput { reply: output.reply })
 }
