@@ -18,6 +18,9 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
+
 /// The `version` field of the envelope written to an agent's stdin.
 pub const AGENT_ENVELOPE_VERSION: &str = "channeld.agent/v1";
 
