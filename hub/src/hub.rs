@@ -20,6 +20,7 @@ use crate::ledger::Ledger;
 use crate::liveness::Probes;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
+use crate::runtime::Remote;
 
 /// Extensions this hub implements and offers to peers that declare them.
 pub const HUB_EXTENSIONS: Extensions = Extensions {
@@ -72,6 +73,8 @@ pub struct Hub {
     /// What the systemd watchdog asks (each accept loop).
     pub probes: Arc<Probes>,
     pub started: SystemTime,
+    /// The broker clients of `amqp` runtimes.
+    pub remote: Remote,
 }
 
 impl Hub {
@@ -124,6 +127,7 @@ impl Hub {
             supervisors: TaskTracker::new(),
             probes: Arc::default(),
             started: SystemTime::now(),
+            remote: Remote::default(),
         })
     }
 

@@ -207,7 +207,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
             };
             // The runtime as configured when the run starts: a reload does not change it.
             let policy = inst.policy();
-            runtime::run(&policy.runtime, &request, &io).await
+            runtime::run(&hub.remote, &policy.runtime, &request, &io).await
         }
     };
     // Every run ends with exactly one `deliver` or `error`: no reply is an error too.

@@ -3,6 +3,7 @@
 //! A runtime sees a [`RunRequest`] and talks back through [`RunIo`] (live effects and
 //! commands, routed to the connection that carried the inbound); its result is the reply.
 
+mod amqp;
 mod echo;
 mod exec;
 
@@ -16,6 +17,7 @@ use serde::Serialize;
 
 use crate::config::{RuntimeConfig, RuntimeKind};
 
+pub use amqp::Remote;
 pub use channeld_agent_exec::{AGENT_ENVELOPE_VERSION, ExecError, RunIo};
 pub use channeld_protocol::types::CommandAnswer;
 
@@ -96,6 +98,7 @@ impl RunError {
 
 /// Runs `request` on the configured runtime.
 pub async fn run(
+    remote: &Remote,
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
@@ -103,5 +106,6 @@ pub async fn run(
     match config.kind {
         RuntimeKind::Echo => Ok(echo::run(request)),
         RuntimeKind::Exec => exec::run(config, request, io).await,
+        RuntimeKind::Amqp => amqp::run(remote, config, request, io).await,
     }
 }
