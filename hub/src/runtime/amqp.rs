@@ -135,7 +135,7 @@ impl Client {
 
     /// Publishes the run until the broker confirms it, under the same run id each time.
     async fn hand_over(&self, run: &AgentRun, deadline: Instant) -> Result<(), RunError> {
-        let body = run.envelope_line();
+        let mut body = run.envelope_line();
         let properties = json_properties(RUN_MESSAGE_TYPE, &run.run_id)
             .with_message_id(run.run_id.as_str().into())
             .with_reply_to(self.target.reply_queue.as_str().into());
@@ -150,6 +150,10 @@ impl Client {
                 Ok(Err(err)) => {
                     warn!(run_id = %run.run_id, error = %err, "run not handed over; retrying under the same run id");
                     self.forget_publisher().await;
+                    // The broker may have taken the lost attempt: a second copy is flagged.
+                    let mut again = run.clone();
+                    again.mark_redelivered();
+                    body = again.envelope_line();
                 }
                 Err(_) => break,
             }
