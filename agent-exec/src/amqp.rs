@@ -10,11 +10,11 @@
 
 use channeld_protocol::Id;
 use channeld_protocol::types::{Command, CommandAnswer, CommandResult, Effect, Participant};
+use lapin::Confirmation;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
-use lapin::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 use serde::{Deserialize, Serialize};
@@ -33,7 +33,10 @@ pub fn dead_letter_name(queue: &str) -> String {
 
 fn quorum_arguments() -> FieldTable {
     let mut arguments = FieldTable::default();
-    arguments.insert(ShortString::from("x-queue-type"), AMQPValue::LongString(LongString::from("quorum")));
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
     arguments
 }
 
@@ -61,7 +64,8 @@ pub async fn declare_run_queue(channel: &Channel, queue: &str) -> lapin::Result<
         )
         .await?;
     let mut arguments = quorum_arguments();
-    arguments.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(RUN_DELIVERY_LIMIT));
+    arguments
+        .insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(RUN_DELIVERY_LIMIT));
     arguments.insert(
         ShortString::from("x-dead-letter-exchange"),
         AMQPValue::LongString(LongString::from(dead.as_str())),
@@ -118,9 +122,10 @@ pub async fn publish_confirmed(
         .await?;
     match confirm.await? {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => {
-            Err(PublishError::Unroutable(format!("{} {}", returned.reply_code, returned.reply_text)))
-        }
+        Confirmation::Ack(Some(returned)) => Err(PublishError::Unroutable(format!(
+            "{} {}",
+            returned.reply_code, returned.reply_text
+        ))),
         Confirmation::Nack(_) => Err(PublishError::Nacked),
         Confirmation::NotRequested => Err(PublishError::NoConfirms),
     }
@@ -193,7 +198,12 @@ pub struct CommandReply {
 
 impl CommandReply {
     pub fn new(run_id: &str, command_id: Id, answer: CommandAnswer) -> Self {
-        Self { run_id: run_id.to_owned(), command_id, result: answer.result, responder: answer.responder }
+        Self {
+            run_id: run_id.to_owned(),
+            command_id,
+            result: answer.result,
+            responder: answer.responder,
+        }
     }
 
     pub fn answer(self) -> CommandAnswer {

@@ -115,7 +115,8 @@ async fn drive(
             Frame::Deliver(delivery) => {
                 let conversation = delivery.message.target.conversation.to_string();
                 let event = delivery.request_id.to_string();
-                let receipt = receipt_for(ONE, &delivery.request_id, &conversation, &format!("p-{event}"));
+                let receipt =
+                    receipt_for(ONE, &delivery.request_id, &conversation, &format!("p-{event}"));
                 driver.send(receipt).await;
                 let entry = replies.entry(event).or_default();
                 entry.push(delivery.message.body.text_str().to_owned());
@@ -173,7 +174,11 @@ fn assert_repeats_are_flagged(agent_log: &Path, count: usize) -> usize {
     }
     let flagged: BTreeSet<&str> =
         starts.iter().filter(|(_, f)| f.contains(&"1")).map(|(r, _)| *r).collect();
-    eprintln!("{} runs, {repeated} repeated starts, {} runs flagged redelivered", starts.len(), flagged.len());
+    eprintln!(
+        "{} runs, {repeated} repeated starts, {} runs flagged redelivered",
+        starts.len(),
+        flagged.len()
+    );
     repeated
 }
 

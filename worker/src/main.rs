@@ -41,7 +41,11 @@ const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Parser)]
-#[command(name = "channeld-worker", version, about = "Runs a channeld hub's agents from a RabbitMQ run queue")]
+#[command(
+    name = "channeld-worker",
+    version,
+    about = "Runs a channeld hub's agents from a RabbitMQ run queue"
+)]
 struct Args {
     /// The run queue (the hub's `[runtime.NAME] queue`).
     #[arg(long, env = "CHANNELD_WORKER_QUEUE")]
@@ -346,7 +350,9 @@ fn answer_command(waiters: &Waiters, delivery: &Delivery) {
                 Some(waiter) => {
                     let _ = waiter.send(reply.answer());
                 }
-                None => debug!(run_id = %key.0, command_id = %key.1, "answer for a command no run waits for"),
+                None => {
+                    debug!(run_id = %key.0, command_id = %key.1, "answer for a command no run waits for")
+                }
             }
         }
         Err(err) => warn!(error = %err, "unreadable command answer ignored"),
@@ -415,7 +421,10 @@ impl Run {
             }
             Err(err) => {
                 warn!(%run_id, error = %err, "final record not confirmed; the run goes back to the queue");
-                let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                let _ = delivery
+                    .acker
+                    .nack(BasicNackOptions { requeue: true, ..Default::default() })
+                    .await;
             }
         }
     }
@@ -462,7 +471,9 @@ impl RunIo for WorkerIo<'_> {
             reply_to: self.run.command_queue.clone(),
         };
         let answer = match self.send(&record).await {
-            Err(err) => CommandAnswer::rejected(format!("the command could not reach the hub: {err}")),
+            Err(err) => {
+                CommandAnswer::rejected(format!("the command could not reach the hub: {err}"))
+            }
             // The hub answers within its command timeout; the run's own limit bounds the wait.
             Ok(()) => match tokio::time::timeout(self.run.worker.spec.timeout, rx).await {
                 Ok(Ok(answer)) => answer,

@@ -432,7 +432,10 @@ impl HubConfig {
             }
             let amqp = if rt.kind == RuntimeKind::Amqp {
                 let url_key = format!("{key}.url");
-                let url = rt.url.as_deref().ok_or_else(|| invalid(&url_key, "an amqp runtime needs it"))?;
+                let url = rt
+                    .url
+                    .as_deref()
+                    .ok_or_else(|| invalid(&url_key, "an amqp runtime needs it"))?;
                 let queue = queue_name(&format!("{key}.queue"), rt.queue)?;
                 let reply_queue = queue_name(&format!("{key}.reply_queue"), rt.reply_queue)?;
                 if queue == reply_queue {
@@ -440,9 +443,16 @@ impl HubConfig {
                 }
                 Some(AmqpTarget { url: broker_url(&url_key, url)?, queue, reply_queue })
             } else {
-                for (field, set) in [("url", rt.url.is_some()), ("queue", rt.queue.is_some()), ("reply_queue", rt.reply_queue.is_some())] {
+                for (field, set) in [
+                    ("url", rt.url.is_some()),
+                    ("queue", rt.queue.is_some()),
+                    ("reply_queue", rt.reply_queue.is_some()),
+                ] {
                     if set {
-                        return Err(invalid(format!("{key}.{field}"), "only an amqp runtime takes it"));
+                        return Err(invalid(
+                            format!("{key}.{field}"),
+                            "only an amqp runtime takes it",
+                        ));
                     }
                 }
                 None

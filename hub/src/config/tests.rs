@@ -158,9 +158,11 @@ fn an_amqp_runtime_takes_its_url_from_a_credential_never_from_the_file() {
     assert!(text.starts_with("runtime.r.url:") && !text.contains("secret"), "{text}");
     let err = parse(&format!("{base}url = \"credential:missing\"\n")).unwrap_err();
     assert!(err.to_string().starts_with("runtime.r.url:"), "{err}");
-    let err = parse("[runtime.r]\nkind = \"amqp\"\nurl = \"credential:runs-url\"\nreply_queue = \"x\"\n")
-        .unwrap_err();
+    let err =
+        parse("[runtime.r]\nkind = \"amqp\"\nurl = \"credential:runs-url\"\nreply_queue = \"x\"\n")
+            .unwrap_err();
     assert!(err.to_string().starts_with("runtime.r.queue:"), "{err}");
-    let err = parse("[runtime.r]\nkind = \"exec\"\ncommand = [\"a\"]\nqueue = \"q\"\n").unwrap_err();
+    let err =
+        parse("[runtime.r]\nkind = \"exec\"\ncommand = [\"a\"]\nqueue = \"q\"\n").unwrap_err();
     assert!(err.to_string().starts_with("runtime.r.queue:"), "{err}");
 }

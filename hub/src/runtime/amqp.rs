@@ -170,7 +170,9 @@ impl Client {
         let body = serde_json::to_vec(reply).expect("command replies serialize");
         let properties = json_properties("channeld.command_result", reply.command_id.as_str());
         let sent = match self.publisher().await {
-            Ok(channel) => publish_confirmed(&channel, queue, &body, properties).await.map_err(|e| e.to_string()),
+            Ok(channel) => publish_confirmed(&channel, queue, &body, properties)
+                .await
+                .map_err(|e| e.to_string()),
             Err(err) => Err(err.to_string()),
         };
         if let Err(err) = sent {
@@ -246,8 +248,12 @@ async fn consume(client: std::sync::Weak<Client>) {
     loop {
         let Some(strong) = client.upgrade() else { return };
         match consume_once(&strong, &mut pause).await {
-            Ok(()) => warn!(runtime = %strong.name, "the broker cancelled the reply queue's consumer; resubscribing"),
-            Err(err) => warn!(runtime = %strong.name, error = %err, "reply queue connection lost; reconnecting"),
+            Ok(()) => {
+                warn!(runtime = %strong.name, "the broker cancelled the reply queue's consumer; resubscribing")
+            }
+            Err(err) => {
+                warn!(runtime = %strong.name, error = %err, "reply queue connection lost; reconnecting")
+            }
         }
         drop(strong);
         tokio::time::sleep(pause).await;
@@ -274,7 +280,9 @@ async fn consume_once(client: &Client, pause: &mut Duration) -> lapin::Result<()
         let delivery = delivery?;
         match serde_json::from_slice::<Record>(&delivery.data) {
             Ok(record) => client.route(record).await,
-            Err(err) => warn!(runtime = %client.name, error = %err, "unreadable record on the reply queue; dropped"),
+            Err(err) => {
+                warn!(runtime = %client.name, error = %err, "unreadable record on the reply queue; dropped")
+            }
         }
         delivery.acker.ack(BasicAckOptions::default()).await?;
     }
@@ -326,4 +334,3 @@ pub(super) async fn run(
         }
     }
 }
-

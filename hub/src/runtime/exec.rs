@@ -44,7 +44,8 @@ pub(super) fn agent_run(request: &RunRequest) -> Result<AgentRun, RunError> {
         actions: request.actions.enabled(),
         control_socket: &request.control_socket,
     };
-    let value = serde_json::to_value(&envelope).map_err(|err| RunError::Envelope(err.to_string()))?;
+    let value =
+        serde_json::to_value(&envelope).map_err(|err| RunError::Envelope(err.to_string()))?;
     AgentRun::from_envelope(value).map_err(|err| RunError::Envelope(err.to_string()))
 }
 

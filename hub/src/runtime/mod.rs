@@ -9,9 +9,7 @@ mod exec;
 
 use std::path::PathBuf;
 
-use channeld_protocol::types::{
-    Actions, Capabilities, InboundMessage, IncomingEvent, Participant,
-};
+use channeld_protocol::types::{Actions, Capabilities, InboundMessage, IncomingEvent, Participant};
 use channeld_protocol::{ChannelId, Id};
 use serde::Serialize;
 
