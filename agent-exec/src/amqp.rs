@@ -4,12 +4,19 @@
 //!
 //! - A run message (hub → run queue): the envelope as body, `message_id` = `correlation_id`
 //!   = run id, `reply_to` = the hub's reply queue, persistent.
+//!   Its header `channeld-env` (a table of strings) carries the environment from the
+//!   inbound's metadata ([`crate::metadata_env`]; the envelope may be body-free).
 //! - Records (worker → `reply_to`): [`Record`] as JSON, `correlation_id` = run id.
 //! - A command answer (hub → the command record's `reply_to`): [`CommandReply`] as JSON,
 //!   `correlation_id` = command id.
 
+use std::collections::BTreeMap;
+
 use channeld_protocol::Id;
-use channeld_protocol::types::{Command, CommandAnswer, CommandResult, Effect, Participant};
+use channeld_protocol::ext::ToolReport;
+use channeld_protocol::types::{
+    Command, CommandAnswer, CommandResult, Effect, Metadata, Participant,
+};
 use lapin::Confirmation;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
@@ -25,6 +32,37 @@ pub const RUN_DELIVERY_LIMIT: i64 = 5;
 
 /// The `type` property of a run message.
 pub const RUN_MESSAGE_TYPE: &str = "channeld.run";
+
+/// The run message header that carries the environment from the inbound's metadata.
+pub const ENV_HEADER: &str = "channeld-env";
+
+/// The [`ENV_HEADER`] table of a run.
+pub fn env_header(env: &BTreeMap<String, String>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in env {
+        table
+            .insert(ShortString::from(name.as_str()), AMQPValue::LongString(value.as_str().into()));
+    }
+    table
+}
+
+/// The environment a run message's headers carry ([`ENV_HEADER`]; entries that are not
+/// strings are skipped). The caller filters it again ([`crate::AgentRun::set_metadata_env`]).
+pub fn env_from_headers(headers: Option<&FieldTable>) -> Vec<(String, String)> {
+    let Some(AMQPValue::FieldTable(table)) = headers.and_then(|h| h.inner().get(ENV_HEADER)) else {
+        return Vec::new();
+    };
+    table
+        .inner()
+        .iter()
+        .filter_map(|(name, value)| match value {
+            AMQPValue::LongString(text) => {
+                Some((name.to_string(), String::from_utf8_lossy(text.as_bytes()).into_owned()))
+            }
+            _ => None,
+        })
+        .collect()
+}
 
 /// The dead-letter exchange (and queue) of a run queue: `<queue>.dead`.
 pub fn dead_letter_name(queue: &str) -> String {
@@ -144,6 +182,10 @@ pub async fn confirm_channel(connection: &lapin::Connection) -> lapin::Result<Ch
 pub enum Record {
     /// A live effect (typing, preview, …) from the agent's output.
     Effect { run_id: String, effect: Effect },
+    /// A piece of the reply (agent line `delta`), in order.
+    Delta { run_id: String, text: String },
+    /// A tool call report (agent line `tool`), in order.
+    Tool { run_id: String, tool: ToolReport },
     /// A command the agent asked for; the answer goes to `reply_to` as a [`CommandReply`].
     Command { run_id: String, command_id: Id, command: Command, reply_to: String },
     /// The run's end: exactly one per run and worker attempt.
@@ -161,6 +203,8 @@ impl Record {
     pub fn run_id(&self) -> &str {
         match self {
             Record::Effect { run_id, .. }
+            | Record::Delta { run_id, .. }
+            | Record::Tool { run_id, .. }
             | Record::Command { run_id, .. }
             | Record::Final { run_id, .. } => run_id,
         }
@@ -170,6 +214,8 @@ impl Record {
     pub fn kind(&self) -> &'static str {
         match self {
             Record::Effect { .. } => "channeld.effect",
+            Record::Delta { .. } => "channeld.delta",
+            Record::Tool { .. } => "channeld.tool",
             Record::Command { .. } => "channeld.command",
             Record::Final { .. } => "channeld.final",
         }
@@ -181,7 +227,12 @@ impl Record {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Outcome {
     /// The agent's reply text (`None`: it produced none).
-    Reply { reply: Option<String> },
+    Reply {
+        reply: Option<String>,
+        /// The reply's metadata (agent `reply` lines' `metadata`).
+        #[serde(default, skip_serializing_if = "Metadata::is_empty")]
+        metadata: Metadata,
+    },
     /// The agent failed: the exec error code and its public message (never stderr).
     Failed { code: String, message: String },
 }
@@ -221,7 +272,7 @@ mod tests {
             run_id: "run-1".into(),
             worker: "w:1".into(),
             redelivered: true,
-            outcome: Outcome::Reply { reply: Some("hi".into()) },
+            outcome: Outcome::Reply { reply: Some("hi".into()), metadata: Metadata::new() },
         };
         let text = serde_json::to_string(&record).unwrap();
         assert_eq!(
@@ -234,5 +285,24 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(failed, Record::Final { outcome: Outcome::Failed { .. }, .. }));
+        let tool = Record::Tool {
+            run_id: "r".into(),
+            tool: serde_json::from_str(r#"{"name":"search","status":"done","n":1}"#).unwrap(),
+        };
+        let text = serde_json::to_string(&tool).unwrap();
+        assert_eq!(serde_json::from_str::<Record>(&text).unwrap(), tool);
+    }
+
+    #[test]
+    fn the_env_header_round_trips() {
+        let env: BTreeMap<String, String> =
+            [("BCN_BOT_UUID".to_owned(), "bot-1".to_owned())].into_iter().collect();
+        let mut headers = FieldTable::default();
+        headers.insert(ShortString::from(ENV_HEADER), AMQPValue::FieldTable(env_header(&env)));
+        assert_eq!(
+            env_from_headers(Some(&headers)),
+            [("BCN_BOT_UUID".to_owned(), "bot-1".to_owned())]
+        );
+        assert!(env_from_headers(None).is_empty());
     }
 }

@@ -9,12 +9,14 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use channeld_protocol::Id;
+use channeld_protocol::ext::ToolReport;
 use channeld_protocol::framing::{LineEvent, LineFramer};
-use channeld_protocol::types::{Choice, Command, CommandAnswer, Effect};
+use channeld_protocol::types::{Choice, Command, CommandAnswer, Effect, Metadata};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin};
 use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
@@ -26,6 +28,46 @@ pub const AGENT_ENVELOPE_VERSION: &str = "channeld.agent/v1";
 
 /// Environment variables passed through to agents; everything else is cleared.
 pub const PASS_THROUGH_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER"];
+
+/// The prefix of inbound metadata keys a driver passes to its agents as environment.
+pub const METADATA_ENV_PREFIX: &str = "env.";
+
+/// How long a cancelled run's agent has between SIGTERM and SIGKILL.
+pub const CANCEL_GRACE: Duration = Duration::from_secs(3);
+
+/// The environment namespace of a driver family: `bcn` → `BCN_`.
+fn env_namespace(family: &str) -> String {
+    family
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
+        .chain(std::iter::once('_'))
+        .collect()
+}
+
+/// Whether `name=value` may reach an agent of a `namespace` family from inbound metadata.
+fn env_allowed(namespace: &str, name: &str, value: &str) -> bool {
+    name.len() > namespace.len()
+        && name.len() <= 128
+        && name.starts_with(namespace)
+        && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+        && !value.contains('\0')
+}
+
+/// The environment a run gets from its inbound's metadata: each `env.<NAME>` entry whose
+/// `NAME` is in the driver family's namespace (`<FAMILY>_…` in capitals, e.g. `BCN_BOT_UUID`
+/// for a `bcn` instance; only `A-Z`, `0-9`, `_`) and whose value has no NUL. Anything else is
+/// left out, so a driver cannot set `PATH`, `LD_PRELOAD` or the `CHANNELD_*` variables; the
+/// runtime's own `env` and the `CHANNELD_*` variables are applied after and win.
+pub fn metadata_env<'a>(family: &str, metadata: &'a Metadata) -> Vec<(&'a str, &'a str)> {
+    let namespace = env_namespace(family);
+    metadata
+        .iter()
+        .filter_map(|(key, value)| {
+            let name = key.strip_prefix(METADATA_ENV_PREFIX)?;
+            env_allowed(&namespace, name, value).then_some((name, value.as_str()))
+        })
+        .collect()
+}
 
 /// How much of an agent's stderr is kept for the log line of a failed run.
 const STDERR_TAIL: usize = 2048;
@@ -64,10 +106,17 @@ pub struct ExecSpec {
 pub struct AgentRun {
     pub run_id: String,
     pub instance: String,
+    /// The driver family (`instance` up to its first `.`).
+    pub family: String,
+    /// The inbound's locator (`CHANNELD_LOCATOR`; empty when the envelope has none).
+    pub locator: String,
     pub session: String,
     pub capabilities: Vec<String>,
     pub control_socket: String,
     pub redelivered: bool,
+    /// Environment from the inbound's metadata (see [`metadata_env`]); not in the envelope,
+    /// which may be body-free.
+    metadata_env: BTreeMap<String, String>,
     envelope: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -116,9 +165,22 @@ impl AgentRun {
         if run_id.is_empty() {
             return Err(EnvelopeError::Field("run_id"));
         }
+        let instance = text("instance")?;
+        let family = match envelope.get("family").and_then(serde_json::Value::as_str) {
+            Some(family) => family.to_owned(),
+            None => instance.split('.').next().unwrap_or_default().to_owned(),
+        };
+        let locator = envelope
+            .get("locator")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
         Ok(Self {
             run_id,
-            instance: text("instance")?,
+            instance,
+            family,
+            locator,
+            metadata_env: BTreeMap::new(),
             session: text("session")?,
             control_socket: text("control_socket")?,
             capabilities,
@@ -130,6 +192,22 @@ impl AgentRun {
     /// Parses an envelope line.
     pub fn from_slice(bytes: &[u8]) -> Result<Self, EnvelopeError> {
         Self::from_envelope(serde_json::from_slice(bytes)?)
+    }
+
+    /// Sets the environment from the inbound's metadata: entries outside the family's
+    /// namespace (see [`metadata_env`]) are dropped, whoever built them.
+    pub fn set_metadata_env<'a>(&mut self, env: impl IntoIterator<Item = (&'a str, &'a str)>) {
+        let namespace = env_namespace(&self.family);
+        self.metadata_env = env
+            .into_iter()
+            .filter(|(name, value)| env_allowed(&namespace, name, value))
+            .map(|(name, value)| (name.to_owned(), value.to_owned()))
+            .collect();
+    }
+
+    /// The environment from the inbound's metadata.
+    pub fn metadata_env(&self) -> &BTreeMap<String, String> {
+        &self.metadata_env
     }
 
     /// Flags the run as started again (in the envelope and `CHANNELD_REDELIVERED`).
@@ -156,6 +234,19 @@ pub trait RunIo: Send + Sync {
         command_id: Id,
         command: Command,
     ) -> impl Future<Output = CommandAnswer> + Send;
+
+    /// Passes one step of the output on, in order (extension `stream`: to drivers that
+    /// negotiated it; dropped for the others).
+    fn stream(&self, item: StreamItem) -> impl Future<Output = ()> + Send;
+}
+
+/// One step of a run's output as it is produced (extension `stream`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamItem {
+    /// A piece of the reply (`{"type":"delta","text":…}`).
+    Delta(String),
+    /// A tool call report (`{"type":"tool","name":…,"status":…}`).
+    Tool(ToolReport),
 }
 
 /// Why an agent run produced no output.
@@ -171,6 +262,9 @@ pub enum ExecError {
     Failed { status: String, stderr: String },
     #[error("agent i/o failed: {0}")]
     Io(std::io::Error),
+    /// The run was cancelled (extension `cancel`, control op `cancel`).
+    #[error("the run was cancelled")]
+    Aborted,
 }
 
 fn stderr_suffix(stderr: &str) -> String {
@@ -183,6 +277,7 @@ impl ExecError {
         match self {
             ExecError::Timeout(_) => "agent_timeout",
             ExecError::OutputTooLarge(_) => "agent_output_too_large",
+            ExecError::Aborted => "aborted",
             ExecError::Spawn(_) | ExecError::Failed { .. } | ExecError::Io(_) => "agent_failed",
         }
     }
@@ -201,6 +296,9 @@ impl ExecError {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ExecOutput {
     pub reply: Option<String>,
+    /// The reply's metadata (an agent's `reply` line may carry it): goes to the driver in
+    /// the reply's `message.metadata`.
+    pub metadata: Metadata,
 }
 
 /// One line of agent output that is a JSON object with a known `type`.
@@ -209,7 +307,16 @@ pub struct ExecOutput {
 enum AgentLine {
     Reply {
         text: String,
+        /// Passed to the driver in the reply's metadata.
+        #[serde(default)]
+        metadata: Option<serde_json::Map<String, serde_json::Value>>,
     },
+    /// A piece of the reply as it is produced (extension `stream`).
+    Delta {
+        text: String,
+    },
+    /// A tool call report (extension `stream`).
+    Tool(ToolReport),
     Typing {
         active: bool,
     },
@@ -289,26 +396,53 @@ struct CommandResultLine<'a> {
     responder: Option<&'a channeld_protocol::types::Participant>,
 }
 
-/// Runs one agent process for `run` under `spec`, talking back through `io`.
+/// Runs one agent process for `run` under `spec`, talking back through `io`; `cancel`
+/// stops it ([`ExecError::Aborted`]: SIGTERM to its process group, SIGKILL after
+/// [`CANCEL_GRACE`]).
 pub async fn run(
     spec: &ExecSpec,
     run: &AgentRun,
     io: &impl RunIo,
+    cancel: &CancellationToken,
 ) -> Result<ExecOutput, ExecError> {
+    if cancel.is_cancelled() {
+        return Err(ExecError::Aborted);
+    }
     let mut child = spawn(spec, run).map_err(ExecError::Spawn)?;
     let pid = child.id();
-    let result = tokio::time::timeout(spec.timeout, converse(spec, run, io, &mut child, pid)).await;
+    // A cancel stops reading the agent at once (nothing it writes afterwards is carried
+    // out), then ends its process group.
+    let result = tokio::select! {
+        result = tokio::time::timeout(spec.timeout, converse(spec, run, io, &mut child, pid)) => {
+            Some(result)
+        }
+        () = cancel.cancelled() => None,
+    };
     match result {
-        Ok(Ok(output)) => Ok(output),
-        Ok(Err(err)) => {
+        Some(Ok(Ok(output))) => Ok(output),
+        Some(Ok(Err(err))) => {
             kill_group(pid, &mut child).await;
             Err(err)
         }
-        Err(_) => {
+        Some(Err(_)) => {
             kill_group(pid, &mut child).await;
             Err(ExecError::Timeout(spec.timeout.as_secs()))
         }
+        None => {
+            terminate_group(pid, &mut child).await;
+            Err(ExecError::Aborted)
+        }
     }
+}
+
+/// A cancelled run's agent: SIGTERM to its process group, SIGKILL to the group once the
+/// agent exited or [`CANCEL_GRACE`] passed (whatever it left behind goes too).
+async fn terminate_group(pid: Option<u32>, child: &mut Child) {
+    signal_group_with(pid, libc::SIGTERM);
+    if tokio::time::timeout(CANCEL_GRACE, child.wait()).await.is_err() {
+        debug!(?pid, "the agent outlived its grace period; killed");
+    }
+    kill_group(pid, child).await;
 }
 
 fn spawn(spec: &ExecSpec, run: &AgentRun) -> std::io::Result<Child> {
@@ -325,6 +459,7 @@ fn spawn(spec: &ExecSpec, run: &AgentRun) -> std::io::Result<Child> {
     let caps = run.capabilities.join(",");
     let socket = run.control_socket.as_str();
     command
+        .envs(&run.metadata_env)
         .envs(&spec.env)
         .env("CHANNELD_CHANNEL_ID", &run.instance)
         .env("CHANNELD_SESSION", &run.session)
@@ -332,6 +467,7 @@ fn spawn(spec: &ExecSpec, run: &AgentRun) -> std::io::Result<Child> {
         .env("CHANNELD_CAPS", &caps)
         .env("CHANNELD_CONTROL_SOCKET", socket)
         .env("CHANNELD_REDELIVERED", if run.redelivered { "1" } else { "0" })
+        .env("CHANNELD_LOCATOR", &run.locator)
         .env("CTX_CHANNEL_ID", &run.instance)
         .env("CTX_CHANNEL_SESSION", &run.session)
         .env("CTX_CHANNEL_CAPS", &caps)
@@ -362,10 +498,14 @@ async fn kill_group(pid: Option<u32>, child: &mut Child) {
 /// SIGKILL to the agent's process group (`pid` is its leader's, recorded at spawn: the
 /// group outlives the leader, and the kernel does not reuse a pid while its group exists).
 fn signal_group(pid: Option<u32>) {
+    signal_group_with(pid, libc::SIGKILL);
+}
+
+fn signal_group_with(pid: Option<u32>, signal: i32) {
     if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
         // SAFETY: plain syscall; the group was created for this agent by process_group(0).
         unsafe {
-            libc::kill(-pid, libc::SIGKILL);
+            libc::kill(-pid, signal);
         }
     }
 }
@@ -450,17 +590,44 @@ async fn converse(
     if !status.success() {
         return Err(ExecError::Failed { status: status.to_string(), stderr });
     }
-    Ok(ExecOutput { reply: transcript.reply() })
+    let metadata = std::mem::take(&mut transcript.metadata);
+    Ok(ExecOutput { reply: transcript.reply(), metadata })
 }
 
 fn missing(what: &str) -> std::io::Error {
     std::io::Error::other(format!("agent {what} was not captured"))
 }
 
+/// Most bytes of reply metadata (as JSON) a run may carry; keys beyond are dropped.
+const MAX_METADATA_BYTES: usize = 8 * 1024;
+
 #[derive(Default)]
 struct Transcript {
     replies: Vec<String>,
     plain: Vec<String>,
+    metadata: Metadata,
+}
+
+impl Transcript {
+    /// Adds a reply line's metadata: a string value as it is, any other as its JSON text;
+    /// a later line's key wins. Keys that would take the whole past
+    /// [`MAX_METADATA_BYTES`] are dropped.
+    fn add_metadata(&mut self, run_id: &str, metadata: serde_json::Map<String, serde_json::Value>) {
+        for (key, value) in metadata {
+            let value = match value {
+                serde_json::Value::String(text) => text,
+                other => other.to_string(),
+            };
+            let mut next = self.metadata.clone();
+            next.insert(key.clone(), value);
+            if serde_json::to_vec(&next).map_or(usize::MAX, |json| json.len()) > MAX_METADATA_BYTES
+            {
+                warn!(run_id, %key, "reply metadata over {MAX_METADATA_BYTES} bytes; key dropped");
+                continue;
+            }
+            self.metadata = next;
+        }
+    }
 }
 
 impl Transcript {
@@ -495,10 +662,15 @@ async fn handle_line(
         }
     };
     let (command, command_id) = match parsed {
-        AgentLine::Reply { text } => {
+        AgentLine::Reply { text, metadata } => {
             transcript.replies.push(text);
+            if let Some(metadata) = metadata {
+                transcript.add_metadata(&run.run_id, metadata);
+            }
             return;
         }
+        AgentLine::Delta { text } => return io.stream(StreamItem::Delta(text)).await,
+        AgentLine::Tool(report) => return io.stream(StreamItem::Tool(report)).await,
         AgentLine::Typing { active } => return io.effect(Effect::Typing { active }),
         AgentLine::Preview { text } => return io.effect(Effect::Preview { text }),
         AgentLine::Effect { effect } => return io.effect(effect),
@@ -613,9 +785,79 @@ mod tests {
         transcript.plain.push("thinking".into());
         transcript.replies.push("answer".into());
         assert_eq!(transcript.reply().as_deref(), Some("answer"));
-        let blank = Transcript { replies: vec![], plain: vec!["   ".into(), String::new()] };
+        let blank = Transcript {
+            replies: vec![],
+            plain: vec!["   ".into(), String::new()],
+            ..Transcript::default()
+        };
         assert_eq!(blank.reply(), None);
-        let empty_reply = Transcript { replies: vec![" ".into()], plain: vec!["x".into()] };
+        let empty_reply = Transcript {
+            replies: vec![" ".into()],
+            plain: vec!["x".into()],
+            ..Transcript::default()
+        };
         assert_eq!(empty_reply.reply(), None);
+    }
+
+    #[test]
+    fn only_the_family_namespace_becomes_environment() {
+        let metadata: Metadata = [
+            ("env.BCN_BOT_UUID", "bot-1"),
+            ("env.BCN_", "empty name"),
+            ("env.PATH", "/evil"),
+            ("env.LD_PRELOAD", "/evil.so"),
+            ("env.CHANNELD_RUN_ID", "forged"),
+            ("env.BCN_lower", "x"),
+            ("env.BCN_NUL", "a\0b"),
+            ("bcn.group_id", "grp"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        assert_eq!(metadata_env("bcn", &metadata), [("BCN_BOT_UUID", "bot-1")]);
+        assert!(metadata_env("mqtt", &metadata).is_empty());
+    }
+
+    #[test]
+    fn a_run_keeps_only_its_family_environment_and_reads_the_locator() {
+        let envelope = serde_json::json!({
+            "version": AGENT_ENVELOPE_VERSION, "run_id": "r1", "redelivered": false,
+            "instance": "bcn.main", "family": "bcn", "session": "s", "locator": "loc-1",
+            "capabilities": [], "control_socket": "/run/x.sock",
+        });
+        let mut run = AgentRun::from_envelope(envelope).unwrap();
+        assert_eq!((run.family.as_str(), run.locator.as_str()), ("bcn", "loc-1"));
+        run.set_metadata_env([("BCN_BOT_UUID", "bot-1"), ("PATH", "/evil"), ("MQTT_X", "y")]);
+        let env: Vec<_> = run.metadata_env().iter().collect();
+        assert_eq!(env, [(&"BCN_BOT_UUID".to_owned(), &"bot-1".to_owned())]);
+    }
+
+    #[test]
+    fn deltas_tools_and_reply_metadata_are_actions() {
+        assert!(matches!(
+            classify(r#"{"type":"delta","text":"Hel"}"#),
+            Output::Action(AgentLine::Delta { text }) if text == "Hel"
+        ));
+        match classify(r#"{"type":"tool","name":"search","status":"done","took_ms":5}"#) {
+            Output::Action(AgentLine::Tool(report)) => {
+                assert_eq!((report.name.as_str(), report.status.as_str()), ("search", "done"));
+                assert_eq!(report.rest.get("took_ms"), Some(&serde_json::json!(5)));
+                assert!(!report.rest.contains_key("type"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let line = r#"{"type":"reply","text":"ok","metadata":{"routing":{"to":"b"},"tag":"x"}}"#;
+        let Output::Action(AgentLine::Reply { metadata: Some(metadata), .. }) = classify(line)
+        else {
+            panic!("a reply with metadata");
+        };
+        let mut transcript = Transcript::default();
+        transcript.add_metadata("run-1", metadata);
+        assert_eq!(transcript.metadata.get("routing").map(String::as_str), Some(r#"{"to":"b"}"#));
+        assert_eq!(transcript.metadata.get("tag").map(String::as_str), Some("x"));
+        let mut big = serde_json::Map::new();
+        big.insert("huge".into(), serde_json::Value::String("x".repeat(MAX_METADATA_BYTES)));
+        transcript.add_metadata("run-1", big);
+        assert!(!transcript.metadata.contains_key("huge"));
     }
 }

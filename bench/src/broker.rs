@@ -1,5 +1,6 @@
-//! A mosquitto broker on a free loopback port, configured to be measured at its best: Nagle
-//! off, no inflight limit, no persistence.
+//! A mosquitto broker on a free loopback port, no inflight limit, no persistence, with Nagle
+//! off (`set_tcp_nodelay true`) or as installed (Nagle on): which is faster depends on the
+//! row, so the bench measures both and compares against the better one.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -29,11 +30,11 @@ pub struct Mosquitto {
 
 impl Mosquitto {
     /// Starts mosquitto with its config in `dir` and waits until it accepts connections.
-    pub fn start(dir: &Path) -> Result<Self> {
+    pub fn start(dir: &Path, nagle: bool) -> Result<Self> {
         let binary = mosquitto_binary()?;
         let port = free_port()?;
         let config = dir.join("mosquitto.conf");
-        std::fs::write(&config, config_text(port))
+        std::fs::write(&config, config_text(port, nagle))
             .with_context(|| format!("write {}", config.display()))?;
         let log = dir.join("mosquitto.log");
         let child = Command::new(&binary)
@@ -52,17 +53,18 @@ impl Mosquitto {
     }
 }
 
-fn config_text(port: u16) -> String {
+fn config_text(port: u16, nagle: bool) -> String {
     format!(
         "listener {port} 127.0.0.1\n\
          allow_anonymous true\n\
-         set_tcp_nodelay true\n\
+         set_tcp_nodelay {}\n\
          max_inflight_messages 0\n\
          max_queued_messages 0\n\
          persistence false\n\
          log_dest stderr\n\
          log_type error\n\
-         log_type warning\n"
+         log_type warning\n",
+        !nagle
     )
 }
 

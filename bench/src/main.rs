@@ -10,6 +10,7 @@
 mod broker;
 mod control;
 mod driver;
+mod echo;
 mod hub;
 mod memory;
 mod metrics_cost;
@@ -110,14 +111,38 @@ enum Cmd {
     Driver,
     /// Internal: the MQTT responder standing where a driver would.
     #[command(hide = true)]
-    MqttResponder { port: u16, prefix: String },
+    MqttResponder {
+        port: u16,
+        prefix: String,
+        /// Leave Nagle on (mosquitto's default) instead of setting TCP_NODELAY.
+        #[arg(long)]
+        nagle: bool,
+    },
+    /// Internal: the reference rows' echo server (one hop).
+    #[command(hide = true)]
+    EchoServer {
+        #[arg(long)]
+        listen: PathBuf,
+    },
+    /// Internal: the reference rows' relay in front of the echo server (two hops).
+    #[command(hide = true)]
+    EchoRelay {
+        #[arg(long)]
+        listen: PathBuf,
+        #[arg(long)]
+        upstream: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command.unwrap_or(Cmd::Run) {
         Cmd::Driver => return driver::driver_main(),
-        Cmd::MqttResponder { port, prefix } => return mqtt::responder_main(port, &prefix),
+        Cmd::MqttResponder { port, prefix, nagle } => {
+            return mqtt::responder_main(port, &prefix, nagle);
+        }
+        Cmd::EchoServer { listen } => return echo::serve_main(&listen, None),
+        Cmd::EchoRelay { listen, upstream } => return echo::serve_main(&listen, Some(&upstream)),
         Cmd::Run => run_all(&cli.run),
         Cmd::Phase { mode, cpus, result } => bin_dir(&cli.run).and_then(|bin_dir| {
             let args = PhaseArgs { mode, cpus, bin_dir, budget: Budget::new(cli.run.quick) };

@@ -25,7 +25,7 @@ pub fn run_memory(bin_dir: &Path, quick: bool, with_rabbitmq: bool) -> Result<Ve
     let dir = tempfile::Builder::new().prefix("channeld-bench-mem-").tempdir()?;
     let broker_dir = dir.path().join("mosquitto");
     std::fs::create_dir_all(&broker_dir)?;
-    let mut broker = Mosquitto::start(&broker_dir)?;
+    let mut broker = Mosquitto::start(&broker_dir, false)?;
     let hub_dir = dir.path().join("hub");
     std::fs::create_dir_all(&hub_dir)?;
     let families = ["console.idle", "mqtt.idle", "amqp.idle"];

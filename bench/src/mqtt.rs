@@ -1,5 +1,5 @@
-//! The mosquitto side of the comparison, with rumqttc at its best (TCP_NODELAY, a large
-//! inflight window): the client publishes a request at QoS 1, the responder (`channeld-bench
+//! The mosquitto side of the comparison, with rumqttc at its best (a large inflight window;
+//! TCP_NODELAY on or off like the broker): the client publishes a request at QoS 1, the responder (`channeld-bench
 //! mqtt-responder`, its own process, standing where a driver would) gets it at QoS 1 and
 //! publishes the reply at QoS 1, and the client times the whole round trip.
 
@@ -31,10 +31,10 @@ fn options(client_id: &str, port: u16) -> MqttOptions {
     options
 }
 
-fn connect(client_id: &str, port: u16) -> (AsyncClient, EventLoop) {
+fn connect(client_id: &str, port: u16, nagle: bool) -> (AsyncClient, EventLoop) {
     let (client, mut eventloop) = AsyncClient::new(options(client_id, port), REQUEST_QUEUE);
     let mut network = eventloop.network_options();
-    network.set_tcp_nodelay(true);
+    network.set_tcp_nodelay(!nagle);
     eventloop.set_network_options(network);
     (client, eventloop)
 }
@@ -47,9 +47,9 @@ fn reply_topic(prefix: &str) -> String {
     format!("bench/{prefix}/resp")
 }
 
-/// `channeld-bench mqtt-responder <port> <prefix>`: answers every request with a reply
+/// `channeld-bench mqtt-responder <port> <prefix> [--nagle]`: answers every request with a reply
 /// carrying the same envelope. Prints `ready` once subscribed; runs until killed.
-pub fn responder_main(port: u16, prefix: &str) -> ExitCode {
+pub fn responder_main(port: u16, prefix: &str, nagle: bool) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(err) => {
@@ -57,7 +57,7 @@ pub fn responder_main(port: u16, prefix: &str) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(respond(port, prefix)) {
+    match runtime.block_on(respond(port, prefix, nagle)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("mqtt-responder: {err:#}");
@@ -66,8 +66,8 @@ pub fn responder_main(port: u16, prefix: &str) -> ExitCode {
     }
 }
 
-async fn respond(port: u16, prefix: &str) -> Result<()> {
-    let (client, mut eventloop) = connect(&format!("bench-responder-{prefix}"), port);
+async fn respond(port: u16, prefix: &str, nagle: bool) -> Result<()> {
+    let (client, mut eventloop) = connect(&format!("bench-responder-{prefix}"), port, nagle);
     let requests = request_topic(prefix);
     let replies = reply_topic(prefix);
     loop {
@@ -103,12 +103,13 @@ pub struct Responder {
 
 impl Responder {
     /// Starts the responder and waits for its `ready`.
-    pub fn start(port: u16, prefix: &str, log: &std::path::Path) -> Result<Self> {
+    pub fn start(port: u16, prefix: &str, nagle: bool, log: &std::path::Path) -> Result<Self> {
         let exe = std::env::current_exe().context("locate channeld-bench")?;
         let mut child = Command::new(exe)
             .arg("mqtt-responder")
             .arg(port.to_string())
             .arg(prefix)
+            .args(nagle.then_some("--nagle"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log)?)
@@ -133,8 +134,14 @@ enum FromBroker {
 
 /// One repetition: `plan.window` requests in flight through mosquitto on `port`, to the
 /// responder serving `prefix`, from a new client connection named `client_id`.
-pub async fn round_trips(port: u16, prefix: &str, client_id: &str, plan: Plan) -> Result<Sample> {
-    let (client, mut eventloop) = connect(client_id, port);
+pub async fn round_trips(
+    port: u16,
+    prefix: &str,
+    client_id: &str,
+    nagle: bool,
+    plan: Plan,
+) -> Result<Sample> {
+    let (client, mut eventloop) = connect(client_id, port, nagle);
     let requests = request_topic(prefix);
     client.subscribe(reply_topic(prefix), QoS::AtLeastOnce).await?;
     let (tx, mut rx) = mpsc::channel(REPLY_QUEUE);

@@ -12,6 +12,7 @@ use tokio::runtime::Runtime;
 use crate::broker::Mosquitto;
 use crate::control;
 use crate::driver::DriverProc;
+use crate::echo::{self, EchoProc};
 use crate::hub::{HubProc, HubSpec, MAIN_INSTANCE, any_health};
 use crate::mqtt::{self, Responder};
 use crate::peers::Peers;
@@ -140,29 +141,88 @@ pub fn run_phase(args: &PhaseArgs) -> Result<Phase> {
         hub.proc.stop(Duration::from_secs(15))?;
     }
 
-    let broker_dir = dir.path().join("mosquitto");
-    std::fs::create_dir_all(&broker_dir)?;
-    let mut broker = Mosquitto::start(&broker_dir)?;
-    let prefix = format!("{}-{}", args.mode, std::process::id());
-    let mut responder = Responder::start(broker.port, &prefix, &broker_dir.join("responder.log"))?;
-    for &window in &budget.windows {
-        let plan = budget.plan(window);
-        let mut samples = Vec::new();
-        for rep in 0..budget.repetitions {
-            let client = format!("{prefix}-{window}-{rep}");
-            let sample = rt
-                .block_on(mqtt::round_trips(broker.port, &prefix, &client, plan))
-                .with_context(|| format!("mosquitto, {window} in flight"))?;
-            progress(&args.mode, &format!("mosquitto window={window} rep {rep}"), &sample);
-            samples.push(sample);
+    rows.extend(echo_rows(args, &rt, dir.path())?);
+
+    for nagle in [false, true] {
+        let kind = if nagle { PathKind::MosquittoNagle } else { PathKind::Mosquitto };
+        let name = if nagle { "mosquitto-nagle" } else { "mosquitto" };
+        let broker_dir = dir.path().join(name);
+        std::fs::create_dir_all(&broker_dir)?;
+        let mut broker = Mosquitto::start(&broker_dir, nagle)?;
+        let prefix = format!("{}-{}-{name}", args.mode, std::process::id());
+        let log = broker_dir.join("responder.log");
+        let mut responder = Responder::start(broker.port, &prefix, nagle, &log)?;
+        for &window in &budget.windows {
+            let plan = budget.plan(window);
+            let mut samples = Vec::new();
+            for rep in 0..budget.repetitions {
+                let client = format!("{prefix}-{window}-{rep}");
+                let sample = rt
+                    .block_on(mqtt::round_trips(broker.port, &prefix, &client, nagle, plan))
+                    .with_context(|| format!("{name}, {window} in flight"))?;
+                progress(&args.mode, &format!("{name} window={window} rep {rep}"), &sample);
+                samples.push(sample);
+            }
+            rows.push(row(kind, None, window, samples));
         }
-        rows.push(row(PathKind::Mosquitto, None, window, samples));
+        responder.proc.stop(Duration::from_secs(5))?;
+        broker.proc.stop(Duration::from_secs(5))?;
     }
-    responder.proc.stop(Duration::from_secs(5))?;
-    broker.proc.stop(Duration::from_secs(5))?;
+    let fsync_us = fsync_cost(dir.path(), if budget.quick { 10 } else { 200 })?;
+    eprintln!("channeld-bench [{}] fsync (4 KiB append + fdatasync): {fsync_us:.1} µs", args.mode);
 
     let scale = scale(args, &rt, dir.path())?;
-    Ok(Phase { mode: args.mode.clone(), cpus: args.cpus.clone(), rows, scale })
+    let load = crate::load_average();
+    Ok(Phase { mode: args.mode.clone(), cpus: args.cpus.clone(), rows, scale, fsync_us, load })
+}
+
+/// The reference rows: one-hop echo and two-hop relay, every window.
+fn echo_rows(args: &PhaseArgs, rt: &Runtime, dir: &Path) -> Result<Vec<Row>> {
+    let budget = &args.budget;
+    let echo_dir = dir.join("echo");
+    std::fs::create_dir_all(&echo_dir)?;
+    let mut server = EchoProc::start(&echo_dir, "echo-server", None)?;
+    let mut relay = EchoProc::start(&echo_dir, "echo-relay", Some(&server.socket))?;
+    let mut rows = Vec::new();
+    for &window in &budget.windows {
+        let plan = budget.plan(window);
+        for (kind, socket) in
+            [(PathKind::Echo, &server.socket), (PathKind::EchoTwoHop, &relay.socket)]
+        {
+            let mut samples = Vec::new();
+            for rep in 0..budget.repetitions {
+                let sample = rt
+                    .block_on(echo::round_trips(socket, plan))
+                    .with_context(|| format!("{kind:?}, {window} in flight"))?;
+                progress(&args.mode, &format!("{kind:?} window={window} rep {rep}"), &sample);
+                samples.push(sample);
+            }
+            rows.push(row(kind, None, window, samples));
+        }
+    }
+    relay.proc.stop(Duration::from_secs(5))?;
+    server.proc.stop(Duration::from_secs(5))?;
+    Ok(rows)
+}
+
+/// The median time of `count` 4 KiB appends each followed by `fdatasync`, in µs, on the file
+/// system holding `dir` (where the hub's ledger lives in the bench): the unit a durable commit
+/// pays.
+fn fsync_cost(dir: &Path, count: usize) -> Result<f64> {
+    use std::io::Write as _;
+    let path = dir.join("fsync-probe");
+    let mut file = std::fs::File::create(&path).context("create the fsync probe")?;
+    let block = [0x5a_u8; 4096];
+    let mut times = Vec::with_capacity(count);
+    for _ in 0..count {
+        let began = std::time::Instant::now();
+        file.write_all(&block)?;
+        file.sync_data()?;
+        times.push(began.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(crate::stats::median(&times))
 }
 
 /// `channeld-bench soak`: one path at one window for `measure`, reporting what it got.

@@ -7,10 +7,14 @@
 //! unknown (handed to the driver, no receipt in time); 6 the driver reported a failed send;
 //! 7 queued (the driver is offline; the hub sends it when the driver connects); 8 conflict
 //! (the idempotency key was already used for a different message); 9 `health`: the
-//! instance is Unavailable (no driver, or it does not answer). `replies retry` exits 0 once the
+//! instance is Unavailable (no driver, or it does not answer); 10 storage full (the hub's
+//! ledger has no space left: nothing was recorded or sent; retry once space returns).
+//! `replies retry` exits 0 once the
 //! reply is pending again, 4 when there is no such reply or it cannot be retried.
 //! `action`/`resume`: 4 refused by the hub (no driver connected, name not declared), 6 the
-//! driver answered it failed, 5 no answer in time.
+//! driver answered it failed, 5 no answer in time. `history`: 4 when the instance keeps no
+//! history (`history_off`) or is unknown. `cancel`: 0 cancelled or already ended (the output
+//! says which), 4 unknown event.
 //!
 //! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
 //! no SQLite.
@@ -26,6 +30,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 mod manifest;
+mod mcp;
 mod print;
 
 use print::print_text;
@@ -140,6 +145,21 @@ enum Cmd {
         #[arg(long, default_value_t = 60)]
         timeout: u64,
     },
+    /// Cancel the run started by an inbound (by its event id): a queued run leaves the queue,
+    /// a running agent is stopped. Prints what was cancelled (nothing if it had ended).
+    Cancel { instance: String, event_id: String },
+    /// A conversation's history: the newest entries (inbound texts the hub admitted, replies
+    /// posted), oldest first.
+    History {
+        instance: String,
+        conversation: String,
+        /// Only this thread's entries (default: the conversation outside threads).
+        #[arg(long)]
+        thread: Option<String>,
+        /// At most this many entries (1-1000).
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
     /// The operator action `resume`: take the platform session back after a pause that only
     /// an operator may end (a displaced session, a new login).
     Resume {
@@ -148,6 +168,38 @@ enum Cmd {
         #[arg(long, default_value_t = 60)]
         timeout: u64,
     },
+    /// The agent's inbox: admitted messages newest first, each with its locator, whether it
+    /// was answered and handled (no text: `read` shows it).
+    Inbox {
+        /// Only this instance.
+        instance: Option<String>,
+        /// Only items not handled yet.
+        #[arg(long)]
+        unhandled: bool,
+        /// Items per page (at most 1000).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Only items older than this entry id (the next page).
+        #[arg(long, value_name = "ENTRY")]
+        before: Option<i64>,
+    },
+    /// One item by its locator and up to N entries before it in its conversation (thread),
+    /// marked untrusted, and whether it was handled.
+    Read {
+        locator: String,
+        /// Previous entries to show (at most 50).
+        #[arg(long, default_value_t = 10)]
+        limit: usize,
+    },
+    /// Reply to an item in its conversation (thread) and mark it handled. Never posts twice:
+    /// a repeat prints the first reply's outcome.
+    Respond { locator: String, text: String },
+    /// Mark an item handled without replying.
+    Complete { locator: String },
+    /// Serve the Model Context Protocol on stdin/stdout (tools channel_inbox, channel_read,
+    /// channel_respond, channel_complete, channel_send, channel_status) for an agent, using
+    /// this process's access to the control socket.
+    Mcp,
     /// Write DIR/channel-platform.json so ACECode runs the driver binary channeld-FAMILY as
     /// a channel platform plugin (`--acecode`). Does not talk to the hub.
     AcecodeManifest {
@@ -169,6 +221,7 @@ const EXIT_FAILED: u8 = 6;
 const EXIT_QUEUED: u8 = 7;
 const EXIT_CONFLICT: u8 = 8;
 const EXIT_UNAVAILABLE: u8 = 9;
+const EXIT_STORAGE_FULL: u8 = 10;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -192,6 +245,15 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_UNEXPECTED);
         }
     };
+    if let Cmd::Mcp = &cli.command {
+        return match runtime.block_on(mcp::serve(socket)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("channelctl mcp: {err}");
+                ExitCode::from(EXIT_UNEXPECTED)
+            }
+        };
+    }
     let (op, wait_budget) = match &cli.command {
         Cmd::Send { instance, conversation, thread, no_wait, timeout, key, text } => (
             Op::Send {
@@ -238,7 +300,39 @@ fn main() -> ExitCode {
             },
             Duration::from_secs(timeout + 10),
         ),
-        Cmd::AcecodeManifest { .. } => unreachable!("handled before connecting"),
+        Cmd::AcecodeManifest { .. } | Cmd::Mcp => unreachable!("handled before connecting"),
+        Cmd::Inbox { instance, unhandled, limit, before } => (
+            Op::Inbox {
+                instance: instance.clone(),
+                unhandled: *unhandled,
+                limit: Some(*limit),
+                before: *before,
+            },
+            Duration::from_secs(10),
+        ),
+        Cmd::Read { locator, limit } => {
+            (Op::Read { locator: locator.clone(), limit: Some(*limit) }, Duration::from_secs(10))
+        }
+        // The hub waits for the receipt (`hub.receipt_timeout_secs`) and the handled effect.
+        Cmd::Respond { locator, text } => {
+            (Op::Respond { locator: locator.clone(), text: text.clone() }, Duration::from_secs(300))
+        }
+        Cmd::Complete { locator } => {
+            (Op::Complete { locator: locator.clone() }, Duration::from_secs(30))
+        }
+        Cmd::Cancel { instance, event_id } => (
+            Op::Cancel { instance: instance.clone(), event_id: event_id.clone() },
+            Duration::from_secs(60),
+        ),
+        Cmd::History { instance, conversation, thread, limit } => (
+            Op::History {
+                instance: instance.clone(),
+                conversation: conversation.clone(),
+                thread: thread.clone(),
+                limit: Some(*limit),
+            },
+            Duration::from_secs(10),
+        ),
         Cmd::Outbox { action: Some(OutboxCmd::Retry { id }), .. } => {
             (Op::OutboxRetry { outbox_id: *id }, Duration::from_secs(120))
         }
@@ -327,9 +421,14 @@ fn exit_code(error_code: &str) -> u8 {
         // The hub is there but will not serve this process (now): as unreachable as a socket
         // whose file mode refuses it.
         code::PEER_NOT_ALLOWED | code::TOO_MANY_CONNECTIONS => EXIT_UNREACHABLE,
-        code::NOT_FOUND | code::NOT_RETRYABLE => EXIT_REFUSED,
+        code::NOT_FOUND
+        | code::NOT_RETRYABLE
+        | code::HISTORY_OFF
+        | code::UNKNOWN_EVENT
+        | code::INVALID_LOCATOR => EXIT_REFUSED,
         code::ACTION_FAILED => EXIT_FAILED,
         code::ACTION_TIMEOUT => EXIT_UNKNOWN,
+        code::STORAGE_FULL => EXIT_STORAGE_FULL,
         _ => EXIT_UNEXPECTED,
     }
 }
@@ -352,7 +451,7 @@ fn default_socket() -> PathBuf {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum CallError {
+pub(crate) enum CallError {
     #[error("cannot reach the hub at {path}: {source}")]
     Unreachable { path: String, source: std::io::Error },
     #[error("connection to the hub failed: {0}")]
@@ -375,7 +474,7 @@ impl CallError {
     }
 }
 
-async fn call(
+pub(crate) async fn call(
     socket: &std::path::Path,
     request: Request,
     budget: Duration,

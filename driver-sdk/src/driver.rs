@@ -4,7 +4,7 @@
 use std::future::Future;
 
 use channeld_protocol::Id;
-use channeld_protocol::ext::{Extensions, valid_operator_action_name};
+use channeld_protocol::ext::{Extensions, StreamFrame, valid_operator_action_name};
 use channeld_protocol::types::UnmetRequirement;
 use channeld_protocol::types::{
     Actions, Capabilities, Command, DeliveryReceipt, Effect, MessageTarget, OutboundMessage,
@@ -312,10 +312,20 @@ pub trait Driver: Send + Sync + 'static {
         async { Err(OperatorActionError::Unsupported) }
     }
 
-    /// Extensions this driver wants. The SDK implements all of them; override to test
+    /// A step of a run's streamed output (extension `stream`, negotiated only when
+    /// [`extensions`](Self::extensions) asks for it): a delta, a tool report or the run's
+    /// end, in order (the SDK awaits each before reading on). The final reply still comes
+    /// as a post, its `metadata.stream_seq` the seq it takes. The default ignores them.
+    fn stream(&self, frame: StreamFrame) -> impl Future<Output = ()> + Send {
+        let _ = frame;
+        async {}
+    }
+
+    /// Extensions this driver wants. The SDK implements all of them; `stream` is left out
+    /// unless a driver that handles [`stream`](Self::stream) asks for it. Override to test
     /// reference behaviour.
     fn extensions(&self) -> Extensions {
-        Extensions::all()
+        Extensions { stream: false, ..Extensions::all() }
     }
 }
 

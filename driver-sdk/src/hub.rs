@@ -5,8 +5,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use channeld_link::FrameSink;
-use channeld_protocol::ext::Extensions;
-use channeld_protocol::frame::{EventFrame, HealthReport, InboundEventFrame};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use channeld_protocol::ext::{
+    CANCEL, CancelRequest, CancelResult, Extensions, HISTORY, HistoryEntry, HistoryRequest,
+};
+use channeld_protocol::frame::{ErrorFrame, EventFrame, HealthReport, InboundEventFrame};
 use channeld_protocol::types::{Health, InboundMessage, IncomingEvent, LifecycleEvent};
 use channeld_protocol::{ChannelId, Frame, Id};
 use tokio::sync::{Semaphore, oneshot};
@@ -37,13 +42,28 @@ pub enum HubError {
     /// An [`Inbound`] with an invalid part.
     #[error(transparent)]
     Invalid(#[from] InboundError),
+    /// A request to the hub (history, cancel) needs an extension the hub did not agree to.
+    #[error("the hub did not negotiate the {0} extension")]
+    NotNegotiated(&'static str),
+    /// No hub connection now, or it closed before the answer.
+    #[error("not connected to the hub")]
+    Disconnected,
+    /// The hub answered the request with an `error` frame.
+    #[error("the hub refused the request: {code}: {message}")]
+    Refused { code: String, message: String, retryable: bool },
+    /// No answer within the timeout.
+    #[error("the hub did not answer within {0:?}")]
+    Timeout(Duration),
 }
+
+/// How long [`Hub::history`] waits for the hub's answer.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl HubError {
     /// True when the platform message can never be delivered as it is (too large, invalid,
     /// for another channel): settle it as refused instead of leaving it for redelivery.
     pub fn is_permanent(&self) -> bool {
-        !matches!(self, HubError::ShuttingDown)
+        !matches!(self, HubError::ShuttingDown | HubError::Disconnected | HubError::Timeout(_))
     }
 }
 
@@ -175,6 +195,88 @@ impl Hub {
         }
     }
 
+    /// The newest `limit` entries (omitted: the hub's default, 50) of a conversation's history
+    /// (and thread), oldest first, as the hub keeps them (extension `history`): the inbound
+    /// texts it admitted and the replies posted. Empty when the hub knows nothing of it.
+    pub async fn history(
+        &self,
+        conversation: Id,
+        thread: Option<Id>,
+        limit: Option<u32>,
+    ) -> Result<Vec<HistoryEntry>, HubError> {
+        let request_id = self.shared.next_request_id("history");
+        let frame = Frame::HistoryRequest(HistoryRequest {
+            request_id: request_id.clone(),
+            conversation,
+            thread,
+            limit,
+        });
+        match self.request(request_id, frame, |ext| ext.history, HISTORY).await? {
+            Frame::HistoryResult(result) => Ok(result.entries),
+            other => Err(HubError::Refused {
+                code: "unexpected_frame".into(),
+                message: format!("the hub answered with {}", other.type_name()),
+                retryable: false,
+            }),
+        }
+    }
+
+    /// Cancels the run the hub started for the inbound `event_id` (extension `cancel`; the
+    /// event id names the run): answered once it is stopped and recorded, after the run's own
+    /// ending (`error` `aborted`) reached this driver. `cancelled` is empty when it had
+    /// already ended; an unknown event id is `Refused` with code `unknown_event`.
+    pub async fn cancel(&self, event_id: Id) -> Result<CancelResult, HubError> {
+        let request_id = self.shared.next_request_id("cancel");
+        let frame = Frame::Cancel(CancelRequest { request_id: request_id.clone(), event_id });
+        match self.request(request_id, frame, |ext| ext.cancel, CANCEL).await? {
+            Frame::CancelResult(result) => Ok(result),
+            other => Err(HubError::Refused {
+                code: "unexpected_frame".into(),
+                message: format!("the hub answered with {}", other.type_name()),
+                retryable: false,
+            }),
+        }
+    }
+
+    /// Sends `frame` (a request the hub answers with one frame carrying `request_id`) and
+    /// waits for that answer or an `error` frame.
+    async fn request(
+        &self,
+        request_id: Id,
+        frame: Frame,
+        negotiated: fn(&Extensions) -> bool,
+        extension: &'static str,
+    ) -> Result<Frame, HubError> {
+        channeld_protocol::encode(&frame).map_err(|err| HubError::TooLarge(err.to_string()))?;
+        let (tx, rx) = oneshot::channel();
+        let sink = {
+            let mut state = self.shared.lock();
+            let Some(ext) = state.negotiated else { return Err(HubError::Disconnected) };
+            if !negotiated(&ext) {
+                return Err(HubError::NotNegotiated(extension));
+            }
+            let sink = state.sink.clone().ok_or(HubError::Disconnected)?;
+            state.requests.insert(request_id.clone(), tx);
+            sink
+        };
+        if sink.send(&frame).await.is_err() {
+            self.shared.lock().requests.remove(&request_id);
+            return Err(HubError::Disconnected);
+        }
+        let answer = tokio::time::timeout(REQUEST_TIMEOUT, rx).await;
+        self.shared.lock().requests.remove(&request_id);
+        match answer {
+            Ok(Ok(Ok(frame))) => Ok(frame),
+            Ok(Ok(Err(err))) => Err(HubError::Refused {
+                code: err.code,
+                message: err.message,
+                retryable: err.retryable,
+            }),
+            Ok(Err(_)) => Err(HubError::Disconnected),
+            Err(_) => Err(HubError::Timeout(REQUEST_TIMEOUT)),
+        }
+    }
+
     /// Sends a lifecycle event (e.g. `retry_scheduled`) if connected.
     pub fn event(&self, event: LifecycleEvent) {
         if let Some(sink) = self.shared.lock().sink.clone() {
@@ -235,6 +337,9 @@ pub(crate) struct SessionState {
     pub pending: PendingTable,
     pub health: Option<Health>,
     pub connected_since: Option<Instant>,
+    /// Requests to the hub waiting for their answer, by request id; dropped (answered
+    /// `Disconnected`) when the connection ends.
+    pub requests: HashMap<Id, oneshot::Sender<Result<Frame, ErrorFrame>>>,
 }
 
 #[derive(Debug)]
@@ -246,6 +351,7 @@ pub(crate) struct Shared {
     /// Cancelled when the process stops taking platform input (shutdown).
     pub closing: CancellationToken,
     state: Mutex<SessionState>,
+    next_request: AtomicU64,
 }
 
 impl Shared {
@@ -262,7 +368,26 @@ impl Shared {
                 pending: PendingTable::default(),
                 health: None,
                 connected_since: None,
+                requests: HashMap::new(),
             }),
+            next_request: AtomicU64::new(1),
+        }
+    }
+
+    /// A fresh request id: `<channel>-<kind>-<n>`.
+    pub fn next_request_id(&self, kind: &str) -> Id {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        Id::new(format!("{}-{kind}-{n}", self.launch.channel)).expect("a channel id is short")
+    }
+
+    /// Completes the request waiting for `request_id`; false when none waits.
+    pub fn complete_request(&self, request_id: &Id, answer: Result<Frame, ErrorFrame>) -> bool {
+        match self.lock().requests.remove(request_id) {
+            Some(tx) => {
+                let _ = tx.send(answer);
+                true
+            }
+            None => false,
         }
     }
 

@@ -73,6 +73,8 @@ impl Shared {
         state.sink = None;
         state.negotiated = None;
         state.connected_since = None;
+        // Their answers would come on this connection: the requests fail `Disconnected`.
+        state.requests.clear();
     }
 }
 
@@ -298,6 +300,29 @@ impl<D: Driver> Session<D> {
                     health,
                 });
                 let _ = sink.try_send(&answer);
+            }
+            Frame::HistoryResult(result) => {
+                let request_id = result.request_id.clone();
+                if !self.shared.complete_request(&request_id, Ok(Frame::HistoryResult(result))) {
+                    debug!(%request_id, "history_result nobody waits for");
+                }
+            }
+            // In order: each step is handled before the next frame is read.
+            Frame::Stream(step) if ext.stream => self.driver.stream(step).await,
+            Frame::CancelResult(result) => {
+                let request_id = result.request_id.clone();
+                if !self.shared.complete_request(&request_id, Ok(Frame::CancelResult(result))) {
+                    debug!(%request_id, "cancel_result nobody waits for");
+                }
+            }
+            Frame::Error(err)
+                if err
+                    .request_id
+                    .as_ref()
+                    .is_some_and(|id| self.shared.lock().requests.contains_key(id)) =>
+            {
+                let request_id = err.request_id.clone().expect("checked above");
+                self.shared.complete_request(&request_id, Err(err));
             }
             Frame::Error(err) => return self.on_error(err, sink, hello_id),
             Frame::Stop(_) => return Some(SessionEnd::HubStopped),

@@ -17,10 +17,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use channeld_protocol::frame::{Delivery, ErrorFrame, Receipt};
-use channeld_protocol::types::OutboundMessage;
 use channeld_protocol::{Frame, Id, encode};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -28,8 +27,10 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::connection::{Connection, lock};
-use crate::instance::{Counters, Instance, Registry, unix_ms};
-use crate::ledger::{Answer, Ledger, LedgerError, ReplyAnswer, ReplyRecord, ReplyState};
+use crate::instance::{Counters, Instance, Registry};
+use crate::ledger::{
+    Answer, Ledger, LedgerError, ReplyAnswer, ReplyRecord, ReplyState, StoredReply,
+};
 
 /// The loop wakes at least this often (expiry, and retries recorded by another path).
 const IDLE_WAKE: Duration = Duration::from_secs(60);
@@ -41,7 +42,7 @@ const CLAIM_BATCH: usize = 256;
 const SEND_UNKNOWN: &str = "send_unknown";
 
 fn now_ms() -> u64 {
-    unix_ms(SystemTime::now())
+    crate::clock::now_ms()
 }
 
 /// A reply handed to a connection and waiting for its answer.
@@ -216,12 +217,14 @@ impl Courier {
         receipt: Option<Vec<u8>>,
         error: Option<String>,
     ) {
+        let history = self.instances.get(instance).and_then(|inst| inst.policy().history);
         let answer = ReplyAnswer {
             instance: instance.to_owned(),
             event_id: event_id.to_owned(),
             answer,
             receipt,
             error,
+            history,
         };
         match self.ledger.reply_answer(answer.clone(), now_ms(), fastrand::f64()).await {
             Ok(Some(state)) => {
@@ -395,6 +398,7 @@ impl Courier {
     async fn hand_over(self: &Arc<Self>, inst: &Instance, conn: &Connection) {
         let instance = inst.config.id.to_string();
         let answers = conn.declaration.extensions.reply_receipt;
+        let stream = conn.declaration.extensions.stream;
         loop {
             if conn.closed.is_cancelled() {
                 return;
@@ -418,7 +422,7 @@ impl Courier {
                     self.settle(&instance, &reply.event_id, answer, None, error).await;
                     continue;
                 };
-                let line = match deliver_line(&event_id, &reply.message) {
+                let line = match deliver_line(&event_id, &reply.message, stream) {
                     Ok(line) => line,
                     Err(error) => {
                         warn!(%instance, %event_id, %error, "reply can never be a frame; failed");
@@ -474,9 +478,11 @@ impl Courier {
 }
 
 /// The `deliver` line of a recorded reply, or why it cannot be one.
-fn deliver_line(event_id: &Id, message: &[u8]) -> Result<Vec<u8>, String> {
-    let message: OutboundMessage =
+/// A streamed reply carries its seq to a driver with `stream` (see [`StoredReply`]).
+fn deliver_line(event_id: &Id, message: &[u8], stream: bool) -> Result<Vec<u8>, String> {
+    let stored: StoredReply =
         serde_json::from_slice(message).map_err(|err| format!("unreadable reply record: {err}"))?;
+    let message = stored.message_for(stream);
     encode(&Frame::Deliver(Delivery { request_id: event_id.clone(), message }))
         .map_err(|err| err.to_string())
 }
@@ -484,7 +490,7 @@ fn deliver_line(event_id: &Id, message: &[u8]) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use channeld_protocol::ChannelId;
-    use channeld_protocol::types::{MessageBody, MessageTarget};
+    use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 
     use super::*;
 
@@ -497,7 +503,7 @@ mod tests {
             metadata: Default::default(),
         };
         let event = Id::new("e-1").unwrap();
-        let line = deliver_line(&event, &serde_json::to_vec(&message).unwrap()).unwrap();
+        let line = deliver_line(&event, &serde_json::to_vec(&message).unwrap(), true).unwrap();
         match channeld_protocol::decode(&line[..line.len() - 1]).unwrap() {
             Frame::Deliver(delivery) => {
                 assert_eq!(delivery.request_id, event);
@@ -505,6 +511,17 @@ mod tests {
             }
             other => panic!("expected a deliver, got {other:?}"),
         }
-        assert!(deliver_line(&event, b"not json").unwrap_err().contains("unreadable"));
+        assert!(deliver_line(&event, b"not json", false).unwrap_err().contains("unreadable"));
+        // A streamed reply's seq reaches only a driver with `stream`.
+        let stored = StoredReply { message: message.clone(), stream_seq: Some(3) };
+        let stored = serde_json::to_vec(&stored).unwrap();
+        for (stream, seq) in [(true, Some("3")), (false, None)] {
+            let line = deliver_line(&event, &stored, stream).unwrap();
+            let Ok(Frame::Deliver(delivery)) = channeld_protocol::decode(&line[..line.len() - 1])
+            else {
+                panic!("a deliver");
+            };
+            assert_eq!(delivery.message.metadata.get("stream_seq").map(String::as_str), seq);
+        }
     }
 }

@@ -38,6 +38,7 @@ pub fn config(runtime_dir: &Path) -> HubConfig {
         health_probe_interval: Duration::from_secs(30),
         health_probe_timeout: Duration::from_secs(5),
         liveness: Duration::from_secs(60),
+        stall_timeout: Duration::from_secs(60),
         drain_timeout: Duration::from_secs(10),
         metrics_listen: None,
         runtimes,

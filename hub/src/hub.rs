@@ -18,6 +18,7 @@ use crate::ids::Ids;
 use crate::instance::{Instance, Instances, Registry};
 use crate::ledger::Ledger;
 use crate::liveness::Probes;
+use crate::locator::LocatorKey;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
 use crate::runtime::Remote;
@@ -30,6 +31,9 @@ pub const HUB_EXTENSIONS: Extensions = Extensions {
     health_status: true,
     reply_receipt: true,
     operator_action: true,
+    history: true,
+    cancel: true,
+    stream: true,
 };
 
 /// The hub's name and version, sent in `hello_ack`.
@@ -134,5 +138,10 @@ impl Hub {
     /// The instance served as `id` now.
     pub fn instance(&self, id: &str) -> Option<Arc<Instance>> {
         self.instances.get(id)
+    }
+
+    /// What this hub's locators are bound to: its ledger's id.
+    pub fn locator_key(&self) -> LocatorKey {
+        LocatorKey::new(self.ledger.id())
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use channeld_protocol::types::{Health, HealthState};
 use tokio_util::sync::CancellationToken;
 
+use crate::cancels::SharedCancels;
 use crate::config::{InstanceConfig, InstancePolicy};
 use crate::connection::{Connection, lock};
 use crate::metrics::InstanceMetrics;
@@ -121,6 +122,8 @@ pub struct Instance {
     /// Inbound accepted and not finished: running, or waiting for their session's turn and a
     /// run slot (`max_inflight`, `max_queued`).
     pub runs: Mutex<Runs>,
+    /// The cancellation of each accepted inbound until its run ended (extension `cancel`).
+    pub cancels: SharedCancels,
     process: Mutex<Option<ProcessView>>,
     /// Which denied senders were sent the deny notice, and when.
     notices: Mutex<NoticeLimiter>,
@@ -130,6 +133,7 @@ impl Instance {
     pub fn new(config: InstanceConfig, policy: InstancePolicy, metrics: InstanceMetrics) -> Self {
         Self {
             runs: Mutex::new(RunQueue::new(config.max_inflight, config.max_queued)),
+            cancels: SharedCancels::default(),
             config,
             counters: Counters::default(),
             metrics,

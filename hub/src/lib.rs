@@ -6,6 +6,9 @@
 //! single connection in memory ([`serve::serve`]). ARCHITECTURE.md has the module map; the
 //! modules' `use crate::` edges form a DAG (`tests/module_graph.rs` checks it).
 
+pub mod agent;
+pub mod cancels;
+pub mod clock;
 pub mod command;
 pub mod config;
 pub mod connection;
@@ -13,6 +16,7 @@ pub mod control;
 pub mod courier;
 pub mod demo;
 mod health;
+pub mod history;
 pub mod hub;
 pub mod ids;
 pub mod inbound;
@@ -21,6 +25,7 @@ pub mod ledger;
 pub mod lifecycle;
 pub mod listen;
 pub mod liveness;
+pub mod locator;
 pub mod metrics;
 pub mod notice;
 pub mod operator;

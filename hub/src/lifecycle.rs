@@ -39,6 +39,7 @@ pub fn open_ledger(config: &HubConfig) -> Result<Ledger, LedgerError> {
     match &config.state_dir {
         Some(dir) => {
             let durability = match config.durability {
+                DurabilityMode::Strict => Durability::Strict,
                 DurabilityMode::Full => Durability::Full,
                 DurabilityMode::Normal => Durability::Normal,
             };
@@ -92,6 +93,7 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
     hub.loops.spawn(crate::control::accept_loop(hub.clone(), control, responder));
     hub.loops.spawn(crate::health::probe_loop(hub.clone()));
     hub.loops.spawn(crate::recovery::housekeeping(hub.clone()));
+    hub.loops.spawn(crate::recovery::storage_watch(hub.clone()));
     // Replies keep moving while runs drain: the courier stops with the connections.
     hub.tasks.spawn(hub.courier.clone().run(hub.close_connections.clone()));
     let finished = CancellationToken::new();

@@ -2,10 +2,10 @@
 //! started again once, queued ones in their place), sends that were in flight marked unknown,
 //! replies that were handed over made pending again (and replies owed by an older hub given a
 //! delivery record), session generations — and the background upkeep (retention pruning,
-//! outbox expiry).
+//! outbox expiry, the storage probe while the ledger is full).
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use channeld_protocol::types::{MessageBody, OutboundMessage};
 use channeld_protocol::{Frame, decode};
@@ -13,18 +13,41 @@ use tracing::{info, warn};
 
 use crate::hub::Hub;
 use crate::inbound::{self, reply::reply_target, run::Admitted};
-use crate::instance::unix_ms;
 use crate::ledger::NewReply;
 
 /// How often retention pruning and outbox expiry run.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(600);
+
+/// How often a ledger marked full tries a small write to notice that space returned.
+const STORAGE_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// While the ledger is marked `storage_full`, a small write every
+/// [`STORAGE_PROBE_INTERVAL`]: the first that commits clears the mark, so the hub recovers
+/// by itself even when no message arrives to try.
+pub(crate) async fn storage_watch(hub: Arc<Hub>) {
+    if !hub.ledger.is_on() {
+        return;
+    }
+    let mut tick = tokio::time::interval(STORAGE_PROBE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = hub.shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if hub.ledger.storage_full() {
+            // The outcome is the mark itself (set or cleared by the ledger).
+            let _ = hub.ledger.probe_storage(crate::clock::now_ms()).await;
+        }
+    }
+}
 
 /// Restores durable state before the sockets accept anything.
 pub(crate) async fn restore(hub: &Arc<Hub>) {
     if !hub.ledger.is_on() {
         return;
     }
-    let now = unix_ms(SystemTime::now());
+    let now = crate::clock::now_ms();
     for inst in hub.instances.snapshot().values() {
         match hub.ledger.generations(inst.config.id.to_string()).await {
             Ok(generations) => inst.load_generations(generations),
@@ -120,7 +143,7 @@ async fn track_untracked_replies(hub: &Hub, now: u64) {
         };
         let Ok(event_id) = channeld_protocol::Id::new(reply.event_id.clone()) else { continue };
         // Older hubs stored replies uncut: fitted now, as a new one would be.
-        let text = inbound::reply::fit_reply(&event_id, &target, reply.reply);
+        let text = inbound::reply::fit_reply(&event_id, &target, &Default::default(), reply.reply);
         let Ok(body) = MessageBody::text(text) else { continue };
         let conversation = target.conversation.to_string();
         let message = OutboundMessage { target, body, metadata: Default::default() };
@@ -149,7 +172,7 @@ pub(crate) async fn housekeeping(hub: Arc<Hub>) {
             () = hub.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let now = unix_ms(SystemTime::now());
+        let now = crate::clock::now_ms();
         let cutoff = now.saturating_sub(hub.config.retention.as_millis() as u64);
         match hub.ledger.prune(cutoff).await {
             Ok(0) => {}

@@ -197,6 +197,16 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
         }
     }
 
+    /// Removes `event_id` if it is ready and waiting for its turn (a cancel); `None` when it
+    /// is not waiting (being recorded, running, unknown). Returns what starts now.
+    pub fn withdraw(&mut self, event_id: &Id) -> Option<Starts<T>> {
+        let seq = *self.ids.get(event_id)?;
+        match self.entries.get(&seq).map(|e| e.state) {
+            Some(State::Ready) => Some(self.remove(seq)),
+            _ => None,
+        }
+    }
+
     /// The run of `turn` ended (its outcome is recorded): its slot goes to the next waiting
     /// run of another session and its event id may be admitted again, while its own session
     /// waits for [`finish`](RunQueue::finish). Returns what starts now.
@@ -482,6 +492,22 @@ mod tests {
         assert_eq!(q.admit("b", "s1"), Admission::Busy { max: 0 });
         assert_eq!(q.admit("c", "s2"), Admission::Reserved);
         assert_eq!(q.admit("d", "s3"), Admission::Busy { max: 0 });
+    }
+
+    #[test]
+    fn only_a_waiting_run_can_be_withdrawn_and_the_next_one_goes() {
+        let mut q = Harness::new(1, 64);
+        assert_eq!(q.arrive("a", "s1"), ["a"]);
+        assert_eq!(q.arrive("b", "s1"), NONE);
+        assert_eq!(q.arrive("c", "s1"), NONE);
+        assert!(q.queue.withdraw(&id("a")).is_none(), "a runs");
+        assert!(q.queue.withdraw(&id("nope")).is_none());
+        let starts = q.queue.withdraw(&id("b")).expect("b waits");
+        assert!(starts.is_empty());
+        assert_eq!(q.counts(), (1, 1));
+        assert_eq!(q.finish("a"), ["c"], "b is gone: c is next");
+        assert_eq!(q.admit("d", "s1"), Admission::Waiting);
+        assert!(q.queue.withdraw(&id("d")).is_none(), "d is not recorded yet");
     }
 
     #[test]

@@ -99,6 +99,7 @@ impl SendError {
             SendError::Unknown { .. } => code::OUTCOME_UNKNOWN,
             SendError::NeedsLedger => code::INVALID_REQUEST,
             SendError::Conflict { .. } => code::CONFLICT,
+            SendError::Ledger(LedgerError::StorageFull) => code::STORAGE_FULL,
             SendError::Ledger(_) => code::LEDGER_UNAVAILABLE,
         }
     }

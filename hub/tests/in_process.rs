@@ -279,14 +279,17 @@ async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_be
     for text in ["first".to_owned(), "x".repeat(300_000), "second".to_owned()] {
         let added = hub
             .ledger
-            .outbox_add(NewSend {
-                instance: ONE.into(),
-                idempotency_key: None,
-                message: serde_json::to_vec(&outbound(text)).unwrap(),
-                state: OutboxState::Queued,
-                now_ms: 1,
-                expires_ms: u64::MAX / 2,
-            })
+            .outbox_add(
+                NewSend {
+                    instance: ONE.into(),
+                    idempotency_key: None,
+                    message: serde_json::to_vec(&outbound(text)).unwrap(),
+                    state: OutboxState::Queued,
+                    now_ms: 1,
+                    expires_ms: u64::MAX / 2,
+                },
+                channeld_hub::ledger::Commit::Durable,
+            )
             .await
             .unwrap();
         match added {
@@ -356,13 +359,22 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         run_id: "run-big-1".into(),
         started: true,
         now_ms: 1,
+        item: None,
     };
-    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash);
-    assert_eq!(recorded.await.unwrap(), Recorded::New);
+    let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash, None);
+    assert_eq!(recorded.await.unwrap(), Recorded::New { entry: None });
     let text = "\"".repeat(200_000);
     let inst = hub.instance(ONE).unwrap();
     let target = MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1"));
-    let reply = channeld_hub::inbound::reply::new_reply(&hub, &inst, &id("big-1"), &target, &text);
+    let reply = channeld_hub::inbound::reply::new_reply(
+        &hub,
+        &inst,
+        &id("big-1"),
+        &target,
+        &Default::default(),
+        &text,
+        None,
+    );
     let stranded = RunEnd::Reply(text);
     assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, reply, 2).await.unwrap());
 

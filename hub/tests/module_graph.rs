@@ -118,6 +118,10 @@ fn the_modules_of_the_hub_form_a_dag() {
         "lifecycle",
         "metrics",
         "scrape",
+        "agent",
+        "locator",
+        "history",
+        "clock",
     ] {
         assert!(
             graph.contains_key(expected),
@@ -134,12 +138,43 @@ fn the_ledger_imports_nothing_from_the_hub() {
 }
 
 #[test]
+fn locators_are_decoded_by_a_module_that_uses_nothing_else_of_the_hub() {
+    // Only the hub decodes locators, in one place that needs nothing but the protocol types.
+    let graph = graph();
+    let uses = graph.get("locator").cloned().unwrap_or_default();
+    assert!(uses.is_empty(), "locator uses {uses:?}");
+}
+
+#[test]
+fn the_clock_uses_nothing_from_the_hub() {
+    // Everything that stamps ledger times reads it, so it sits at the bottom.
+    let graph = graph();
+    let uses = graph.get("clock").cloned().unwrap_or_default();
+    assert!(uses.is_empty(), "clock uses {uses:?}");
+}
+
+#[test]
 fn metrics_sit_below_everything_that_counts() {
     // Every module may count, so the metrics module uses nothing but the ledger's own
     // histograms; what reads the hub's state for a scrape lives in `scrape`.
     let graph = graph();
     let uses = graph.get("metrics").cloned().unwrap_or_default();
     assert_eq!(uses, BTreeSet::from(["ledger".to_owned()]), "metrics uses {uses:?}");
+}
+
+#[test]
+fn history_sits_between_the_ledger_and_its_callers() {
+    // Drivers (serve) and the control socket read history through `history`, which reads
+    // the ledger; nothing below it (the ledger, the inbound path) uses it.
+    let graph = graph();
+    let uses = graph.get("history").cloned().unwrap_or_default();
+    for below in ["serve", "control", "inbound", "courier"] {
+        assert!(!uses.contains(below), "history uses {below}");
+    }
+    for caller in ["serve", "control"] {
+        assert!(graph[caller].contains("history"), "{caller} does not use history");
+    }
+    assert!(!graph["ledger"].contains("history"));
 }
 
 #[test]
@@ -154,6 +189,11 @@ fn pure_decisions_use_no_async_runtime_and_no_sockets() {
         "ledger/sessions.rs",
         "ledger/state.rs",
         "ledger/schema.rs",
+        "ledger/items.rs",
+        "locator.rs",
+        "ledger/history.rs",
+        "ledger/ops.rs",
+        "clock.rs",
         "runqueue.rs",
         "route.rs",
         "command.rs",

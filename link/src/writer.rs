@@ -1,6 +1,8 @@
 //! Writes frames through a bounded queue drained by one task that batches and flushes.
 
 use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use channeld_protocol::{EncodeError, Frame, encode};
@@ -26,6 +28,37 @@ pub enum SinkError {
 #[derive(Debug, Clone)]
 pub struct FrameSink {
     tx: mpsc::Sender<Vec<u8>>,
+    progress: Arc<Progress>,
+}
+
+/// Whether the writer task is inside a write the peer has not taken yet, and since when: a
+/// peer that stops reading leaves the task blocked there (the socket buffer full).
+#[derive(Debug)]
+struct Progress {
+    base: Instant,
+    /// Milliseconds after `base` (plus one, so 0 means "not writing") when the current
+    /// write began.
+    writing_since: AtomicU64,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Self { base: Instant::now(), writing_since: AtomicU64::new(0) }
+    }
+
+    fn begin(&self) {
+        let at = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        self.writing_since.store(at + 1, Ordering::Relaxed);
+    }
+
+    fn end(&self) {
+        self.writing_since.store(0, Ordering::Relaxed);
+    }
+
+    fn blocked_for(&self) -> Option<Duration> {
+        let since = self.writing_since.load(Ordering::Relaxed).checked_sub(1)?;
+        Some(self.base.elapsed().saturating_sub(Duration::from_millis(since)))
+    }
 }
 
 impl FrameSink {
@@ -47,6 +80,17 @@ impl FrameSink {
     /// Queues an already encoded line (from [`channeld_protocol::encode`]).
     pub async fn send_encoded(&self, line: Vec<u8>) -> Result<(), SinkError> {
         self.tx.send(line).await.map_err(|_| SinkError::Closed)
+    }
+
+    /// How long the writer task has been waiting for the peer to take a write, if it is
+    /// waiting: a peer that stopped reading shows here (the hub's stall timeout).
+    pub fn write_blocked_for(&self) -> Option<Duration> {
+        self.progress.blocked_for()
+    }
+
+    /// Frames queued and not yet taken by the writer task.
+    pub fn queued(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
     }
 
     /// True once the writer task has stopped (closed, peer gone or write failed).
@@ -98,14 +142,16 @@ where
 {
     let (tx, rx) = mpsc::channel(capacity.max(1));
     let (close, closing) = oneshot::channel();
-    let task = tokio::spawn(write_loop(writer, rx, closing));
-    (FrameSink { tx }, Writer { close, task })
+    let progress = Arc::new(Progress::new());
+    let task = tokio::spawn(write_loop(writer, rx, closing, progress.clone()));
+    (FrameSink { tx, progress }, Writer { close, task })
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut writer: W,
     mut rx: mpsc::Receiver<Vec<u8>>,
     mut closing: oneshot::Receiver<()>,
+    progress: Arc<Progress>,
 ) -> io::Result<()> {
     let mut batch = Vec::with_capacity(4096);
     let mut pace = Pace::default();
@@ -138,7 +184,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             tokio::task::yield_now().await;
             frames += drain(&mut rx, &mut batch);
         }
-        if let Err(err) = writer.write_all(&batch).await {
+        progress.begin();
+        let written = writer.write_all(&batch).await;
+        progress.end();
+        if let Err(err) = written {
             rx.close();
             return Err(err);
         }
@@ -297,6 +346,24 @@ mod tests {
         let mut rest = Vec::new();
         server.read_to_end(&mut rest).await.unwrap();
         assert_eq!(rest, encode(&frame).unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_does_not_read_shows_as_a_blocked_write_until_it_reads() {
+        let (client, mut server) = tokio::io::duplex(16);
+        let (sink, _writer) = spawn_writer(client, 8);
+        assert_eq!(sink.write_blocked_for(), None);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        sink.send(&frame).await.unwrap();
+        while sink.write_blocked_for().is_none() {
+            tokio::task::yield_now().await;
+        }
+        let mut line = vec![0u8; encode(&frame).unwrap().len()];
+        tokio::io::AsyncReadExt::read_exact(&mut server, &mut line).await.unwrap();
+        while sink.write_blocked_for().is_some() {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(sink.queued(), 0);
     }
 
     #[tokio::test]

@@ -5,7 +5,10 @@
 //! support, and from then on each side may use exactly those. A reference peer declares none,
 //! receives no `hello_ack` and never sees an extension field or frame.
 
+use serde::{Deserialize, Serialize};
+
 use crate::frame::Hello;
+use crate::ids::Id;
 use crate::types::{Actions, Capabilities, Command, Effect};
 
 /// `accepted` frame: the hub tells a driver it has taken responsibility for an inbound.
@@ -37,9 +40,34 @@ pub fn valid_operator_action_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
 }
 
+/// `history_request` / `history_result` frames: a driver asks the hub for the last entries
+/// of a conversation's history (the inbound texts it admitted and the replies posted).
+pub const HISTORY: &str = "history";
+
+/// `cancel` / `cancel_result` frames: a driver asks the hub to cancel the run started by one
+/// of its inbound (named by its event id, which is also the run's name for the driver).
+pub const CANCEL: &str = "cancel";
+
+/// `stream` frames: a run's output as it is produced — ordered deltas and tool reports, then
+/// the final reply (`deliver`, with `message.metadata.stream_seq`) or an end frame.
+pub const STREAM: &str = "stream";
+
+/// The `message.metadata` key of a streamed run's final `deliver`: the seq it takes (the
+/// number of `stream` frames sent before it), as a decimal string. Only with `stream`.
+pub const STREAM_SEQ_KEY: &str = "stream_seq";
+
 /// Every extension this implementation understands, in a stable order.
-pub const ALL: &[&str] =
-    &[ACCEPTED, CONTROL_RESULT, RESPONDER, HEALTH_STATUS, REPLY_RECEIPT, OPERATOR_ACTION];
+pub const ALL: &[&str] = &[
+    ACCEPTED,
+    CONTROL_RESULT,
+    RESPONDER,
+    HEALTH_STATUS,
+    REPLY_RECEIPT,
+    OPERATOR_ACTION,
+    HISTORY,
+    CANCEL,
+    STREAM,
+];
 
 /// A set of negotiated extensions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -50,6 +78,9 @@ pub struct Extensions {
     pub health_status: bool,
     pub reply_receipt: bool,
     pub operator_action: bool,
+    pub history: bool,
+    pub cancel: bool,
+    pub stream: bool,
 }
 
 impl Extensions {
@@ -62,6 +93,9 @@ impl Extensions {
             health_status: true,
             reply_receipt: true,
             operator_action: true,
+            history: true,
+            cancel: true,
+            stream: true,
         }
     }
 
@@ -76,6 +110,9 @@ impl Extensions {
                 HEALTH_STATUS => set.health_status = true,
                 REPLY_RECEIPT => set.reply_receipt = true,
                 OPERATOR_ACTION => set.operator_action = true,
+                HISTORY => set.history = true,
+                CANCEL => set.cancel = true,
+                STREAM => set.stream = true,
                 _ => {}
             }
         }
@@ -91,6 +128,9 @@ impl Extensions {
             health_status: self.health_status && offered.health_status,
             reply_receipt: self.reply_receipt && offered.reply_receipt,
             operator_action: self.operator_action && offered.operator_action,
+            history: self.history && offered.history,
+            cancel: self.cancel && offered.cancel,
+            stream: self.stream && offered.stream,
         }
     }
 
@@ -107,9 +147,151 @@ impl Extensions {
             self.health_status,
             self.reply_receipt,
             self.operator_action,
+            self.history,
+            self.cancel,
+            self.stream,
         ];
         ALL.iter().zip(flags).filter(|(_, on)| *on).map(|(name, _)| (*name).to_owned()).collect()
     }
+}
+
+/// A `history_request` asks for this many entries unless it says otherwise.
+pub const DEFAULT_HISTORY_LIMIT: u32 = 50;
+/// The most entries one `history_request` (or control `history`) may ask for.
+pub const MAX_HISTORY_LIMIT: u32 = 1000;
+
+/// Extension frame `history_request` (driver → hub): the newest `limit` entries of a
+/// conversation (and thread, when given) of this driver's instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistoryRequest {
+    pub request_id: Id,
+    pub conversation: Id,
+    /// Only the entries of this thread; omitted: the conversation's entries outside threads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<Id>,
+    /// 1 to [`MAX_HISTORY_LIMIT`]; omitted: [`DEFAULT_HISTORY_LIMIT`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// Extension frame `history_result` (hub → driver): the answer to one `history_request`,
+/// oldest first. Empty when the hub knows nothing of the conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistoryResult {
+    pub request_id: Id,
+    pub entries: Vec<HistoryEntry>,
+    /// True when older entries were left out so the frame fits in one line.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+}
+
+/// Who said a history entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HistoryRole {
+    /// An inbound message the hub admitted.
+    User,
+    /// A reply the driver posted.
+    Assistant,
+}
+
+impl HistoryRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HistoryRole::User => "user",
+            HistoryRole::Assistant => "assistant",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "user" => Some(HistoryRole::User),
+            "assistant" => Some(HistoryRole::Assistant),
+            _ => None,
+        }
+    }
+}
+
+/// One entry of a conversation's history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    /// The entry's id in the hub's ledger (grows with time).
+    pub id: i64,
+    pub role: HistoryRole,
+    pub text: String,
+    /// When the hub admitted the inbound or recorded the reply posted (ms since the epoch).
+    pub at_ms: u64,
+    /// The sender of an inbound (`user`) entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sender: Option<String>,
+    /// The platform message id: the inbound's, or the posted reply's from its receipt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
+    /// The inbound's event id (for a reply: the event it answers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_id: Option<String>,
+}
+
+/// Extension frame `cancel` (driver → hub): cancel the run started by the inbound
+/// `event_id` of this driver's instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRequest {
+    pub request_id: Id,
+    pub event_id: Id,
+}
+
+/// Extension frame `cancel_result` (hub → driver): the answer to one `cancel`, sent once the
+/// run is stopped and recorded (after the run's own ending, an `error` `aborted` or a
+/// `stream` end).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelResult {
+    pub request_id: Id,
+    pub event_id: Id,
+    /// The event ids whose runs this cancel stopped or removed from the queue; empty when
+    /// the run had already ended (or an earlier cancel stopped it).
+    pub cancelled: Vec<Id>,
+    /// The event's state now: `aborted`, or how its run had ended (`replied`, `delivered`,
+    /// `failed`).
+    pub state: String,
+}
+
+/// How a streamed run ended without a reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamEnd {
+    /// The run failed (`code` says how, as the `error` frame would).
+    Error,
+    /// The run was cancelled.
+    Aborted,
+}
+
+/// A tool call the agent reported (`{"type":"tool","name":…,"status":…}` and any other
+/// fields it wrote, passed through).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolReport {
+    pub name: String,
+    pub status: String,
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Extension frame `stream` (hub → driver): one step of a run's output, `seq` counting from
+/// 0 per run. Exactly one of `text` (a delta of the reply), `tool` (a tool report) or `end`
+/// (the run ended without a reply: `code` and `message` say why) is present.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamFrame {
+    pub event_id: Id,
+    pub seq: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<ToolReport>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<StreamEnd>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// What a driver declared in its `hello`, and therefore what the hub may send it.

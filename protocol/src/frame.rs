@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::ext::{CancelRequest, CancelResult, HistoryRequest, HistoryResult, StreamFrame};
 use crate::ids::{ChannelId, Id};
 use crate::types::{
     Actions, Capabilities, Command, CommandResult, ControlAction, DeliveryReceipt, Effect, Health,
@@ -271,6 +272,16 @@ pub enum Frame {
     OperatorAction(OperatorActionFrame),
     /// Extension `operator_action`.
     OperatorActionResult(OperatorActionResult),
+    /// Extension `history`.
+    HistoryRequest(HistoryRequest),
+    /// Extension `history`.
+    HistoryResult(HistoryResult),
+    /// Extension `cancel`.
+    Cancel(CancelRequest),
+    /// Extension `cancel`.
+    CancelResult(CancelResult),
+    /// Extension `stream`.
+    Stream(StreamFrame),
 }
 
 impl Frame {
@@ -300,6 +311,11 @@ impl Frame {
             Frame::Accepted(_) => "accepted",
             Frame::OperatorAction(_) => "operator_action",
             Frame::OperatorActionResult(_) => "operator_action_result",
+            Frame::HistoryRequest(_) => "history_request",
+            Frame::HistoryResult(_) => "history_result",
+            Frame::Cancel(_) => "cancel",
+            Frame::CancelResult(_) => "cancel_result",
+            Frame::Stream(_) => "stream",
         }
     }
 
@@ -494,6 +510,11 @@ fn decode_body(ty: &str, raw: &str) -> Result<Frame, DecodeError> {
         "operator_action_result" => {
             Frame::OperatorActionResult(parse("operator_action_result", raw)?)
         }
+        "history_request" => Frame::HistoryRequest(parse("history_request", raw)?),
+        "history_result" => Frame::HistoryResult(parse("history_result", raw)?),
+        "cancel" => Frame::Cancel(parse("cancel", raw)?),
+        "cancel_result" => Frame::CancelResult(parse("cancel_result", raw)?),
+        "stream" => Frame::Stream(parse("stream", raw)?),
         other => return Err(DecodeError::UnknownType(truncate(other, 64))),
     })
 }

@@ -3,6 +3,7 @@
 
 pub mod control;
 pub mod fakes;
+pub mod fuzz;
 pub mod mosquitto;
 pub mod nostr_relay;
 pub mod peer;

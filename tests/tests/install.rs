@@ -51,7 +51,8 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
     let root = dest.path();
     install(root, &[]);
 
-    let families = ["console", "mqtt", "amqp", "slack", "wechat", "wecom", "nostr", "acecode"];
+    let families =
+        ["console", "mqtt", "amqp", "slack", "wechat", "wecom", "nostr", "acecode", "bcn"];
     let drivers = families.iter().map(|family| format!("channeld-{family}"));
     let tools = ["channeld-conformance".to_owned()].into_iter();
     let built = drivers.chain(tools).filter(|binary| bin_dir().join(binary).is_file());
@@ -80,7 +81,7 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
     installed.sort();
     // Units for the families that were built; the console needs a terminal and has none.
     let mut expected: Vec<String> =
-        ["acecode", "amqp", "mqtt", "nostr", "slack", "wechat", "wecom"]
+        ["acecode", "amqp", "bcn", "mqtt", "nostr", "slack", "wechat", "wecom"]
             .iter()
             .filter(|family| bin_dir().join(format!("channeld-{family}")).is_file())
             .map(|family| format!("channeld-{family}@.service"))
@@ -111,6 +112,7 @@ fn install_lays_out_binaries_units_sysusers_and_the_config_skeleton() {
     assert!(etc.join("slack.env.example").is_file());
     assert!(etc.join("wechat.env.example").is_file());
     assert!(etc.join("acecode.env.example").is_file());
+    assert!(etc.join("bcn.env.example").is_file());
     assert_eq!(std::fs::read_dir(etc.join("credentials")).expect("credentials").count(), 0);
 
     let check = Command::new(root.join("usr/local/bin/channeld"))

@@ -15,7 +15,7 @@ use channeld_agent_exec::amqp::{
     self, CommandReply, Outcome, Record, confirm_channel, declare_run_queue, json_properties,
     publish_confirmed,
 };
-use channeld_agent_exec::{AgentRun, ExecSpec, RunIo, StdinMode};
+use channeld_agent_exec::{AgentRun, ExecSpec, RunIo, StdinMode, StreamItem};
 use channeld_protocol::Id;
 use channeld_protocol::types::{Command, CommandAnswer, Effect};
 use clap::Parser;
@@ -388,20 +388,26 @@ impl Run {
         if delivery.redelivered {
             agent_run.mark_redelivered();
         }
+        // The environment from the inbound's metadata, filtered again by the run's family.
+        let env = amqp::env_from_headers(properties.headers().as_ref());
+        agent_run.set_metadata_env(env.iter().map(|(name, value)| (name.as_str(), value.as_str())));
         let run_id = agent_run.run_id.clone();
         if agent_run.redelivered {
             self.worker.redelivered.fetch_add(1, Ordering::Relaxed);
         }
         info!(%run_id, redelivered = agent_run.redelivered, "run started");
         let io = WorkerIo { run: &self, run_id: &run_id, reply_to: &reply_to };
-        let outcome = match channeld_agent_exec::run(&self.worker.spec, &agent_run, &io).await {
-            Ok(output) => Outcome::Reply { reply: output.reply },
-            Err(err) => {
-                warn!(%run_id, error = %err, "agent run failed");
-                self.worker.failed.fetch_add(1, Ordering::Relaxed);
-                Outcome::Failed { code: err.code().to_owned(), message: err.public_message() }
-            }
-        };
+        // Runs are not cancelled from the hub (a cancel there only ends the hub's wait).
+        let never = CancellationToken::new();
+        let outcome =
+            match channeld_agent_exec::run(&self.worker.spec, &agent_run, &io, &never).await {
+                Ok(output) => Outcome::Reply { reply: output.reply, metadata: output.metadata },
+                Err(err) => {
+                    warn!(%run_id, error = %err, "agent run failed");
+                    self.worker.failed.fetch_add(1, Ordering::Relaxed);
+                    Outcome::Failed { code: err.code().to_owned(), message: err.public_message() }
+                }
+            };
         let record = Record::Final {
             run_id: run_id.clone(),
             worker: self.worker.name.clone(),
@@ -458,6 +464,18 @@ impl RunIo for WorkerIo<'_> {
                 debug!(error = %err, "effect not sent");
             }
         });
+    }
+
+    async fn stream(&self, item: StreamItem) {
+        // Deltas and tool reports go in order: each is confirmed before the next line is read.
+        let run_id = self.run_id.to_owned();
+        let record = match item {
+            StreamItem::Delta(text) => Record::Delta { run_id, text },
+            StreamItem::Tool(tool) => Record::Tool { run_id, tool },
+        };
+        if let Err(err) = self.send(&record).await {
+            debug!(run_id = %self.run_id, error = %err, "stream record not sent");
+        }
     }
 
     async fn command(&self, command_id: Id, command: Command) -> CommandAnswer {

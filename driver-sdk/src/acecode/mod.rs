@@ -64,6 +64,9 @@ const BRIDGE_EXTENSIONS: Extensions = Extensions {
     health_status: true,
     reply_receipt: false,
     operator_action: true,
+    history: false,
+    cancel: false,
+    stream: false,
 };
 
 /// Lines to stdout, written by one task in order.

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use channeld_link::FrameReader;
-use channeld_protocol::ext::Extensions;
+use channeld_protocol::ext::{
+    CancelRequest, CancelResult, Extensions, HistoryEntry, HistoryRequest, HistoryResult,
+};
 use channeld_protocol::frame::{
     Accepted, CommandResultFrame, Delivery, ErrorFrame, Hello, HelloAck, Inbound, Lifecycle,
     OperatorActionFrame, OperatorActionResult,
@@ -263,6 +265,37 @@ impl FakeConnection {
             Frame::OperatorActionResult(result) if result.request_id == request_id => result,
             other => unexpected(&what, &other),
         }
+    }
+
+    /// Expects a `history_request` (extension `history`) and answers it with `entries`
+    /// (oldest first); returns the request.
+    pub async fn answer_history(&mut self, entries: Vec<HistoryEntry>) -> HistoryRequest {
+        let request = match self.recv("a history_request").await {
+            Frame::HistoryRequest(request) => request,
+            other => unexpected("a history_request", &other),
+        };
+        let result =
+            HistoryResult { request_id: request.request_id.clone(), entries, truncated: false };
+        self.send(&Frame::HistoryResult(result)).await;
+        request
+    }
+
+    /// Expects a `cancel` (extension `cancel`) and answers it: the event named cancelled
+    /// (`state` `aborted`) when `cancelled`, else nothing cancelled with `state`
+    /// `replied`. Returns the request.
+    pub async fn answer_cancel(&mut self, cancelled: bool) -> CancelRequest {
+        let request = match self.recv("a cancel").await {
+            Frame::Cancel(request) => request,
+            other => unexpected("a cancel", &other),
+        };
+        let result = CancelResult {
+            request_id: request.request_id.clone(),
+            event_id: request.event_id.clone(),
+            cancelled: if cancelled { vec![request.event_id.clone()] } else { Vec::new() },
+            state: if cancelled { "aborted" } else { "replied" }.to_owned(),
+        };
+        self.send(&Frame::CancelResult(result)).await;
+        request
     }
 
     /// Sends a `health_request`.

@@ -66,4 +66,6 @@ impl DriverTask {
 #[cfg(test)]
 mod lifecycle_test;
 #[cfg(test)]
+mod requests_test;
+#[cfg(test)]
 mod self_test;

@@ -60,6 +60,11 @@ pub const VAR_CONFIRM_TIMEOUT: &str = "AMQP_CONFIRM_TIMEOUT_SECONDS";
 pub const DEFAULT_HEARTBEAT_SECONDS: u16 = 10;
 /// TCP connect timeout when the URL does not say (`?connection_timeout=MS`).
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 10_000;
+/// Largest AMQP frame offered to the broker when the URL does not say (`?frame_max=N`).
+/// lapin keeps a receive and a send buffer of 32 frames each, allocated and zeroed at once:
+/// with RabbitMQ's default of 128 KiB that is 8 MiB of an idle driver's heap, with this 1 MiB.
+/// Larger messages still pass, split into body frames of this size.
+pub const DEFAULT_FRAME_MAX: u32 = 16 * 1024;
 /// Default prefetch.
 pub const DEFAULT_PREFETCH: u16 = 16;
 /// The largest prefetch: the SDK holds at most this many unanswered inbound messages.
@@ -77,8 +82,8 @@ fn invalid(var: &'static str, reason: impl Into<String>) -> ConfigError {
 /// The broker URL, parsed; it carries the password, so it is a [`Secret`] (prints `***`).
 pub type BrokerUrl = Secret<AMQPUri>;
 
-/// Parses the broker URL; the error never quotes it. Adds a heartbeat and a connect timeout
-/// when the URL does not set them.
+/// Parses the broker URL; the error never quotes it. Adds a heartbeat, a connect timeout and
+/// a frame size ([`DEFAULT_FRAME_MAX`]) when the URL does not set them.
 pub fn parse_broker_url(raw: &str) -> Result<BrokerUrl, ConfigError> {
     let mut uri = AMQPUri::from_str(raw.trim()).map_err(|err| {
         // Only the scheme error is safe to repeat; the others may quote the URL.
@@ -91,6 +96,7 @@ pub fn parse_broker_url(raw: &str) -> Result<BrokerUrl, ConfigError> {
     })?;
     uri.query.heartbeat.get_or_insert(DEFAULT_HEARTBEAT_SECONDS);
     uri.query.connection_timeout.get_or_insert(DEFAULT_CONNECT_TIMEOUT_MS);
+    uri.query.frame_max.get_or_insert(DEFAULT_FRAME_MAX);
     Ok(Secret::new(uri))
 }
 
@@ -441,10 +447,12 @@ mod tests {
         let url = parse_broker_url(SECRET_URL).unwrap();
         assert_eq!(format!("{url:?}"), "***");
         assert_eq!(url.expose().query.heartbeat, Some(DEFAULT_HEARTBEAT_SECONDS));
+        assert_eq!(url.expose().query.frame_max, Some(DEFAULT_FRAME_MAX));
         assert_eq!(url.expose().authority.userinfo.password, "hunter2");
         assert!(!is_tls(&url));
-        let explicit = parse_broker_url("amqps://u:p@h/%2f?heartbeat=30").unwrap();
+        let explicit = parse_broker_url("amqps://u:p@h/%2f?heartbeat=30&frame_max=131072").unwrap();
         assert_eq!(explicit.expose().query.heartbeat, Some(30));
+        assert_eq!(explicit.expose().query.frame_max, Some(131_072));
         assert!(is_tls(&explicit));
         let config = parse(&[("AMQP_QUEUE", "q")]).unwrap();
         assert!(!format!("{config:?}").contains("hunter2"));

@@ -27,18 +27,14 @@ pub enum SocketFrame {
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct Hello {
-    #[serde(default)]
     pub num_connections: Option<u32>,
-    #[serde(default)]
     pub debug_info: Option<DebugInfo>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct DebugInfo {
-    #[serde(default)]
     pub host: Option<String>,
     /// Seconds until Slack expects to recycle the connection.
-    #[serde(default)]
     pub approximate_connection_time: Option<u64>,
 }
 
@@ -46,7 +42,6 @@ pub struct DebugInfo {
 pub struct Disconnect {
     /// `warning`, `refresh_requested`, `link_disabled`, `too_many_websockets`, …
     pub reason: String,
-    #[serde(default)]
     pub debug_info: Option<DebugInfo>,
 }
 
@@ -61,7 +56,6 @@ pub struct Envelope {
     /// 0 for the first delivery; retries carry a new envelope id and the same event id.
     #[serde(default)]
     pub retry_attempt: u32,
-    #[serde(default)]
     pub retry_reason: Option<String>,
 }
 
@@ -78,9 +72,7 @@ pub struct Ack<'a> {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct EventCallback {
     pub event_id: String,
-    #[serde(default)]
     pub event_time: Option<u64>,
-    #[serde(default)]
     pub team_id: Option<String>,
     pub event: Event,
 }
@@ -102,49 +94,32 @@ pub enum Event {
 /// A `message` (any subtype) or `app_mention` event.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct MessageEvent {
-    #[serde(default)]
     pub subtype: Option<String>,
-    #[serde(default)]
     pub channel: Option<String>,
     /// `im`, `channel`, `group`, `mpim` (absent on `app_mention`).
-    #[serde(default)]
     pub channel_type: Option<String>,
-    #[serde(default)]
     pub user: Option<String>,
-    #[serde(default)]
     pub bot_id: Option<String>,
-    #[serde(default)]
     pub text: Option<String>,
-    #[serde(default)]
     pub ts: Option<String>,
-    #[serde(default)]
     pub thread_ts: Option<String>,
-    #[serde(default)]
     pub event_ts: Option<String>,
     #[serde(default)]
     pub files: Vec<File>,
     /// `message_changed`: the message after the edit.
-    #[serde(default)]
     pub message: Option<Box<InnerMessage>>,
     /// `message_deleted`: the deleted message's ts.
-    #[serde(default)]
     pub deleted_ts: Option<String>,
-    #[serde(default)]
     pub previous_message: Option<Box<InnerMessage>>,
 }
 
 /// The message inside `message_changed` / `message_deleted`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct InnerMessage {
-    #[serde(default)]
     pub user: Option<String>,
-    #[serde(default)]
     pub bot_id: Option<String>,
-    #[serde(default)]
     pub text: Option<String>,
-    #[serde(default)]
     pub ts: Option<String>,
-    #[serde(default)]
     pub thread_ts: Option<String>,
     #[serde(default)]
     pub files: Vec<File>,
@@ -153,31 +128,22 @@ pub struct InnerMessage {
 /// A file shared in a message. `url_private` needs the bot token to download.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct File {
-    #[serde(default)]
     pub id: Option<String>,
-    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default)]
     pub title: Option<String>,
-    #[serde(default)]
     pub mimetype: Option<String>,
-    #[serde(default)]
     pub size: Option<u64>,
-    #[serde(default)]
     pub url_private: Option<String>,
     /// `hosted`, `external`, `tombstone` (deleted), `hidden_by_limit`, …
-    #[serde(default)]
     pub mode: Option<String>,
 }
 
 /// `reaction_added` / `reaction_removed`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct ReactionEvent {
-    #[serde(default)]
     pub user: Option<String>,
     pub reaction: String,
     pub item: ReactionItem,
-    #[serde(default)]
     pub event_ts: Option<String>,
 }
 
@@ -186,9 +152,7 @@ pub struct ReactionItem {
     /// `message` (reactions on files are not forwarded).
     #[serde(rename = "type")]
     pub kind: String,
-    #[serde(default)]
     pub channel: Option<String>,
-    #[serde(default)]
     pub ts: Option<String>,
 }
 
@@ -200,7 +164,6 @@ pub struct AssistantThreadEvent {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct AssistantThread {
-    #[serde(default)]
     pub user_id: Option<String>,
     pub channel_id: String,
     pub thread_ts: String,
@@ -222,7 +185,6 @@ pub enum Interaction {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct BlockActions {
     pub user: ActionUser,
-    #[serde(default)]
     pub container: Option<Container>,
     #[serde(default)]
     pub actions: Vec<Action>,
@@ -231,26 +193,20 @@ pub struct BlockActions {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct ActionUser {
     pub id: String,
-    #[serde(default)]
     pub username: Option<String>,
-    #[serde(default)]
     pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Container {
-    #[serde(default)]
     pub message_ts: Option<String>,
-    #[serde(default)]
     pub channel_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Action {
     pub action_id: String,
-    #[serde(default)]
     pub block_id: Option<String>,
-    #[serde(default)]
     pub value: Option<String>,
 }
 
@@ -261,7 +217,6 @@ pub struct Action {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct ApiStatus {
     pub ok: bool,
-    #[serde(default)]
     pub error: Option<String>,
 }
 
@@ -269,11 +224,8 @@ pub struct ApiStatus {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct AuthTest {
     pub user_id: String,
-    #[serde(default)]
     pub bot_id: Option<String>,
-    #[serde(default)]
     pub team_id: Option<String>,
-    #[serde(default)]
     pub team: Option<String>,
 }
 
@@ -310,19 +262,14 @@ pub struct UserInfo {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct User {
     pub id: String,
-    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default)]
     pub real_name: Option<String>,
-    #[serde(default)]
     pub profile: Option<Profile>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Profile {
-    #[serde(default)]
     pub display_name: Option<String>,
-    #[serde(default)]
     pub real_name: Option<String>,
 }
 

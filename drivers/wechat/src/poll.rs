@@ -236,7 +236,9 @@ impl Poller<'_> {
                     warn!(event_id, error = %err, "message cannot be passed on; dropped");
                     self.store.settle(&event_id);
                 }
-                Err(err @ HubError::WrongChannel { .. }) => {
+                // WrongChannel; the request-only errors (Refused, Timeout, …) never come from
+                // `inbound`.
+                Err(err) => {
                     error!(event_id, error = %err, "the hub handle refused the message");
                     return Ok(Batch::Incomplete);
                 }

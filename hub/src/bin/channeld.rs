@@ -1,8 +1,15 @@
 //! `channeld`: the hub daemon, and `channeld demo`, the one-command local chat.
 //!
 //! Exit status: 0 stopped (SIGTERM, SIGINT); 1 failed (a socket or the ledger could not be
-//! opened, the hub failed); 75 another hub uses the state directory (the message names its
-//! pid) or listens on a socket; 78 invalid configuration.
+//! opened, the hub failed); 74 the state directory or the ledger database cannot be used
+//! (not writable, corrupted, from a newer channeld: the message names the path and what to
+//! do; restarting cannot help); 75 another hub uses the state directory (the message names
+//! its pid) or listens on a socket; 78 invalid configuration.
+//!
+//! `channeld ledger check|backup PATH|vacuum`: 0 done (check: the database is whole);
+//! 1 the check found problems, or the command failed; 74 the ledger cannot be opened;
+//! 75 vacuum while a hub uses the state directory; 78 invalid configuration or no state
+//! directory.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,6 +31,9 @@ const DEFAULT_CONFIG: &str = "/etc/channeld/channeld.toml";
 /// Exit status: another hub uses this state directory or listens on one of the sockets
 /// (`EX_TEMPFAIL`: it may be gone soon, e.g. an old hub still draining; try again later).
 const EXIT_IN_USE: u8 = 75;
+/// Exit status: the state directory or the ledger database cannot be used as it is
+/// (`EX_IOERR`; an operator must act, restarting cannot help).
+const EXIT_STATE: u8 = 74;
 /// Exit status: the configuration is invalid (`EX_CONFIG`; restarting cannot help).
 const EXIT_CONFIG: u8 = 78;
 
@@ -56,6 +66,24 @@ enum Cmd {
     Demo,
     /// Validate the configuration and exit.
     Check,
+    /// Operator tools on the ledger database in the state directory.
+    #[command(subcommand)]
+    Ledger(LedgerCmd),
+}
+
+#[derive(Debug, Subcommand)]
+enum LedgerCmd {
+    /// Run SQLite's integrity check and show the schema version (read-only; safe while the
+    /// hub runs).
+    Check,
+    /// Copy the database to PATH with SQLite's online backup API (safe while the hub runs;
+    /// PATH must not exist).
+    Backup {
+        /// The backup file to write.
+        path: PathBuf,
+    },
+    /// Compact the database (VACUUM); refused while a hub uses the state directory.
+    Vacuum,
 }
 
 fn main() -> ExitCode {
@@ -98,6 +126,7 @@ fn main() -> ExitCode {
                 }
             },
             Cmd::Run => run_main(&cli.config, &overrides).await,
+            Cmd::Ledger(cmd) => ledger_main(&cli.config, &overrides, &cmd),
         }
     })
 }
@@ -125,6 +154,10 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
         Err(err @ LedgerError::InUse { .. }) => {
             error!(error = %err, "not starting: another hub uses this state directory");
             return ExitCode::from(EXIT_IN_USE);
+        }
+        Err(err @ LedgerError::Unusable { .. }) => {
+            error!(error = %err, "not starting: the ledger cannot be used");
+            return ExitCode::from(EXIT_STATE);
         }
         Err(err) => {
             error!(error = %err, "cannot open the ledger");
@@ -155,6 +188,79 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             error!(error = %err, "hub failed");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `channeld ledger …`: the state directory comes from `--state-dir` (`STATE_DIRECTORY`) when
+/// given, so it works without a configuration file, else from the configuration.
+fn ledger_main(path: &std::path::Path, overrides: &Overrides, cmd: &LedgerCmd) -> ExitCode {
+    use channeld_hub::ledger::ops;
+    let dir = match &overrides.state_dir {
+        Some(dir) => dir.clone(),
+        None => match HubConfig::load(path, overrides) {
+            Ok(HubConfig { state_dir: Some(dir), .. }) => dir,
+            Ok(_) => {
+                eprintln!(
+                    "channeld: the ledger is off: {} sets no hub.state_dir (or pass --state-dir)",
+                    path.display()
+                );
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            Err(err) => {
+                eprintln!("channeld: {err}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        },
+    };
+    let failed = |err: LedgerError| {
+        eprintln!("channeld: {err}");
+        match err {
+            LedgerError::Unusable { .. } | LedgerError::Open { .. } => ExitCode::from(EXIT_STATE),
+            LedgerError::InUse { .. } => ExitCode::from(EXIT_IN_USE),
+            _ => ExitCode::FAILURE,
+        }
+    };
+    let report = |report: &ops::CheckReport| {
+        println!(
+            "{}: schema version {} (this channeld writes {})",
+            report.path.display(),
+            report.schema_version,
+            report.known_version
+        );
+        if report.schema_version > report.known_version {
+            println!("written by a newer channeld: this one refuses to run on it");
+        }
+        if report.problems.is_empty() {
+            println!("integrity check: ok");
+        } else {
+            println!("integrity check: {} problem(s)", report.problems.len());
+            for problem in &report.problems {
+                println!("  {problem}");
+            }
+        }
+        if report.is_ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    };
+    match cmd {
+        LedgerCmd::Check => ops::check(&dir).map_or_else(failed, |r| report(&r)),
+        LedgerCmd::Backup { path } => match ops::backup(&dir, path) {
+            Ok(r) => {
+                println!("backup written to {}", path.display());
+                report(&r)
+            }
+            Err(err) => failed(err),
+        },
+        LedgerCmd::Vacuum => match ops::vacuum(&dir) {
+            Ok(sizes) => {
+                println!(
+                    "{}: {} bytes before, {} after",
+                    dir.join(channeld_hub::ledger::DB_FILE).display(),
+                    sizes.before,
+                    sizes.after
+                );
+                ExitCode::SUCCESS
+            }
+            Err(err) => failed(err),
+        },
     }
 }
 

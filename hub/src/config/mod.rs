@@ -28,6 +28,8 @@ pub const DEFAULT_MAX_QUEUED: usize = 64;
 /// A denied sender is told at most once an hour unless `deny_notice_interval_secs` says
 /// otherwise.
 pub const DEFAULT_DENY_NOTICE_INTERVAL_SECS: u64 = 3600;
+/// A conversation keeps this many history entries unless `history_max` says otherwise.
+pub const DEFAULT_HISTORY_MAX: usize = 200;
 /// Longest deny notice: far below the line limit, so its `deliver` frame always fits.
 pub const MAX_DENY_NOTICE_BYTES: usize = 16 * 1024;
 
@@ -65,11 +67,13 @@ struct RawHub {
     control_socket: Option<PathBuf>,
     max_inflight: Option<usize>,
     max_queued: Option<usize>,
+    history_max: Option<usize>,
     receipt_timeout_secs: Option<u64>,
     command_timeout_secs: Option<u64>,
     health_probe_interval_secs: Option<u64>,
     health_probe_timeout_secs: Option<u64>,
     liveness_secs: Option<u64>,
+    stall_timeout_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
     durability: Option<DurabilityMode>,
     retention_days: Option<u64>,
@@ -120,7 +124,10 @@ impl std::fmt::Display for MetricsListen {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DurabilityMode {
-    /// Survives power loss (`synchronous = FULL`).
+    /// Every commit survives power loss (an fsync per batch).
+    Strict,
+    /// What a caller or platform was told survives power loss; intermediate records survive
+    /// a hub crash at once and power loss within `FLUSH_DELAY` (see README).
     #[default]
     Full,
     /// Survives a crash of the hub, not of the machine (`synchronous = NORMAL`).
@@ -142,6 +149,9 @@ struct RawRuntime {
     url: Option<String>,
     queue: Option<String>,
     reply_queue: Option<String>,
+    #[serde(default)]
+    wake: Wake,
+    max_runs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -163,6 +173,8 @@ struct RawInstance {
     max_queued: Option<usize>,
     deny_notice: Option<String>,
     deny_notice_interval_secs: Option<u64>,
+    history: Option<bool>,
+    history_max: Option<usize>,
     allow_uids: Option<Vec<Principal>>,
     allow_gids: Option<Vec<Principal>>,
 }
@@ -181,6 +193,18 @@ pub enum RuntimeKind {
 
 pub use channeld_agent_exec::StdinMode;
 
+/// What the exec runtime's envelope tells the agent about the inbound that woke it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Wake {
+    /// The whole inbound message or event (text, attachments, the sender's names).
+    #[default]
+    Full,
+    /// Its locator, sender id and conversation only: no text, attachments or display
+    /// names. The agent reads the content with `read`, marked untrusted.
+    BodyFree,
+}
+
 /// A runtime binding.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuntimeConfig {
@@ -193,6 +217,10 @@ pub struct RuntimeConfig {
     pub stdin: StdinMode,
     /// Where an `amqp` runtime hands its runs.
     pub amqp: Option<AmqpTarget>,
+    pub wake: Wake,
+    /// At most this many runs at once of an instance using this runtime (applied at start,
+    /// as the lower of it and the instance's `max_inflight`).
+    pub max_runs: Option<usize>,
 }
 
 /// The broker and queues of an `amqp` runtime.
@@ -270,6 +298,8 @@ impl RuntimeConfig {
             max_output_bytes: 1024 * 1024,
             stdin: StdinMode::Envelope,
             amqp: None,
+            wake: Wake::Full,
+            max_runs: None,
         }
     }
 }
@@ -314,6 +344,9 @@ pub struct InstanceConfig {
     pub deny_notice: Option<String>,
     /// A denied sender is sent the notice at most once per this interval.
     pub deny_notice_interval: Duration,
+    /// Conversation history (`history`, `history_max`): the entries kept per conversation,
+    /// `None` when `history = false`. Needs the ledger.
+    pub history: Option<usize>,
     /// Which local processes may connect to the socket (`allow_uids` / `allow_gids`).
     pub peers: PeerRule,
 }
@@ -334,6 +367,7 @@ impl InstanceConfig {
             max_queued: DEFAULT_MAX_QUEUED,
             deny_notice: None,
             deny_notice_interval: Duration::from_secs(DEFAULT_DENY_NOTICE_INTERVAL_SECS),
+            history: Some(DEFAULT_HISTORY_MAX),
             peers: PeerRule::SocketMode,
         }
     }
@@ -363,6 +397,9 @@ pub struct HubConfig {
     pub health_probe_timeout: Duration,
     /// A driver that sends nothing (not even a heartbeat) for this long is Unavailable.
     pub liveness: Duration,
+    /// A driver connection whose socket the hub could not write to for this long (the
+    /// driver stopped reading) is closed; a third of it marks the instance Degraded.
+    pub stall_timeout: Duration,
     pub drain_timeout: Duration,
     /// Where `/metrics` is served; `None` (the default) turns metrics off.
     pub metrics_listen: Option<MetricsListen>,
@@ -406,6 +443,8 @@ impl HubConfig {
         let max_inflight =
             positive("hub.max_inflight", hub.max_inflight.unwrap_or(DEFAULT_MAX_INFLIGHT))?;
         let max_queued = hub.max_queued.unwrap_or(DEFAULT_MAX_QUEUED);
+        let history_max =
+            positive("hub.history_max", hub.history_max.unwrap_or(DEFAULT_HISTORY_MAX))?;
         let secs = |key: &str, value: Option<u64>, default: u64| -> Result<Duration, ConfigError> {
             let value = value.unwrap_or(default);
             if value == 0 {
@@ -469,6 +508,11 @@ impl HubConfig {
                 )?,
                 stdin: rt.stdin,
                 amqp,
+                wake: rt.wake,
+                max_runs: rt
+                    .max_runs
+                    .map(|max| positive(&format!("{key}.max_runs"), max))
+                    .transpose()?,
             };
             runtimes.insert(name, config);
         }
@@ -510,6 +554,12 @@ impl HubConfig {
                     format!("{} is already used by instance {other:?}", socket.display()),
                 ));
             }
+            // A runtime's `max_runs` lowers it (1 serializes the runs of a resident agent).
+            let max_inflight = positive(
+                &format!("{key}.max_inflight"),
+                inst.max_inflight.unwrap_or(max_inflight),
+            )?
+            .min(runtimes[&runtime].max_runs.unwrap_or(usize::MAX));
             instances.push(InstanceConfig {
                 id,
                 socket,
@@ -518,10 +568,7 @@ impl HubConfig {
                 runtime,
                 allow,
                 identity_isolation: inst.identity_isolation,
-                max_inflight: positive(
-                    &format!("{key}.max_inflight"),
-                    inst.max_inflight.unwrap_or(max_inflight),
-                )?,
+                max_inflight,
                 max_queued: inst.max_queued.unwrap_or(max_queued),
                 deny_notice: deny_notice(&key, inst.deny_notice)?,
                 deny_notice_interval: secs(
@@ -529,6 +576,13 @@ impl HubConfig {
                     inst.deny_notice_interval_secs,
                     DEFAULT_DENY_NOTICE_INTERVAL_SECS,
                 )?,
+                history: match inst.history {
+                    Some(false) => None,
+                    _ => Some(positive(
+                        &format!("{key}.history_max"),
+                        inst.history_max.unwrap_or(history_max),
+                    )?),
+                },
                 peers: peer_rule(
                     &key,
                     "allow_uids",
@@ -571,6 +625,7 @@ impl HubConfig {
                 5,
             )?,
             liveness: secs("hub.liveness_secs", hub.liveness_secs, 60)?,
+            stall_timeout: secs("hub.stall_timeout_secs", hub.stall_timeout_secs, 60)?,
             drain_timeout: secs("hub.drain_timeout_secs", hub.drain_timeout_secs, 10)?,
             metrics_listen: hub.metrics_listen.as_deref().map(MetricsListen::parse).transpose()?,
             runtimes,

@@ -16,6 +16,8 @@ pub struct InstancePolicy {
     pub deny_notice_interval: Duration,
     /// The runtime the instance's runs use (its whole definition: a changed command counts).
     pub runtime: RuntimeConfig,
+    /// Conversation history: the entries kept per conversation; `None`: off.
+    pub history: Option<usize>,
 }
 
 impl HubConfig {
@@ -26,6 +28,7 @@ impl HubConfig {
             deny_notice: instance.deny_notice.clone(),
             deny_notice_interval: instance.deny_notice_interval,
             runtime: self.runtime_for(instance).clone(),
+            history: instance.history,
         }
     }
 }
@@ -72,6 +75,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
         ),
         ("hub.health_probe_timeout_secs", running.health_probe_timeout != new.health_probe_timeout),
         ("hub.liveness_secs", running.liveness != new.liveness),
+        ("hub.stall_timeout_secs", running.stall_timeout != new.stall_timeout),
         ("hub.drain_timeout_secs", running.drain_timeout != new.drain_timeout),
         ("hub.metrics_listen", running.metrics_listen != new.metrics_listen),
     ]
@@ -111,6 +115,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
             deny_notice: wanted.deny_notice.clone(),
             deny_notice_interval: wanted.deny_notice_interval,
             runtime: wanted.runtime.clone(),
+            history: wanted.history,
             ..current.clone()
         };
         let policy = applied.policy_of(&kept);

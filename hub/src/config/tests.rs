@@ -166,3 +166,22 @@ fn an_amqp_runtime_takes_its_url_from_a_credential_never_from_the_file() {
         parse("[runtime.r]\nkind = \"exec\"\ncommand = [\"a\"]\nqueue = \"q\"\n").unwrap_err();
     assert!(err.to_string().starts_with("runtime.r.queue:"), "{err}");
 }
+
+#[test]
+fn a_body_free_runtime_with_max_runs_serializes_its_instances() {
+    let text = "[runtime.resident]\nkind = \"exec\"\ncommand = [\"/bin/agent\"]\n\
+                wake = \"body_free\"\nmax_runs = 1\n\
+                [instance.\"a.one\"]\nruntime = \"resident\"\nmax_inflight = 8\n\
+                [instance.\"a.two\"]\n";
+    let config = parse(text).unwrap();
+    let one = &config.instances[0];
+    assert_eq!(config.runtime_for(one).wake, Wake::BodyFree);
+    assert_eq!(one.max_inflight, 1, "max_runs lowers max_inflight");
+    assert_eq!(config.instances[1].max_inflight, 4);
+    assert_eq!(config.runtime_for(&config.instances[1]).wake, Wake::Full);
+    let err = parse("[runtime.r]\nkind = \"exec\"\ncommand = [\"a\"]\nmax_runs = 0\n").unwrap_err();
+    assert!(err.to_string().contains("runtime.r.max_runs"), "{err}");
+    let err = parse("[runtime.r]\nkind = \"exec\"\ncommand = [\"a\"]\nwake = \"bodyless\"\n")
+        .unwrap_err();
+    assert!(err.to_string().contains("wake") || err.to_string().contains("bodyless"), "{err}");
+}

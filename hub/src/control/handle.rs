@@ -1,7 +1,8 @@
 //! Answers control requests: `send` through the outbox, `health` by probing, `status` and
 //! `catalog` from the hub's state (and the ledger's reply counts), `outbox` (paged,
 //! previews), `outbox_get` and `outbox_retry` from the ledger, `replies` and
-//! `replies_retry` through the reply courier, `action` through the connected driver.
+//! `replies_retry` through the reply courier, `action` through the connected driver, `history`
+//! from the ledger, and the agent ops `inbox`, `read`, `respond`, `complete` (`agent.rs`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,16 +11,19 @@ use std::time::Duration;
 use std::collections::HashMap;
 
 use channeld_control::{
-    ActionResult, CatalogResult, CountersView, DriverProcess, Family, HealthResult, InstanceStatus,
-    MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult, REPLY_STATES, RepliesResult,
-    ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
+    ActionResult, CancelView, CatalogResult, CountersView, DriverProcess, Family, HealthResult,
+    HistoryView, InstanceStatus, MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult,
+    REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
 };
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
 use tracing::{debug, info};
 
 use super::server::{failure, success};
+use crate::agent::{self, AgentError};
+use crate::history;
 use crate::hub::{HUB_NAME, Hub};
+use crate::inbound::cancel;
 use crate::instance::unix_ms;
 use crate::ledger::{
     LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,
@@ -83,7 +87,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         Op::Health { instance } => match hub.instance(&instance) {
             Some(inst) => {
                 let health = crate::health::probe(hub, &inst).await;
-                success(id, HealthResult { instance, health })
+                success(id, HealthResult { instance, health, storage: storage(hub) })
             }
             None => {
                 let message = format!("no instance named {instance}");
@@ -162,6 +166,62 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         Op::Action { instance, name, args, timeout_ms } => {
             let timeout = timeout_ms.map_or(hub.config.command_timeout, Duration::from_millis);
             action(hub, id, instance, name, args, timeout).await
+        }
+        Op::Cancel { instance, event_id } => {
+            let Some(inst) = hub.instance(&instance) else {
+                let message = format!("no instance named {instance}");
+                return failure(id, code::UNKNOWN_INSTANCE, message, None);
+            };
+            let Ok(event) = channeld_protocol::Id::new(event_id.clone()) else {
+                return failure(id, code::INVALID_REQUEST, "event_id is not an id".into(), None);
+            };
+            match cancel::cancel(hub, &inst, event).await {
+                Ok(done) => {
+                    let cancelled = done.cancelled.iter().map(ToString::to_string).collect();
+                    success(id, CancelView { instance, event_id, cancelled, state: done.state })
+                }
+                Err(err) => failure(id, err.code(), err.to_string(), None),
+            }
+        }
+        Op::History { instance, conversation, thread, limit } => {
+            let Some(inst) = hub.instance(&instance) else {
+                let message = format!("no instance named {instance}");
+                return failure(id, code::UNKNOWN_INSTANCE, message, None);
+            };
+            match history::read(hub, &inst, conversation.clone(), thread.clone(), limit).await {
+                Ok(entries) => {
+                    let (entries, truncated) = history::fit(entries, MAX_CONTROL_LINE);
+                    let view = HistoryView { instance, conversation, thread, entries, truncated };
+                    success(id, view)
+                }
+                Err(err) => failure(id, err.code(), err.to_string(), None),
+            }
+        }
+        Op::Inbox { instance, unhandled, limit, before } => {
+            let limit = limit.unwrap_or(50).clamp(1, MAX_OUTBOX_PAGE);
+            answer(id, agent::inbox(hub, instance, unhandled, limit, before).await)
+        }
+        Op::Read { locator, limit } => {
+            let limit = limit.unwrap_or(agent::DEFAULT_READ_CONTEXT);
+            answer(id, agent::read(hub, &locator, limit).await)
+        }
+        Op::Respond { locator, text } => answer(id, agent::respond(hub, &locator, text).await),
+        Op::Complete { locator } => answer(id, agent::complete(hub, &locator).await),
+    }
+}
+
+/// The answer to an agent op.
+fn answer<T: serde::Serialize>(id: u64, result: Result<T, AgentError>) -> Vec<u8> {
+    match result {
+        Ok(result) => success(id, result),
+        Err(err) => {
+            let request_id = match &err {
+                AgentError::Send(
+                    SendError::Failed { request_id, .. } | SendError::Unknown { request_id, .. },
+                ) => Some(request_id.to_string()),
+                _ => None,
+            };
+            failure(id, err.code(), err.to_string(), request_id)
         }
     }
 }
@@ -273,6 +333,7 @@ fn reply_counts(counts: Vec<ReplyCount>) -> HashMap<String, ReplyCounts> {
 fn ledger_code(err: &LedgerError) -> &'static str {
     match err {
         LedgerError::Off => code::LEDGER_OFF,
+        LedgerError::StorageFull => code::STORAGE_FULL,
         _ => code::LEDGER_UNAVAILABLE,
     }
 }
@@ -359,6 +420,11 @@ fn outbound(
     })
 }
 
+/// `storage_full` while the ledger cannot write for lack of space.
+fn storage(hub: &Hub) -> Option<String> {
+    hub.ledger.storage_full().then(|| code::STORAGE_FULL.to_owned())
+}
+
 async fn status(hub: &Hub) -> StatusResult {
     use std::sync::atomic::Ordering::Relaxed;
     let mut replies = if hub.ledger.is_on() {
@@ -422,6 +488,7 @@ async fn status(hub: &Hub) -> StatusResult {
         pid: std::process::id(),
         started_ms: unix_ms(hub.started),
         instances,
+        storage: storage(hub),
     }
 }
 

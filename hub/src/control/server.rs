@@ -13,7 +13,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::hub::Hub;
 use crate::liveness::Responder;
@@ -22,6 +22,9 @@ use crate::peer::{PeerPolicy, describe_peer, peer_creds};
 /// Control connections served at once; one more is answered `too_many_connections` and
 /// closed (the client retries), so a flood of clients cannot exhaust the hub.
 pub const MAX_CONNECTIONS: usize = 64;
+/// How long a new control connection may take to send its first request line before it is
+/// closed (so idle connections cannot hold every slot).
+pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Requests one control connection may have in flight; reading waits beyond this.
 const MAX_CONCURRENT_REQUESTS: usize = 1024;
@@ -106,8 +109,12 @@ where
     let mut framer = LineFramer::new(MAX_CONTROL_LINE);
     let requests = TaskTracker::new();
     let mut eof = false;
+    // A connection that sends nothing must not hold one of the MAX_CONNECTIONS slots.
+    let first_request_by = tokio::time::Instant::now() + FIRST_REQUEST_TIMEOUT;
+    let mut heard = false;
     'read: loop {
         while let Some(event) = framer.next_line() {
+            heard = true;
             let parsed = match event {
                 LineEvent::Line(line) if line.iter().all(u8::is_ascii_whitespace) => continue,
                 LineEvent::Line(line) => parse_request(line).map_err(|err| {
@@ -143,6 +150,10 @@ where
         }
         tokio::select! {
             () = hub.close_connections.cancelled() => break,
+            () = tokio::time::sleep_until(first_request_by), if !heard => {
+                debug!(timeout_s = FIRST_REQUEST_TIMEOUT.as_secs(), "control connection sent no request in time; closed");
+                break;
+            }
             read = read.read_buf(framer.buffer_for_read()) => match read {
                 // A last request that the end of input cut off before its newline is still
                 // a request: end it, answer it, then stop reading.

@@ -13,13 +13,13 @@
 //! content is a `conflict`, and a run cut off by a crash is started again once, flagged
 //! `redelivered`.
 
+pub mod cancel;
 pub mod decide;
 pub mod fingerprint;
 pub mod reply;
 pub mod run;
 
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use channeld_protocol::frame::{Delivery, Inbound, InboundEventFrame};
 use channeld_protocol::types::{MessageBody, OutboundMessage};
@@ -29,10 +29,12 @@ use tracing::{info, warn};
 use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, StartRun, unix_ms};
-use crate::ledger::{NewInbound, Recorded};
+use crate::instance::{Counters, Instance, StartRun};
+use crate::ledger::{NewHistory, NewInbound, NewItem, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
+use crate::runtime::RunInput;
+use channeld_protocol::ext::HistoryRole;
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
 use reply::{accept, refuse};
 use run::{Admitted, Queued, Work};
@@ -74,8 +76,10 @@ pub(crate) fn rerun(
     let route = admitted.route.clone();
     let queued = Queued {
         origin: None,
+        cancel: lock(&inst.cancels).register(&event_id),
         admitted,
         run_id,
+        entry: None,
         redelivered: attempt > 1,
         work,
         count_start: true,
@@ -121,6 +125,8 @@ struct Place {
     received_ms: u64,
     /// It had a run slot and an empty session: its run starts as soon as it is recorded.
     reserved: bool,
+    /// Its item's ledger entry id, once recorded.
+    entry: Option<i64>,
 }
 
 /// The first decision, made on the reader with the run queue locked: an inbound that may go
@@ -137,8 +143,9 @@ async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admi
             let admission = runs.admit(&admitted.event_id, &admitted.route);
             Place {
                 run_id: run::new_run_id(hub),
-                received_ms: unix_ms(SystemTime::now()),
+                received_ms: crate::clock::now_ms(),
                 reserved: admission == Admission::Reserved,
+                entry: None,
             }
         });
         (action, place)
@@ -168,7 +175,7 @@ async fn record(
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
     admitted: Admitted,
-    place: Place,
+    mut place: Place,
 ) {
     let event_id = admitted.event_id.clone();
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
@@ -195,10 +202,20 @@ async fn record(
         run_id: place.run_id.clone(),
         started: place.reserved,
         now_ms: place.received_ms,
+        item: Some(NewItem {
+            conversation: admitted.origin.conversation.to_string(),
+            thread: admitted.origin.thread.as_ref().map(ToString::to_string),
+            message_id: admitted.reply_to.as_ref().map(ToString::to_string),
+            sender: admitted.sender.as_ref().map(|p| p.id.to_string()),
+        }),
     };
-    let recorded = hub.ledger.record_inbound(new, fingerprint::rehash).await;
+    let history = history_entry(inst, &admitted, &place).zip(inst.policy().history);
+    let recorded = hub.ledger.record_inbound(new, fingerprint::rehash, history).await;
     let lookup = match &recorded {
-        Ok(Recorded::New) => Lookup::New,
+        Ok(Recorded::New { entry }) => {
+            place.entry = *entry;
+            Lookup::New
+        }
         Ok(Recorded::Replay(stored)) => Lookup::Stored(stored),
         Ok(Recorded::Conflict) => Lookup::Conflict,
         Err(err) => {
@@ -210,6 +227,23 @@ async fn record(
     let policy = inst.policy();
     let action = decide(view(&admitted), instance_view(inst, &policy, Slot::Taken), lookup);
     carry_out(hub, inst, conn, admitted, action, Some(place)).await;
+}
+
+/// The history entry of an admitted message (events are not part of the history).
+fn history_entry(inst: &Instance, admitted: &Admitted, place: &Place) -> Option<NewHistory> {
+    let RunInput::Message { message } = &admitted.input else { return None };
+    Some(NewHistory {
+        instance: inst.config.id.to_string(),
+        conversation: message.target.conversation.to_string(),
+        thread: message.target.thread.as_ref().map(ToString::to_string),
+        role: HistoryRole::User,
+        text: message.body.text_str().to_owned(),
+        sender: Some(message.sender.id.to_string()),
+        message_id: Some(message.id.to_string()),
+        event_id: Some(admitted.event_id.to_string()),
+        reply_id: None,
+        at_ms: place.received_ms,
+    })
 }
 
 /// Carries out a decision. An inbound with a queue `place` (`Record`, `Run`, `Answer`, and
@@ -279,8 +313,14 @@ async fn carry_out(
         }
         Action::Unrecorded => {
             inst.metrics.inbound(InboundOutcome::Error);
-            let text = "the hub could not record this message".to_owned();
-            refuse(conn, event_id, "ledger_unavailable", text, true).await;
+            // Retryable either way: the driver keeps the message and sends it again.
+            if hub.ledger.storage_full() {
+                let text = "the hub's storage is full; try again later".to_owned();
+                refuse(conn, event_id, "storage_full", text, true).await;
+            } else {
+                let text = "the hub could not record this message".to_owned();
+                refuse(conn, event_id, "ledger_unavailable", text, true).await;
+            }
         }
         Action::Answer(_) | Action::Run => {
             inst.metrics.inbound(InboundOutcome::Accepted);
@@ -292,9 +332,11 @@ async fn carry_out(
             };
             let event_id = event_id.clone();
             let queued = Queued {
+                cancel: lock(&inst.cancels).register(&event_id),
                 origin: Some(conn.clone()),
                 admitted,
                 run_id: place.run_id,
+                entry: place.entry,
                 redelivered: false,
                 work,
                 // A run that waited was recorded with no attempt: count it when it starts.

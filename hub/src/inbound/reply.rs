@@ -3,25 +3,24 @@
 //! delivers and retries it; here are the reply's record, the direct hand-over of a reply the
 //! ledger does not track (ledger off, legacy peers), and the answer to a redelivered event.
 
-use std::time::SystemTime;
-
 use channeld_protocol::frame::{Accepted, Delivery};
-use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
+use channeld_protocol::types::{MessageBody, MessageTarget, Metadata, OutboundMessage};
 use channeld_protocol::{EncodeError, Frame, Id, MAX_LINE_BYTES, encode};
 use tracing::{debug, warn};
 
 use super::decide::EMPTY_REPLY;
 use crate::connection::{Connection, PeerKind};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, unix_ms};
-use crate::ledger::{NewReply, ReplyState};
+use crate::instance::{Counters, Instance};
+use crate::ledger::{NewReply, ReplyState, StoredReply};
 
 /// Ends a reply that was cut so that its `deliver` frame fits in one line.
 pub const CUT_MARKER: &str = "\n[reply truncated]";
 
 /// More than the envelope, the event id and the target's ids (each at most 256 bytes,
-/// escaped at most six times over) add to a reply's escaped text in its `deliver` frame.
-const FRAME_SLACK: usize = 16 * 1024;
+/// escaped at most six times over) and the reply's metadata (at most 8 KiB of JSON, the
+/// runtime's bound) add to a reply's escaped text in its `deliver` frame.
+const FRAME_SLACK: usize = 32 * 1024;
 
 /// Answers an inbound with an `error` frame. It waits for room in the connection's queue:
 /// the driver relies on this answer to settle the message.
@@ -58,7 +57,12 @@ pub fn reply_target(origin: &MessageTarget, reply_to: Option<Id>) -> MessageTarg
 /// holds one) and, when the frame would exceed [`MAX_LINE_BYTES`] once JSON-escaped, cut at
 /// a character boundary and marked with [`CUT_MARKER`]. Cut rather than split: an event gets
 /// exactly one `deliver`, and drivers split text for their platform's own limits. Pure.
-pub fn fit_reply(event_id: &Id, target: &MessageTarget, mut text: String) -> String {
+pub fn fit_reply(
+    event_id: &Id,
+    target: &MessageTarget,
+    metadata: &Metadata,
+    mut text: String,
+) -> String {
     if text.contains('\0') {
         text = text.replace('\0', "");
     }
@@ -68,7 +72,7 @@ pub fn fit_reply(event_id: &Id, target: &MessageTarget, mut text: String) -> Str
         return text;
     }
     let len = match MessageBody::text(text.clone())
-        .map(|body| encode(&deliver_frame(event_id, target, body)))
+        .map(|body| encode(&deliver_frame(event_id, target, metadata, body)))
     {
         Ok(Err(EncodeError::TooLong { len, .. })) => len,
         _ => return text,
@@ -103,10 +107,15 @@ fn escaped_len(text: &str) -> usize {
     text.chars().map(escaped_char_len).sum()
 }
 
-fn deliver_frame(event_id: &Id, target: &MessageTarget, body: MessageBody) -> Frame {
+fn deliver_frame(
+    event_id: &Id,
+    target: &MessageTarget,
+    metadata: &Metadata,
+    body: MessageBody,
+) -> Frame {
     Frame::Deliver(Delivery {
         request_id: event_id.clone(),
-        message: OutboundMessage { target: target.clone(), body, metadata: Default::default() },
+        message: OutboundMessage { target: target.clone(), body, metadata: metadata.clone() },
     })
 }
 
@@ -115,11 +124,12 @@ fn deliver_frame(event_id: &Id, target: &MessageTarget, body: MessageBody) -> Fr
 fn deliver_line(
     event_id: &Id,
     target: &MessageTarget,
+    metadata: &Metadata,
     text: String,
 ) -> Result<Vec<u8>, (&'static str, String)> {
-    let body = MessageBody::text(fit_reply(event_id, target, text))
+    let body = MessageBody::text(fit_reply(event_id, target, metadata, text))
         .map_err(|err| (EMPTY_REPLY, format!("the reply is not a message body: {err}")))?;
-    encode(&deliver_frame(event_id, target, body))
+    encode(&deliver_frame(event_id, target, metadata, body))
         .map_err(|err| ("agent_output_too_large", err.to_string()))
 }
 
@@ -131,16 +141,18 @@ pub fn new_reply(
     inst: &Instance,
     event_id: &Id,
     target: &MessageTarget,
+    metadata: &Metadata,
     text: &str,
+    stream_seq: Option<u64>,
 ) -> Option<NewReply> {
-    let body = MessageBody::text(fit_reply(event_id, target, text.to_owned())).ok()?;
-    let message = OutboundMessage { target: target.clone(), body, metadata: Default::default() };
-    let now = unix_ms(SystemTime::now());
+    let body = MessageBody::text(fit_reply(event_id, target, metadata, text.to_owned())).ok()?;
+    let message = OutboundMessage { target: target.clone(), body, metadata: metadata.clone() };
+    let now = crate::clock::now_ms();
     Some(NewReply {
         instance: inst.config.id.to_string(),
         event_id: event_id.to_string(),
         conversation: target.conversation.to_string(),
-        message: serde_json::to_vec(&message).ok()?,
+        message: serde_json::to_vec(&StoredReply { message, stream_seq }).ok()?,
         expires_ms: now + hub.config.reply_ttl.as_millis() as u64,
     })
 }
@@ -152,9 +164,10 @@ pub async fn deliver(
     conn: &Connection,
     event_id: &Id,
     target: MessageTarget,
+    metadata: &Metadata,
     text: String,
 ) {
-    let line = match deliver_line(event_id, &target, text) {
+    let line = match deliver_line(event_id, &target, metadata, text) {
         Ok(line) => line,
         Err((code, message)) => {
             inst.record_error(format!("reply for {event_id} not deliverable: {message}"));
@@ -204,7 +217,9 @@ pub async fn replay(
         Some(state) if !state.is_final() => {
             debug!(%instance, %event_id, %state, "redelivered event; its reply is on its way");
         }
-        None | Some(ReplyState::Posted) => deliver(inst, conn, event_id, target, text).await,
+        None | Some(ReplyState::Posted) => {
+            deliver(inst, conn, event_id, target, &Metadata::new(), text).await
+        }
         Some(state) => {
             let message = format!("the reply was not posted ({state}); an operator may retry it");
             refuse(conn, event_id, REPLY_NOT_POSTED, message, false).await;
@@ -227,7 +242,7 @@ mod tests {
 
     fn frame_len(event_id: &Id, target: &MessageTarget, text: &str) -> usize {
         let body = MessageBody::text(text.to_owned()).unwrap();
-        match encode(&deliver_frame(event_id, target, body)) {
+        match encode(&deliver_frame(event_id, target, &Metadata::new(), body)) {
             Ok(line) => line.len(),
             Err(EncodeError::TooLong { len, .. }) => len,
             Err(err) => panic!("{err}"),
@@ -247,9 +262,9 @@ mod tests {
     #[test]
     fn a_reply_that_fits_is_left_alone_and_nuls_are_removed() {
         let event = Id::new("e-1").unwrap();
-        assert_eq!(fit_reply(&event, &target("c1"), "a\0b".into()), "ab");
+        assert_eq!(fit_reply(&event, &target("c1"), &Metadata::new(), "a\0b".into()), "ab");
         let text = "x".repeat(100_000);
-        assert_eq!(fit_reply(&event, &target("c1"), text.clone()), text);
+        assert_eq!(fit_reply(&event, &target("c1"), &Metadata::new(), text.clone()), text);
     }
 
     #[test]
@@ -268,7 +283,7 @@ mod tests {
         for conversation in ["c1", &"\"".repeat(256)] {
             let target = target(conversation);
             for text in &cases {
-                let fitted = fit_reply(&event, &target, text.clone());
+                let fitted = fit_reply(&event, &target, &Metadata::new(), text.clone());
                 let kept = fitted.strip_suffix(CUT_MARKER).expect("marked as cut");
                 assert!(text.starts_with(kept));
                 let len = frame_len(&event, &target, &fitted);
@@ -277,7 +292,7 @@ mod tests {
                 let next = text[kept.len()..].chars().next().unwrap();
                 let longer = format!("{kept}{next}{CUT_MARKER}");
                 assert!(frame_len(&event, &target, &longer) > MAX_LINE_BYTES);
-                assert!(deliver_line(&event, &target, text.clone()).is_ok());
+                assert!(deliver_line(&event, &target, &Metadata::new(), text.clone()).is_ok());
             }
         }
     }
@@ -285,7 +300,8 @@ mod tests {
     #[test]
     fn a_reply_of_only_nuls_becomes_an_empty_reply_error() {
         let event = Id::new("e-1").unwrap();
-        let refused = deliver_line(&event, &target("c1"), "\0\0".into()).unwrap_err();
+        let refused =
+            deliver_line(&event, &target("c1"), &Metadata::new(), "\0\0".into()).unwrap_err();
         assert_eq!(refused.0, "empty_reply");
     }
 }

@@ -5,25 +5,32 @@
 //! the inbound.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
-use channeld_protocol::ext::EffectGate;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use channeld_protocol::ext::{EffectGate, STREAM_SEQ_KEY, StreamEnd, StreamFrame};
 use channeld_protocol::frame::{EffectFrame, Inbound, InboundEventFrame};
-use channeld_protocol::types::{Command, Effect, MessageTarget, Participant};
+use channeld_protocol::types::{Command, Effect, MessageTarget, Metadata, Participant};
 use channeld_protocol::{Frame, Id};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::decide::SlashCommand;
 use super::reply::{self, refuse, reply_target};
+use crate::cancels::{ABORTED, RunCancel};
 use crate::command::{self, Presented};
 use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
-use crate::instance::{Counters, Instance, StartRun, unix_ms};
+use crate::instance::{Counters, Instance, StartRun};
 use crate::ledger::RunEnd;
+use crate::locator::Locator;
 use crate::metrics::RunOutcome;
 use crate::route::RouteKey;
 use crate::runqueue::Turn;
-use crate::runtime::{self, CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest};
+use crate::runtime::{
+    self, CommandAnswer, RunError, RunInput, RunIo, RunOutput, RunRequest, StreamItem,
+};
 
 /// The text of `/help`.
 pub const HELP_TEXT: &str = "Commands: /help shows this text; /new starts a new conversation \
@@ -85,6 +92,18 @@ impl Admitted {
     pub fn reply_target(&self) -> MessageTarget {
         reply_target(&self.origin, self.reply_to.clone())
     }
+
+    /// Its locator: structural ids only, never the text or a display name.
+    pub fn locator(&self, entry: Option<i64>) -> Locator {
+        Locator {
+            instance: self.origin.channel.clone(),
+            conversation: self.origin.conversation.clone(),
+            thread: self.origin.thread.clone(),
+            message: self.reply_to.clone(),
+            event_id: self.event_id.clone(),
+            entry,
+        }
+    }
 }
 
 /// Who answers a run.
@@ -104,6 +123,7 @@ fn request(
     inst: &Instance,
     admitted: &Admitted,
     run_id: String,
+    entry: Option<i64>,
     conn: Option<&Arc<Connection>>,
     redelivered: bool,
 ) -> RunRequest {
@@ -122,6 +142,7 @@ fn request(
         actions,
         redelivered,
         control_socket: hub.config.control_socket.clone(),
+        locator: admitted.locator(entry).encode(&hub.locator_key()),
     }
 }
 
@@ -133,10 +154,14 @@ pub struct Queued {
     pub origin: Option<Arc<Connection>>,
     pub admitted: Admitted,
     pub run_id: String,
+    /// Its item's ledger entry id, when known (not for a run queued again after a restart).
+    pub entry: Option<i64>,
     pub redelivered: bool,
     pub work: Work,
     /// The ledger counts the start as an attempt first (a run that waited, or was recovered).
     pub count_start: bool,
+    /// How a cancel reaches this run (`inbound/cancel.rs`).
+    pub cancel: Arc<RunCancel>,
 }
 
 /// The end of a run's turn, also when its task panics or is dropped: the queue lets the next
@@ -186,38 +211,47 @@ pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun
 /// One run, from its request to its reply (or error) handed to the driver's writer: the
 /// next run of its session starts only after that, so replies keep the inbound order.
 async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queued) {
-    let Queued { origin, admitted, run_id, redelivered, work, .. } = queued;
+    let Queued { origin, admitted, run_id, entry, redelivered, work, cancel, .. } = queued;
     let admitted = &admitted;
-    let request = request(hub, inst, admitted, run_id, origin.as_ref(), redelivered);
+    let request = request(hub, inst, admitted, run_id, entry, origin.as_ref(), redelivered);
     let target = admitted.reply_target();
     let (began, event_id) = (Instant::now(), request.event_id.clone());
     inst.metrics.run_started();
     debug!(redelivered, "run started");
+    let io = ConnectionIo {
+        hub: hub.clone(),
+        inst: inst.clone(),
+        conn: origin.clone(),
+        session: request.session.clone(),
+        target: target.clone(),
+        event_id: event_id.clone(),
+        cancel: cancel.token.clone(),
+        seq: AtomicU64::new(0),
+    };
     let result = match work {
+        _ if cancel.token.is_cancelled() => Err(RunError::Aborted),
         Work::Hub(command) => {
-            Ok(RunOutput { reply: Some(answer(hub, inst, command, &admitted.route).await) })
+            let text = answer(hub, inst, command, &admitted.route).await;
+            Ok(RunOutput { reply: Some(text), ..RunOutput::default() })
         }
         Work::Runtime => {
-            let io = ConnectionIo {
-                hub: hub.clone(),
-                inst: inst.clone(),
-                conn: origin.clone(),
-                session: request.session.clone(),
-                target: target.clone(),
-            };
             // The runtime as configured when the run starts: a reload does not change it.
             let policy = inst.policy();
-            runtime::run(&hub.remote, &policy.runtime, &request, &io).await
+            runtime::run(&hub.remote, &policy.runtime, &request, &io, &cancel.token).await
         }
     };
     // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
+    let mut metadata = Metadata::new();
     let result = result.and_then(|output| {
+        metadata = output.metadata;
         output
             .reply
-            .map(|text| reply::fit_reply(&event_id, &target, text))
+            .map(|text| reply::fit_reply(&event_id, &target, &metadata, text))
             .filter(|text| !text.trim().is_empty())
             .ok_or(RunError::EmptyReply)
     });
+    // The seq the final reply takes, for a run streamed to its driver.
+    let stream_seq = io.streamed();
     let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
     inst.metrics.run_finished(outcome, began.elapsed());
     debug!(
@@ -234,12 +268,14 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     // retries it); a legacy peer's goes back on its connection, once.
     let tracked = origin.as_ref().is_none_or(|c| c.kind == PeerKind::Driver);
     let reply = match &result {
-        Ok(text) if tracked => reply::new_reply(hub, inst, &event_id, &target, text),
+        Ok(text) if tracked => {
+            reply::new_reply(hub, inst, &event_id, &target, &metadata, text, stream_seq)
+        }
         _ => None,
     };
     let mut recorded = false;
     if hub.ledger.is_on() {
-        let now = unix_ms(SystemTime::now());
+        let now = crate::clock::now_ms();
         let with_reply = reply.is_some();
         let finished = hub
             .ledger
@@ -262,27 +298,61 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     // untracked one goes back on the connection that carried the inbound, or, if that one
     // is gone, on the instance's current driver.
     let conn = origin.filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
+    let end_state = match &result {
+        Ok(_) => "replied",
+        Err(RunError::Aborted) => ABORTED,
+        Err(_) => "failed",
+    };
     match (result, conn) {
         (Ok(_), _) if recorded => {
             hub.courier.deliver(inst).await;
             inst.metrics.reply_delivered(ended.elapsed());
         }
         (Ok(text), Some(conn)) => {
-            reply::deliver(inst, &conn, &event_id, target, text).await;
+            if let (true, Some(seq)) = (conn.declaration.extensions.stream, stream_seq) {
+                metadata.insert(STREAM_SEQ_KEY.to_owned(), seq.to_string());
+            }
+            reply::deliver(inst, &conn, &event_id, target, &metadata, text).await;
             inst.metrics.reply_delivered(ended.elapsed());
         }
         (Ok(_), None) => {
             warn!(instance = %inst.config.id, %event_id, "no driver connected and the reply is not recorded; it is lost");
         }
         (Err(err), conn) => {
-            Counters::bump(&inst.counters.runs_failed);
-            inst.record_error(format!("run {}: {err}", request.run_id));
-            warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
+            if matches!(err, RunError::Aborted) {
+                info!(instance = %inst.config.id, %event_id, run_id = %request.run_id, "run aborted");
+            } else {
+                Counters::bump(&inst.counters.runs_failed);
+                inst.record_error(format!("run {}: {err}", request.run_id));
+                warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
+            }
             if let Some(conn) = conn {
-                refuse(&conn, &event_id, err.code(), err.public_message(), false).await;
+                end_run(&conn, &event_id, &err, io.next_seq()).await;
             }
         }
     }
+    // Its ending is with the driver: a cancel waiting for it may answer now.
+    lock(&inst.cancels).finish(&event_id, &cancel, end_state);
+}
+
+/// A run that ended without a reply: its one ending is an `error` frame, or for a driver
+/// with `stream` the stream's end frame (`aborted` for a cancelled run, else `error`).
+pub async fn end_run(conn: &Connection, event_id: &Id, err: &RunError, seq: u64) {
+    if !conn.declaration.extensions.stream {
+        refuse(conn, event_id, err.code(), err.public_message(), false).await;
+        return;
+    }
+    let end = if matches!(err, RunError::Aborted) { StreamEnd::Aborted } else { StreamEnd::Error };
+    let frame = Frame::Stream(StreamFrame {
+        event_id: event_id.clone(),
+        seq,
+        text: None,
+        tool: None,
+        end: Some(end),
+        code: Some(err.code().to_owned()),
+        message: Some(err.public_message()),
+    });
+    let _ = conn.sink.send(&frame).await;
 }
 
 /// The hub's own answer to `/help` and `/new`.
@@ -320,11 +390,59 @@ struct ConnectionIo {
     conn: Option<Arc<Connection>>,
     session: String,
     target: MessageTarget,
+    event_id: Id,
+    /// Once cancelled, nothing more of the run reaches the driver.
+    cancel: CancellationToken,
+    /// The next `stream` frame's seq.
+    seq: AtomicU64,
+}
+
+impl ConnectionIo {
+    fn streams(&self) -> Option<&Arc<Connection>> {
+        self.conn.as_ref().filter(|conn| conn.declaration.extensions.stream)
+    }
+
+    /// The seq the run's next (or final) frame takes.
+    fn next_seq(&self) -> u64 {
+        self.seq.load(Ordering::Acquire)
+    }
+
+    /// For a run streamed to its driver, the seq its final reply takes.
+    fn streamed(&self) -> Option<u64> {
+        self.streams().map(|_| self.next_seq())
+    }
 }
 
 impl RunIo for ConnectionIo {
+    async fn stream(&self, item: StreamItem) {
+        let Some(conn) = self.streams() else { return };
+        if self.cancel.is_cancelled() {
+            return;
+        }
+        let (text, tool) = match item {
+            StreamItem::Delta(text) => (Some(text), None),
+            StreamItem::Tool(report) => (None, Some(report)),
+        };
+        let frame = Frame::Stream(StreamFrame {
+            event_id: self.event_id.clone(),
+            seq: self.seq.fetch_add(1, Ordering::AcqRel),
+            text,
+            tool,
+            end: None,
+            code: None,
+            message: None,
+        });
+        // Not live progress: a delta lost would garble the text, so the run waits for room.
+        if conn.sink.send(&frame).await.is_err() {
+            debug!("stream frame not sent: the connection is gone");
+        }
+    }
+
     fn effect(&self, effect: Effect) {
         let Some(conn) = &self.conn else { return };
+        if self.cancel.is_cancelled() {
+            return;
+        }
         match conn.declaration.effect_gate(&effect) {
             EffectGate::Send => {
                 let frame = Frame::Effect(EffectFrame {
@@ -344,6 +462,9 @@ impl RunIo for ConnectionIo {
         let Some(conn) = &self.conn else {
             return CommandAnswer::rejected("the connection that carried this message is gone");
         };
+        if self.cancel.is_cancelled() {
+            return CommandAnswer::rejected("the run was cancelled");
+        }
         let Ok(session) = Id::new(self.session.clone()) else {
             return CommandAnswer::rejected("invalid session");
         };

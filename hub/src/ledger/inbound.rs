@@ -5,6 +5,7 @@
 use rusqlite::{OptionalExtension, Transaction, params};
 
 use super::LedgerError;
+use super::items::{self, NewItem};
 use super::replies::{self, NewReply};
 use super::state::{self, INBOUND_STATES, InboundState, RecordDecision, Recovery};
 use super::store::Cached;
@@ -26,6 +27,8 @@ pub struct NewInbound {
     /// [`start`] counts it when its run starts.
     pub started: bool,
     pub now_ms: u64,
+    /// Its item in the agent's inbox (`items.rs`), added with it.
+    pub item: Option<NewItem>,
 }
 
 /// Computes the current fingerprint from a stored frame, for entries written with another
@@ -44,7 +47,10 @@ pub struct StoredRun {
 /// The answer to [`record`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recorded {
-    New,
+    /// Recorded now; `entry` is its item's ledger entry id (when it has an item).
+    New {
+        entry: Option<i64>,
+    },
     Replay(StoredRun),
     Conflict,
 }
@@ -135,7 +141,11 @@ pub fn record(
                 new.now_ms as i64
             ],
         )?;
-        return Ok(Recorded::New);
+        let entry = match &new.item {
+            Some(item) => Some(items::add(txn, &new.instance, &new.event_id, item, new.now_ms)?),
+            None => None,
+        };
+        return Ok(Recorded::New { entry });
     };
     if version != new.hash_version
         && let Some(current) = stored_frame(txn, new)?.as_deref().and_then(rehash)
@@ -195,6 +205,22 @@ fn current_state(
         )
         .optional()?;
     state.as_deref().map(parse_state).transpose()
+}
+
+/// The state of `event_id`'s entry and its error code, if the ledger holds it.
+pub fn outcome(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
+    let row: Option<(String, Option<String>)> = txn
+        .query_row_cached(
+            "SELECT state, error_code FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?;
+    row.map(|(state, code)| Ok((parse_state(&state)?, code))).transpose()
 }
 
 /// Records how a run ended (see [`RunEnd::state`]), and its reply, to be delivered, in the
@@ -353,6 +379,7 @@ mod tests {
             run_id: format!("run-{event_id}"),
             started: true,
             now_ms: 1,
+            item: None,
         }
     }
 
@@ -365,7 +392,7 @@ mod tests {
     fn a_completed_run_is_replayed_not_repeated() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        assert_eq!(record(&txn, &inbound("e1", 1), rehash).unwrap(), Recorded::New);
+        assert_eq!(record(&txn, &inbound("e1", 1), rehash).unwrap(), Recorded::New { entry: None });
         assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), None, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
@@ -479,7 +506,10 @@ mod tests {
         finish(&txn, "a.b", "new-done", &RunEnd::NoReply, None, 500).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         // The pruned id is forgotten; the others still dedupe.
-        assert_eq!(record(&txn, &inbound("old-done", 2), rehash).unwrap(), Recorded::New);
+        assert_eq!(
+            record(&txn, &inbound("old-done", 2), rehash).unwrap(),
+            Recorded::New { entry: None }
+        );
         for kept in ["old-running", "old-replied", "new-done"] {
             assert!(
                 matches!(record(&txn, &inbound(kept, 1), rehash).unwrap(), Recorded::Replay(_)),

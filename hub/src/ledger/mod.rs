@@ -12,8 +12,11 @@
 //!
 //! Architecture invariant: the ledger imports nothing from the rest of the hub.
 
+pub mod history;
 pub mod inbound;
+pub mod items;
 mod lock;
+pub mod ops;
 pub mod outbox;
 pub mod replies;
 pub mod reply_state;
@@ -27,18 +30,20 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use rusqlite::Transaction;
+use rusqlite::{Transaction, params};
 use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
 
+pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
+pub use items::{Item, ItemView, NewItem};
 pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
-pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord};
+pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, StoredReply};
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
-pub use store::{LedgerMetrics, QUEUE_CAPACITY};
+pub use store::{Commit, FLUSH_DELAY, LedgerMetrics, QUEUE_CAPACITY, StorageFlag};
 
 /// The database file inside the state directory.
 pub const DB_FILE: &str = "ledger.sqlite3";
@@ -52,10 +57,18 @@ pub enum LedgerError {
     Unavailable,
     #[error("the ledger commit failed")]
     Commit,
+    /// `SQLITE_FULL`: no space left for the database or its log. Retryable: it clears by
+    /// itself once space returns.
+    #[error("the ledger's storage is full (no space left on the state directory's file system)")]
+    StorageFull,
     #[error("ledger database error: {0}")]
     Sql(String),
-    #[error("cannot open the ledger at {path}: {message}")]
+    #[error("cannot open the ledger at {}: {message}", .path.display())]
     Open { path: PathBuf, message: String },
+    /// The state directory or the database file cannot be used as it is; restarting the hub
+    /// cannot help, an operator must act (`remedy` says how).
+    #[error("cannot use {}: {problem}; {remedy}", .path.display())]
+    Unusable { path: PathBuf, problem: String, remedy: &'static str },
     #[error("the state directory {} is in use by another hub ({})", .dir.display(), holder(*.pid))]
     InUse { dir: PathBuf, pid: Option<u32> },
     #[error("outbox record {0} does not exist")]
@@ -68,12 +81,56 @@ pub enum LedgerError {
     ReplyNotRetryable { id: i64, state: ReplyState },
 }
 
+/// What to do about a state directory the hub cannot create or write.
+const REMEDY_DIR: &str = "make the state directory writable by the hub's user (or mount its \
+     file system read-write), or set hub.state_dir (--state-dir) to one that is";
+/// What to do about a corrupted database.
+const REMEDY_CORRUPT: &str = "stop the hub, move the file aside (keep it for recovery), then \
+     restore a backup made with `channeld ledger backup` or start with an empty ledger";
+/// What to do about a database from a newer channeld.
+const REMEDY_NEWER: &str = "run the channeld version that wrote it (or a newer one), or \
+     restore a backup made by this version";
+
+/// Creates `dir` (mode 0700) if it is missing and checks the hub may write in it.
+fn check_state_dir(dir: &Path) -> Result<(), LedgerError> {
+    let fail = |problem: String| LedgerError::Unusable {
+        path: dir.to_owned(),
+        problem,
+        remedy: REMEDY_DIR,
+    };
+    std::fs::create_dir_all(dir)
+        .map_err(|err| fail(format!("cannot create the state directory: {err}")))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
+    rustix::fs::access(dir, rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK)
+        .map_err(|err| fail(format!("the state directory is not writable: {err}")))
+}
+
+/// The database file at `path` cannot be used: which problem, and the remedy.
+fn unusable(path: &Path, err: schema::OpenError) -> LedgerError {
+    use schema::OpenError;
+    let remedy = match &err {
+        OpenError::Newer { .. } => REMEDY_NEWER,
+        OpenError::Corrupt(_) => REMEDY_CORRUPT,
+        OpenError::ReadOnly(_) => REMEDY_DIR,
+        OpenError::Sql(_) => {
+            return LedgerError::Open { path: path.to_owned(), message: err.to_string() };
+        }
+    };
+    LedgerError::Unusable { path: path.to_owned(), problem: err.to_string(), remedy }
+}
+
 fn holder(pid: Option<u32>) -> String {
     pid.map_or_else(|| "pid unknown".to_owned(), |pid| format!("pid {pid}"))
 }
 
 impl From<rusqlite::Error> for LedgerError {
     fn from(err: rusqlite::Error) -> Self {
+        if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+            return LedgerError::StorageFull;
+        }
         LedgerError::Sql(err.to_string())
     }
 }
@@ -88,6 +145,7 @@ pub struct Ledger {
     id: String,
     path: Option<PathBuf>,
     metrics: LedgerMetrics,
+    storage: StorageFlag,
 }
 
 impl Ledger {
@@ -100,40 +158,44 @@ impl Ledger {
             id: String::new(),
             path: None,
             metrics: LedgerMetrics::default(),
+            storage: StorageFlag::default(),
         }
     }
 
     /// Opens `dir/ledger.sqlite3`, creating the directory (mode 0700) and schema as needed.
     /// Only one ledger (one hub) at a time may use `dir`: another gets
     /// [`LedgerError::InUse`] naming the holder's pid.
+    ///
+    /// A state directory that cannot be created or written, a corrupted database and one
+    /// written by a newer channeld are [`LedgerError::Unusable`], naming the path and what
+    /// to do.
     pub fn open(dir: &Path, durability: Durability) -> Result<Self, LedgerError> {
         let path = dir.join(DB_FILE);
         let open_err = |message: String| LedgerError::Open { path: path.clone(), message };
-        std::fs::create_dir_all(dir).map_err(|err| open_err(err.to_string()))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-        }
+        check_state_dir(dir)?;
         let lock = StateLock::acquire(dir)?;
-        let conn = schema::open(&path, durability).map_err(|err| open_err(err.to_string()))?;
-        Self::start(conn, Some(path.clone()), Some(lock)).map_err(|err| open_err(err.to_string()))
+        let conn = schema::open(&path, durability).map_err(|err| unusable(&path, err))?;
+        Self::start(conn, durability, Some(path.clone()), Some(lock))
+            .map_err(|err| open_err(err.to_string()))
     }
 
     /// A ledger in memory: everything works, nothing survives the process (tests).
     pub fn in_memory() -> Result<Self, LedgerError> {
-        let conn = schema::open_in_memory()?;
-        Self::start(conn, None, None)
+        let conn = schema::open_in_memory().map_err(|err| LedgerError::Sql(err.to_string()))?;
+        Self::start(conn, Durability::Normal, None, None)
     }
 
     fn start(
         conn: rusqlite::Connection,
+        durability: Durability,
         path: Option<PathBuf>,
         lock: Option<StateLock>,
     ) -> Result<Self, LedgerError> {
         let id = schema::ledger_id(&conn)?;
         let metrics = LedgerMetrics::default();
-        let (tx, thread) =
-            store::spawn(conn, metrics.clone()).map_err(|err| LedgerError::Sql(err.to_string()))?;
+        let storage = StorageFlag::default();
+        let (tx, thread) = store::spawn(conn, durability, metrics.clone(), storage.clone())
+            .map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -141,6 +203,7 @@ impl Ledger {
             id,
             path,
             metrics,
+            storage,
         })
     }
 
@@ -151,6 +214,25 @@ impl Ledger {
     /// The ledger thread's commit latency and batch sizes.
     pub fn metrics(&self) -> &LedgerMetrics {
         &self.metrics
+    }
+
+    /// Whether the last write failed for lack of space (`storage_full` in `status`).
+    pub fn storage_full(&self) -> bool {
+        self.storage.is_full()
+    }
+
+    /// A small real write (the `meta` row `storage_probe`), so a ledger marked full notices
+    /// that space returned even when no message arrives. Clears or confirms the mark.
+    pub async fn probe_storage(&self, now_ms: u64) -> Result<(), LedgerError> {
+        self.call(move |txn| {
+            txn.execute(
+                "INSERT INTO meta (key, value) VALUES ('storage_probe', ?1)
+                 ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                params![now_ms.to_string()],
+            )?;
+            Ok(())
+        })
+        .await
     }
 
     /// Jobs queued for the ledger thread now (0 when off).
@@ -173,21 +255,34 @@ impl Ledger {
         format!("ob-{}-{id}", self.id)
     }
 
-    /// Runs `f` inside the next batch; resolves once that batch committed.
+    /// Runs `f` inside the next batch; resolves once that batch committed durably.
     async fn call<T, F>(&self, f: F) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+    {
+        self.call_with(Commit::Durable, f).await
+    }
+
+    /// Runs `f` inside the next batch; resolves once that batch committed as `commit` asks.
+    async fn call_with<T, F>(&self, commit: Commit, f: F) -> Result<T, LedgerError>
     where
         T: Send + 'static,
         F: FnOnce(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
         let tx = self.tx.as_ref().ok_or(LedgerError::Off)?;
         let (done, answer) = oneshot::channel();
+        let storage = self.storage.clone();
         let job: store::Job = Box::new(move |txn| {
             let result = store::savepoint(txn, f);
-            Box::new(move |committed| {
-                let _ = done.send(if committed { result } else { Err(LedgerError::Commit) });
+            if let Err(err) = &result {
+                storage.note(err);
+            }
+            Box::new(move |outcome: Result<(), LedgerError>| {
+                let _ = done.send(outcome.and(result));
             })
         });
-        tx.send(store::Message::Job(job)).await.map_err(|_| LedgerError::Unavailable)?;
+        tx.send(store::Message::Job(job, commit)).await.map_err(|_| LedgerError::Unavailable)?;
         answer.await.map_err(|_| LedgerError::Unavailable)?
     }
 
@@ -213,13 +308,59 @@ impl Ledger {
         drop(self.lock.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
-    /// Records an inbound unless its event id is known; see [`Recorded`].
+    /// Records an inbound unless its event id is known; see [`Recorded`]. A new one's
+    /// `history` entry (with the conversation's cap) is appended in the same step.
     pub async fn record_inbound(
         &self,
         new: NewInbound,
         rehash: Rehash,
+        history: Option<(NewHistory, usize)>,
     ) -> Result<Recorded, LedgerError> {
-        self.call(move |txn| inbound::record(txn, &new, rehash)).await
+        self.call(move |txn| {
+            let recorded = inbound::record(txn, &new, rehash)?;
+            if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, history) {
+                history::append(txn, &entry, cap)?;
+            }
+            Ok(recorded)
+        })
+        .await
+    }
+
+    /// The newest `limit` history entries of a conversation (and thread), oldest first.
+    pub async fn history_recent(
+        &self,
+        instance: String,
+        conversation: String,
+        thread: Option<String>,
+        limit: usize,
+    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+        self.call(move |txn| {
+            history::recent(txn, &instance, &conversation, thread.as_deref(), limit)
+        })
+        .await
+    }
+
+    /// The history entries of one inbound event (its text, the reply posted for it).
+    pub async fn history_of_event(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+        self.call(move |txn| history::by_event(txn, &instance, &event_id)).await
+    }
+
+    /// One history entry by its id.
+    pub async fn history_get(&self, id: i64) -> Result<Option<HistoryEntry>, LedgerError> {
+        self.call(move |txn| history::get(txn, id)).await
+    }
+
+    /// The state of `event_id`'s entry and its error code (`aborted` for a cancelled run).
+    pub async fn inbound_outcome(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
+        self.call(move |txn| inbound::outcome(txn, &instance, &event_id)).await
     }
 
     /// Counts the start of a run that waited (or was recovered); see [`inbound::start`].
@@ -228,7 +369,8 @@ impl Ledger {
     }
 
     /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record
-    /// (`pending`), in one step.
+    /// (`pending`), in one step. Deferred: it survives a hub crash at once, power loss with
+    /// the next fsync (a run whose end was lost that way runs again, flagged `redelivered`).
     pub async fn finish_run(
         &self,
         instance: String,
@@ -237,7 +379,7 @@ impl Ledger {
         reply: Option<NewReply>,
         now_ms: u64,
     ) -> Result<bool, LedgerError> {
-        self.call(move |txn| {
+        self.call_with(Commit::Deferred, move |txn| {
             inbound::finish(txn, &instance, &event_id, &end, reply.as_ref(), now_ms)
         })
         .await
@@ -254,13 +396,18 @@ impl Ledger {
     }
 
     /// Claims the replies of `instance` due for hand-over; see [`replies::claim_due`].
+    /// Deferred: a claim lost to power loss changes nothing, as a restart makes every
+    /// `handed` reply `pending` again.
     pub async fn replies_claim(
         &self,
         instance: String,
         now_ms: u64,
         limit: usize,
     ) -> Result<Vec<HandedReply>, LedgerError> {
-        self.call(move |txn| replies::claim_due(txn, &instance, now_ms, limit)).await
+        self.call_with(Commit::Deferred, move |txn| {
+            replies::claim_due(txn, &instance, now_ms, limit)
+        })
+        .await
     }
 
     /// Applies a driver's answer (or silence); see [`replies::answer`].
@@ -346,10 +493,74 @@ impl Ledger {
     pub async fn prune(&self, before_ms: u64) -> Result<usize, LedgerError> {
         self.call(move |txn| {
             Ok(inbound::prune(txn, before_ms)?
+                + items::prune(txn, before_ms)?
                 + replies::prune(txn, before_ms)?
-                + outbox::prune(txn, before_ms)?)
+                + outbox::prune(txn, before_ms)?
+                + history::prune(txn, before_ms)?)
         })
         .await
+    }
+
+    /// The item of `event_id` with what `read` shows of it.
+    pub async fn item_get(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> Result<Option<ItemView>, LedgerError> {
+        self.call(move |txn| items::get(txn, &instance, &event_id)).await
+    }
+
+    /// Up to `limit` items before entry `before` in a conversation (thread), newest first.
+    pub async fn item_context(
+        &self,
+        instance: String,
+        conversation: String,
+        thread: Option<String>,
+        before: i64,
+        limit: usize,
+    ) -> Result<Vec<ItemView>, LedgerError> {
+        self.call(move |txn| {
+            items::context(txn, &instance, &conversation, thread.as_deref(), before, limit)
+        })
+        .await
+    }
+
+    /// The inbox, newest first; see [`items::list`].
+    pub async fn items_list(
+        &self,
+        instance: Option<String>,
+        unhandled: bool,
+        before: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<Item>, LedgerError> {
+        self.call(move |txn| items::list(txn, instance.as_deref(), unhandled, before, limit)).await
+    }
+
+    /// Records the outbox record of an item's `respond` reply (the first one stays).
+    pub async fn item_set_reply(
+        &self,
+        instance: String,
+        event_id: String,
+        outbox_id: i64,
+        now_ms: u64,
+    ) -> Result<bool, LedgerError> {
+        self.call(move |txn| items::set_reply(txn, &instance, &event_id, outbox_id, now_ms)).await
+    }
+
+    /// Marks an item handled (the first marking stays); false when there is no such item.
+    pub async fn item_mark_handled(
+        &self,
+        instance: String,
+        event_id: String,
+        by: &'static str,
+        now_ms: u64,
+    ) -> Result<bool, LedgerError> {
+        self.call(move |txn| items::mark_handled(txn, &instance, &event_id, by, now_ms)).await
+    }
+
+    /// The ledger's id (empty when off): what locators are bound to.
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     /// Starts a new session generation for a route; returns it.
@@ -366,9 +577,11 @@ impl Ledger {
         self.call(move |txn| sessions::generations(txn, &instance)).await
     }
 
-    /// Adds a send, or returns the record that already holds its idempotency key.
-    pub async fn outbox_add(&self, send: NewSend) -> Result<Added, LedgerError> {
-        self.call(move |txn| outbox::add(txn, &send)).await
+    /// Adds a send, or returns the record that already holds its idempotency key. `commit`
+    /// is [`Commit::Deferred`] only when the caller hears nothing before the send's outcome
+    /// is recorded durably.
+    pub async fn outbox_add(&self, send: NewSend, commit: Commit) -> Result<Added, LedgerError> {
+        self.call_with(commit, move |txn| outbox::add(txn, &send)).await
     }
 
     /// Moves a send to `state` (with its receipt or error) when the state machine allows it.
@@ -453,6 +666,7 @@ mod tests {
             run_id: format!("run-{event_id}"),
             started: true,
             now_ms: 1,
+            item: None,
         }
     }
 
@@ -461,7 +675,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
-            assert_eq!(ledger.record_inbound(inbound("e1"), same).await.unwrap(), Recorded::New);
+            assert_eq!(
+                ledger.record_inbound(inbound("e1"), same, None).await.unwrap(),
+                Recorded::New { entry: None }
+            );
             ledger.close().await;
         }
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
@@ -476,9 +693,12 @@ mod tests {
         ledger.ping().await.unwrap();
         ledger.close().await;
         assert_eq!(ledger.ping().await, Err(LedgerError::Unavailable));
-        assert_eq!(ledger.record_inbound(inbound("e"), same).await, Err(LedgerError::Unavailable));
+        assert_eq!(
+            ledger.record_inbound(inbound("e"), same, None).await,
+            Err(LedgerError::Unavailable)
+        );
         let off = Ledger::off();
-        assert_eq!(off.record_inbound(inbound("e"), same).await, Err(LedgerError::Off));
+        assert_eq!(off.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Off));
         off.ping().await.unwrap();
     }
 
@@ -488,16 +708,16 @@ mod tests {
         let calls: Vec<_> = (0..100)
             .map(|n| {
                 let ledger = ledger.clone();
-                tokio::spawn(
-                    async move { ledger.record_inbound(inbound(&format!("e{n}")), same).await },
-                )
+                tokio::spawn(async move {
+                    ledger.record_inbound(inbound(&format!("e{n}")), same, None).await
+                })
             })
             .collect();
         for call in calls {
-            assert_eq!(call.await.unwrap().unwrap(), Recorded::New);
+            assert_eq!(call.await.unwrap().unwrap(), Recorded::New { entry: None });
         }
         assert!(matches!(
-            ledger.record_inbound(inbound("e7"), same).await,
+            ledger.record_inbound(inbound("e7"), same, None).await,
             Ok(Recorded::Replay(_))
         ));
     }

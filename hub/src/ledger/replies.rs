@@ -6,11 +6,37 @@
 
 use rusqlite::{OptionalExtension, Transaction, params};
 
+use channeld_protocol::ext::STREAM_SEQ_KEY;
+use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
+use serde::{Deserialize, Serialize};
+
 use super::LedgerError;
-use super::inbound;
 use super::reply_state::{self, Answer, REPLY_STATES, ReplyState};
 use super::state::sql_list;
 use super::store::Cached;
+use super::{history, inbound};
+
+/// A reply's delivery record as stored: its `deliver` message and, for a streamed run, the
+/// seq its final `deliver` takes (given to drivers with `stream` as
+/// `metadata.stream_seq`). Records written before streams have no `stream_seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredReply {
+    #[serde(flatten)]
+    pub message: OutboundMessage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_seq: Option<u64>,
+}
+
+impl StoredReply {
+    /// The message to hand to a connection: with `stream` negotiated, a streamed reply
+    /// carries its seq.
+    pub fn message_for(mut self, stream: bool) -> OutboundMessage {
+        if let (true, Some(seq)) = (stream, self.stream_seq) {
+            self.message.metadata.insert(STREAM_SEQ_KEY.to_owned(), seq.to_string());
+        }
+        self.message
+    }
+}
 
 /// A reply to record, in the same transaction as its run's outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,6 +98,9 @@ pub struct ReplyAnswer {
     pub answer: Answer,
     pub receipt: Option<Vec<u8>>,
     pub error: Option<String>,
+    /// The conversation history's cap when the instance keeps history: a reply that becomes
+    /// `posted` is appended to it in the same step.
+    pub history: Option<usize>,
 }
 
 /// The error an expired reply records.
@@ -201,6 +230,21 @@ pub fn answer(
     )?;
     if next.state.is_final() {
         inbound::mark_delivered(txn, &answer.instance, &answer.event_id, now_ms)?;
+    }
+    if let (ReplyState::Posted, Some(cap)) = (next.state, answer.history) {
+        let message_id = answer
+            .receipt
+            .as_deref()
+            .and_then(|r| serde_json::from_slice::<DeliveryReceipt>(r).ok())
+            .map(|r| r.message_id.to_string());
+        history::append_posted_reply(
+            txn,
+            &answer.instance,
+            &answer.event_id,
+            message_id,
+            cap,
+            now_ms,
+        )?;
     }
     Ok(Some(next.state))
 }
@@ -443,6 +487,7 @@ mod tests {
             run_id: format!("run-{event_id}"),
             now_ms: now,
             started: true,
+            item: None,
         };
         record(txn, &new, |_| None).unwrap();
         let reply = NewReply {
@@ -471,6 +516,7 @@ mod tests {
             answer,
             receipt: matches!(answer, Answer::Posted).then(|| b"{}".to_vec()),
             error: matches!(answer, Answer::Failed { .. }).then(|| "send_failed: down".into()),
+            history: None,
         }
     }
 

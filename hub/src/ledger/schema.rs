@@ -74,6 +74,45 @@ const MIGRATIONS: &[&str] = &[
      CREATE UNIQUE INDEX replies_by_event ON replies (instance, event_id);
      CREATE INDEX replies_by_state ON replies (state, instance, id);
      CREATE INDEX replies_by_conversation ON replies (instance, conversation, state, id);",
+    // 4: conversation history (`ledger/history.rs`): admitted inbound texts and posted
+    // replies per instance, conversation and thread (`''` when none).
+    "CREATE TABLE history (
+         id INTEGER PRIMARY KEY,
+         instance TEXT NOT NULL,
+         conversation TEXT NOT NULL,
+         thread TEXT NOT NULL,
+         role TEXT NOT NULL,
+         text TEXT NOT NULL,
+         sender TEXT,
+         message_id TEXT,
+         event_id TEXT,
+         reply_id INTEGER,
+         at_ms INTEGER NOT NULL
+     );
+     CREATE INDEX history_by_conversation ON history (instance, conversation, thread, id);
+     CREATE INDEX history_by_event ON history (instance, event_id);
+     CREATE INDEX history_by_age ON history (at_ms);",
+    // 5 (issue 16): the agent's inbox (`ledger/items.rs`): one item per admitted inbound,
+    // its structural ids, the reply `respond` sent and whether it was handled. Inbound
+    // recorded before this migration has no item.
+    "CREATE TABLE items (
+         id INTEGER PRIMARY KEY,
+         instance TEXT NOT NULL,
+         event_id TEXT NOT NULL,
+         conversation TEXT NOT NULL,
+         thread TEXT,
+         message_id TEXT,
+         sender TEXT,
+         received_ms INTEGER NOT NULL,
+         outbox_id INTEGER,
+         handled_ms INTEGER,
+         handled_by TEXT,
+         updated_ms INTEGER NOT NULL
+     );
+     CREATE UNIQUE INDEX items_by_event ON items (instance, event_id);
+     CREATE INDEX items_by_conversation ON items (instance, conversation, thread, id);
+     CREATE INDEX items_unhandled ON items (instance, handled_ms, id);
+     CREATE INDEX items_by_age ON items (updated_ms);",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
@@ -82,45 +121,107 @@ pub const SCHEMA_VERSION: usize = MIGRATIONS.len();
 /// How hard each commit pushes to disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
-    /// `synchronous = FULL`: a commit survives power loss. One fsync per batch.
+    /// Every commit survives power loss (`synchronous = FULL` for every batch).
+    Strict,
+    /// What a caller or platform was told survives power loss (those batches are fsynced);
+    /// the intermediate records (a send's record before its driver answers, a run's end, a
+    /// reply's claim) survive a hub crash at once and power loss with the next fsync, at the
+    /// latest [`FLUSH_DELAY`](super::store::FLUSH_DELAY) after the ledger went quiet.
     Full,
     /// `synchronous = NORMAL` in WAL mode: a commit survives a crash of the hub, but the last
     /// commits can be lost on power loss or kernel crash.
     Normal,
 }
 
-/// Opens (or creates) the database file, migrates it, and returns it ready for the thread.
-pub fn open(path: &Path, durability: Durability) -> rusqlite::Result<Connection> {
+/// Why the database file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Written by a newer channeld: this build does not know its schema.
+    #[error("ledger schema version {found} is newer than this hub understands ({known})")]
+    Newer { found: usize, known: usize },
+    /// The file is not a SQLite database, or its pages are damaged.
+    #[error("the database is corrupted: {0}")]
+    Corrupt(String),
+    /// The file or its directory cannot be written.
+    #[error("the database cannot be written: {0}")]
+    ReadOnly(String),
+    #[error(transparent)]
+    Sql(rusqlite::Error),
+}
+
+impl From<rusqlite::Error> for OpenError {
+    fn from(err: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode;
+        match err.sqlite_error_code() {
+            Some(ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt) => {
+                OpenError::Corrupt(err.to_string())
+            }
+            Some(ErrorCode::ReadOnly | ErrorCode::CannotOpen | ErrorCode::PermissionDenied) => {
+                OpenError::ReadOnly(err.to_string())
+            }
+            _ => OpenError::Sql(err),
+        }
+    }
+}
+
+/// Opens (or creates) the database file, checks it is whole (`quick_check`), migrates it,
+/// and returns it ready for the thread.
+pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError> {
     let mut conn = Connection::open(path)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     let sync = match durability {
-        Durability::Full => "FULL",
+        Durability::Strict | Durability::Full => "FULL",
         Durability::Normal => "NORMAL",
     };
     conn.pragma_update(None, "synchronous", sync)?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     conn.busy_timeout(Duration::from_secs(5))?;
+    quick_check(&conn)?;
     migrate(&mut conn, SCHEMA_VERSION)?;
     Ok(conn)
 }
 
+/// `PRAGMA quick_check`: the pages and their structure, without the slower index checks
+/// of `integrity_check` (that one is `channeld ledger check`).
+fn quick_check(conn: &Connection) -> Result<(), OpenError> {
+    let problems = check_with(conn, "quick_check", 5)?;
+    if problems.is_empty() { Ok(()) } else { Err(OpenError::Corrupt(problems.join("; "))) }
+}
+
+/// Runs `PRAGMA <pragma>(limit)` (`quick_check` or `integrity_check`); the problems it
+/// found, none when the database is whole.
+pub fn check_with(conn: &Connection, pragma: &str, limit: u32) -> rusqlite::Result<Vec<String>> {
+    let mut statement = conn.prepare(&format!("PRAGMA {pragma}({limit})"))?;
+    let rows = statement.query_map([], |row| row.get::<_, String>(0))?;
+    let mut problems = Vec::new();
+    for row in rows {
+        let line = row?;
+        if line != "ok" {
+            problems.push(line);
+        }
+    }
+    Ok(problems)
+}
+
+/// The schema version recorded in the database (`PRAGMA user_version`).
+pub fn version(conn: &Connection) -> rusqlite::Result<usize> {
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    Ok(usize::try_from(version).unwrap_or(0))
+}
+
 /// A migrated database in memory: for tests, and for a hub that wants dedupe within one run
 /// without a state directory.
-pub fn open_in_memory() -> rusqlite::Result<Connection> {
+pub fn open_in_memory() -> Result<Connection, OpenError> {
     let mut conn = Connection::open_in_memory()?;
     migrate(&mut conn, SCHEMA_VERSION)?;
     Ok(conn)
 }
 
 /// Applies the migrations up to `target` (all of them, except in tests of an upgrade).
-pub(super) fn migrate(conn: &mut Connection, target: usize) -> rusqlite::Result<()> {
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
-    let version = usize::try_from(version).unwrap_or(0);
+pub(super) fn migrate(conn: &mut Connection, target: usize) -> Result<(), OpenError> {
+    let version = version(conn)?;
     if version > MIGRATIONS.len() {
-        return Err(rusqlite::Error::InvalidParameterName(format!(
-            "ledger schema version {version} is newer than this hub understands ({})",
-            MIGRATIONS.len()
-        )));
+        return Err(OpenError::Newer { found: version, known: MIGRATIONS.len() });
     }
     for (index, sql) in MIGRATIONS.iter().enumerate().take(target).skip(version) {
         let tx = conn.transaction()?;

@@ -1,19 +1,43 @@
 //! The ledger thread: one thread owns the SQLite connection and applies queued jobs in
-//! batches, one transaction (and so one fsync) per batch — group commit. A caller's answer is
-//! released only after its batch committed.
+//! batches, one transaction (and at most one fsync) per batch — group commit. A caller's
+//! answer is released only after its batch committed.
+//!
+//! A job is [`Commit::Durable`] (its batch is fsynced before anyone hears of it) or
+//! [`Commit::Deferred`] (its batch is committed to the WAL without an fsync: it survives a
+//! crash of the hub at once, and power loss once the next durable commit, or the flush
+//! [`FLUSH_DELAY`] after the ledger went quiet, synced the WAL). Under
+//! [`Durability::Strict`] every batch is fsynced, under [`Durability::Normal`] none is.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use rusqlite::{Connection, Transaction};
 use tokio::sync::mpsc::{Receiver, Sender};
-use tracing::error;
+use tracing::{error, info};
 
 use super::LedgerError;
+use super::schema::Durability;
 
 /// Most jobs applied in one transaction.
 const MAX_BATCH: usize = 1024;
+
+/// How long deferred commits wait for a durable one to carry them to disk before the thread
+/// syncs the WAL by itself (the longest a deferred record stays exposed to power loss while
+/// the ledger is quiet).
+pub const FLUSH_DELAY: Duration = Duration::from_millis(50);
+
+/// Whether a job's commit must reach the disk before its caller is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Commit {
+    /// fsynced before the answer (under `full` and `strict`).
+    Durable,
+    /// Committed to the WAL before the answer; fsynced with the next durable commit or at
+    /// the latest [`FLUSH_DELAY`] after the ledger went quiet (under `full`).
+    Deferred,
+}
 
 /// Jobs waiting for the ledger thread; callers wait beyond this (backpressure).
 pub const QUEUE_CAPACITY: usize = 8192;
@@ -41,12 +65,41 @@ impl Default for LedgerMetrics {
 }
 
 /// A unit of work. It runs inside the batch transaction and returns what to do once the
-/// batch's commit is known (`true`: committed).
-pub type Job = Box<dyn FnOnce(&Transaction<'_>) -> Box<dyn FnOnce(bool) + Send> + Send>;
+/// batch's commit is known (`Ok`: committed; else why not).
+pub type Job = Box<dyn FnOnce(&Transaction<'_>) -> Finish + Send>;
+
+/// What a job does once its batch's commit is known.
+pub type Finish = Box<dyn FnOnce(Result<(), LedgerError>) + Send>;
+
+/// Whether the ledger's last write failed for lack of space. Set by the thread (or a job)
+/// that met `SQLITE_FULL`, cleared by the next batch that committed a change.
+#[derive(Debug, Clone, Default)]
+pub struct StorageFlag(Arc<AtomicBool>);
+
+impl StorageFlag {
+    pub fn is_full(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Records a failure; logs the change to full once.
+    pub fn note(&self, err: &LedgerError) {
+        if matches!(err, LedgerError::StorageFull) && !self.0.swap(true, Ordering::Relaxed) {
+            error!(
+                "ledger storage is full: new inbound is refused (retryable) and sends fail until space returns"
+            );
+        }
+    }
+
+    fn clear(&self) {
+        if self.0.swap(false, Ordering::Relaxed) {
+            info!("ledger storage writable again");
+        }
+    }
+}
 
 /// What the thread is sent.
 pub enum Message {
-    Job(Job),
+    Job(Job, Commit),
     /// Apply what is queued before this, checkpoint the WAL and end the thread.
     Stop,
 }
@@ -56,68 +109,174 @@ pub enum Message {
 /// (backpressure).
 pub fn spawn(
     conn: Connection,
+    durability: Durability,
     metrics: LedgerMetrics,
+    storage: StorageFlag,
 ) -> std::io::Result<(Sender<Message>, JoinHandle<()>)> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Message>(QUEUE_CAPACITY);
-    let thread = std::thread::Builder::new()
-        .name("channeld-ledger".into())
-        .spawn(move || run(conn, rx, &metrics))?;
+    // A runtime of the thread's own, only for its timer: waiting for a job at most until a
+    // flush is due.
+    let timer = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    let thread = std::thread::Builder::new().name("channeld-ledger".into()).spawn(move || {
+        let mut thread =
+            LedgerThread { conn, durability, storage, synchronous: None, unsynced: false };
+        thread.run(rx, &timer, &metrics);
+    })?;
     Ok((tx, thread))
 }
 
-fn run(mut conn: Connection, mut rx: Receiver<Message>, metrics: &LedgerMetrics) {
-    let mut batch: Vec<Job> = Vec::with_capacity(64);
-    let mut stopping = false;
-    while !stopping {
-        match rx.blocking_recv() {
-            Some(Message::Job(job)) => batch.push(job),
-            Some(Message::Stop) | None => stopping = true,
-        }
-        while !stopping && batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(Message::Job(job)) => batch.push(job),
-                Ok(Message::Stop) => stopping = true,
-                Err(_) => break,
-            }
-        }
-        if !batch.is_empty() {
-            apply(&mut conn, &mut batch, metrics);
-        }
+/// What one batch asks of the disk: the pure decision of the group commit.
+pub fn batch_sync(durability: Durability, any_durable: bool) -> &'static str {
+    match durability {
+        Durability::Strict => "FULL",
+        Durability::Full if any_durable => "FULL",
+        Durability::Full | Durability::Normal => "NORMAL",
     }
-    // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
-    rx.close();
-    let _ = conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
 }
 
-fn apply(conn: &mut Connection, batch: &mut Vec<Job>, metrics: &LedgerMetrics) {
+struct LedgerThread {
+    conn: Connection,
+    durability: Durability,
+    storage: StorageFlag,
+    /// The `synchronous` setting the connection has now.
+    synchronous: Option<&'static str>,
+    /// A deferred commit is in the WAL without an fsync since.
+    unsynced: bool,
+}
+
+impl LedgerThread {
+    fn run(
+        &mut self,
+        mut rx: Receiver<Message>,
+        timer: &tokio::runtime::Runtime,
+        metrics: &LedgerMetrics,
+    ) {
+        let mut batch: Vec<Job> = Vec::with_capacity(64);
+        let mut stopping = false;
+        while !stopping {
+            let mut any_durable = false;
+            let first = if self.unsynced {
+                match timer.block_on(async { tokio::time::timeout(FLUSH_DELAY, rx.recv()).await }) {
+                    Ok(message) => message,
+                    Err(_) => {
+                        self.flush();
+                        continue;
+                    }
+                }
+            } else {
+                rx.blocking_recv()
+            };
+            match first {
+                Some(Message::Job(job, commit)) => {
+                    any_durable |= commit == Commit::Durable;
+                    batch.push(job);
+                }
+                Some(Message::Stop) | None => stopping = true,
+            }
+            while !stopping && batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(Message::Job(job, commit)) => {
+                        any_durable |= commit == Commit::Durable;
+                        batch.push(job);
+                    }
+                    Ok(Message::Stop) => stopping = true,
+                    Err(_) => break,
+                }
+            }
+            if !batch.is_empty() {
+                self.apply(&mut batch, any_durable, metrics);
+            }
+        }
+        // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
+        rx.close();
+        // The checkpoint syncs the WAL and the database file.
+        let _ = self.conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
+    }
+
+    /// Sets `synchronous` for the next commit when it differs.
+    fn set_sync(&mut self, level: &'static str) {
+        if self.synchronous == Some(level) {
+            return;
+        }
+        match self.conn.pragma_update(None, "synchronous", level) {
+            Ok(()) => self.synchronous = Some(level),
+            Err(err) => error!(error = %err, level, "ledger cannot set synchronous"),
+        }
+    }
+
+    /// Syncs the WAL the deferred commits are in: a one-row durable commit (its fsync covers
+    /// every frame before it).
+    fn flush(&mut self) {
+        self.set_sync("FULL");
+        let flushed = self.conn.prepare_cached(
+            "INSERT INTO meta (key, value) VALUES ('flushed', '1')
+             ON CONFLICT (key) DO UPDATE SET value = CAST(value AS INTEGER) + 1",
+        );
+        match flushed.and_then(|mut statement| statement.execute([])) {
+            Ok(_) => self.unsynced = false,
+            Err(err) => error!(error = %err, "ledger flush failed"),
+        }
+    }
+
+    fn apply(&mut self, batch: &mut Vec<Job>, any_durable: bool, metrics: &LedgerMetrics) {
+        let level = batch_sync(self.durability, any_durable);
+        self.set_sync(level);
+        let committed = apply(&mut self.conn, batch, metrics, &self.storage);
+        match (committed, self.durability, level) {
+            (true, Durability::Full, "NORMAL") => self.unsynced = true,
+            (true, _, "FULL") => self.unsynced = false,
+            _ => {}
+        }
+    }
+}
+
+/// Applies `batch` in one transaction; returns whether it committed.
+fn apply(
+    conn: &mut Connection,
+    batch: &mut Vec<Job>,
+    metrics: &LedgerMetrics,
+    storage: &StorageFlag,
+) -> bool {
     let began = Instant::now();
     let jobs = batch.len();
+    let changes_before = conn.total_changes();
     let tx = match conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate) {
         Ok(tx) => tx,
         Err(err) => {
             error!(error = %err, "ledger cannot begin a transaction");
             batch.clear();
-            return;
+            return false;
         }
     };
     let mut finishers = Vec::with_capacity(batch.len());
     for job in batch.drain(..) {
         finishers.push(job(&tx));
     }
-    let committed = match tx.commit() {
+    let outcome = match tx.commit() {
         Ok(()) => {
             metrics.commit_seconds.observe(began.elapsed().as_secs_f64());
             metrics.batch_jobs.observe(jobs as f64);
-            true
+            // Only a batch that wrote proves there is room again (an empty one writes nothing).
+            if conn.total_changes() > changes_before {
+                storage.clear();
+            }
+            Ok(())
         }
         Err(err) => {
-            error!(error = %err, "ledger commit failed");
-            false
+            if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+                storage.note(&LedgerError::StorageFull);
+                Err(LedgerError::StorageFull)
+            } else {
+                error!(error = %err, "ledger commit failed");
+                Err(LedgerError::Commit)
+            }
         }
     };
+    let committed = outcome.is_ok();
     for finish in finishers {
-        finish(committed);
+        finish(outcome.clone());
     }
+    committed
 }
 
 /// Runs `f` in a savepoint so a failing job leaves no partial writes in its batch.
@@ -159,5 +318,67 @@ impl Cached for Connection {
         F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
     {
         self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The group commit's decision, and that a deferred commit is readable at once and
+    //! survives a reopen (the WAL is in the file even without its fsync).
+    use super::*;
+    use crate::ledger::{Ledger, NewInbound, Recorded, RunEnd};
+
+    #[test]
+    fn only_a_batch_with_a_durable_job_is_fsynced_under_full() {
+        assert_eq!(batch_sync(Durability::Full, true), "FULL");
+        assert_eq!(batch_sync(Durability::Full, false), "NORMAL");
+        assert_eq!(batch_sync(Durability::Strict, false), "FULL");
+        assert_eq!(batch_sync(Durability::Strict, true), "FULL");
+        assert_eq!(batch_sync(Durability::Normal, true), "NORMAL");
+    }
+
+    fn inbound(event_id: &str) -> NewInbound {
+        NewInbound {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            content_hash: [1; 32],
+            hash_version: 2,
+            frame: vec![1],
+            run_id: format!("run-{event_id}"),
+            started: true,
+            now_ms: 1,
+            item: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_deferred_run_end_is_kept_and_the_quiet_ledger_flushes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
+            let same = |frame: &[u8]| frame.first().map(|b| [*b; 32]);
+            let recorded = ledger.record_inbound(inbound("e1"), same, None).await.unwrap();
+            assert!(matches!(recorded, Recorded::New { .. }));
+            let ended = ledger
+                .finish_run("a.b".into(), "e1".into(), RunEnd::Reply("hi".into()), None, 2)
+                .await
+                .unwrap();
+            assert!(ended);
+            // Quiet for longer than the flush delay: the thread synced the WAL by itself.
+            tokio::time::sleep(FLUSH_DELAY * 3).await;
+            let conn = Connection::open(dir.path().join(crate::ledger::DB_FILE)).unwrap();
+            let flushes: i64 = conn
+                .query_row(
+                    "SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'flushed'",
+                    [],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert!(flushes >= 1, "{flushes}");
+            drop(conn);
+            ledger.close().await;
+        }
+        let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
+        assert!(ledger.recover(5).await.unwrap().is_empty(), "the ended run is not recovered");
     }
 }

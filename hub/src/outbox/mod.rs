@@ -10,7 +10,7 @@ pub mod receipts;
 mod waiters;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
 use channeld_protocol::{Id, MAX_LINE_BYTES};
@@ -22,8 +22,8 @@ pub use waiters::{OutboxOutcome, Waiters, Watch};
 
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
-use crate::instance::{Instance, Registry, unix_ms};
-use crate::ledger::{Added, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
+use crate::instance::{Instance, Registry};
+use crate::ledger::{Added, Commit, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
 use crate::metrics::SendOutcome as SendMetric;
 use crate::send::{self, SendError, SendOutcome, SendState};
 
@@ -66,7 +66,7 @@ pub struct Outbox {
 }
 
 fn now_ms() -> u64 {
-    unix_ms(SystemTime::now())
+    crate::clock::now_ms()
 }
 
 impl Outbox {
@@ -145,9 +145,18 @@ impl Outbox {
             now_ms: now,
             expires_ms: now + self.ttl.as_millis() as u64,
         };
+        // A send handed straight to its driver whose caller waits for the outcome hears
+        // nothing before that outcome is recorded durably, and that fsync carries the record
+        // too: one fsync on its path. A queued send, or one answered `handed` at once, is
+        // durable before its caller hears of it.
+        let commit = if state == OutboxState::Sent && wait.is_some() {
+            Commit::Deferred
+        } else {
+            Commit::Durable
+        };
         let added = {
             let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
-            self.ledger.outbox_add(new).await?
+            self.ledger.outbox_add(new, commit).await?
         };
         let id = match added {
             Added::New(id) => id,
@@ -253,6 +262,12 @@ impl Outbox {
         };
         if may_settle && let Some(wait) = wait {
             let mut settled = self.waiters.watch(record.id);
+            // It may have settled between the ledger's answer and the watch: look again.
+            if let Ok(Some(now)) = self.ledger.outbox_get(record.id).await
+                && !matches!(now.state, OutboxState::Queued | OutboxState::Sent)
+            {
+                return outcome_result(request_id, record.id, record_outcome(&now));
+            }
             if let Some(outcome) = settled.outcome(wait).await {
                 return outcome_result(request_id, record.id, outcome);
             }

@@ -17,19 +17,20 @@ use std::time::Duration;
 
 use channeld_agent_exec::AgentRun;
 use channeld_agent_exec::amqp::{
-    CommandReply, Outcome, RUN_MESSAGE_TYPE, Record, confirm_channel, declare_reply_queue,
-    declare_run_queue, json_properties, publish_confirmed,
+    CommandReply, ENV_HEADER, Outcome, RUN_MESSAGE_TYPE, Record, confirm_channel,
+    declare_reply_queue, declare_run_queue, env_header, json_properties, publish_confirmed,
 };
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{FieldTable, LongString};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until, timeout_at};
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
-use super::{RunError, RunIo, RunOutput, RunRequest, exec};
+use super::{RunError, RunIo, RunOutput, RunRequest, StreamItem, exec};
 use crate::config::{AmqpTarget, RuntimeConfig};
 
 /// Pause between broker reconnects (doubling up to the maximum).
@@ -70,6 +71,7 @@ impl Remote {
 enum Ended {
     Taken,
     TimedOut,
+    Cancelled,
 }
 
 #[derive(Debug, Default)]
@@ -136,9 +138,17 @@ impl Client {
     /// Publishes the run until the broker confirms it, under the same run id each time.
     async fn hand_over(&self, run: &AgentRun, deadline: Instant) -> Result<(), RunError> {
         let mut body = run.envelope_line();
+        let mut headers = FieldTable::default();
+        if !run.metadata_env().is_empty() {
+            headers.insert(
+                ShortString::from(ENV_HEADER),
+                AMQPValue::FieldTable(env_header(run.metadata_env())),
+            );
+        }
         let properties = json_properties(RUN_MESSAGE_TYPE, &run.run_id)
             .with_message_id(run.run_id.as_str().into())
-            .with_reply_to(self.target.reply_queue.as_str().into());
+            .with_reply_to(self.target.reply_queue.as_str().into())
+            .with_headers(headers);
         let mut pause = RECONNECT_MIN;
         loop {
             let attempt = async {
@@ -218,6 +228,9 @@ impl Client {
             (Record::Final { run_id, worker, .. }, Some(Ended::TimedOut)) => {
                 warn!(runtime = %self.name, %run_id, %worker, "late result of a run that timed out; ignored");
             }
+            (Record::Final { run_id, worker, .. }, Some(Ended::Cancelled)) => {
+                info!(runtime = %self.name, %run_id, %worker, "result of a cancelled run; ignored");
+            }
             (Record::Final { run_id, worker, .. }, None) => {
                 warn!(runtime = %self.name, %run_id, %worker, "result of a run this hub is not waiting for (from before a restart?); ignored");
             }
@@ -289,12 +302,14 @@ async fn consume_once(client: &Client, pause: &mut Duration) -> lapin::Result<()
     Ok(())
 }
 
-/// Runs `request` on the workers behind `config`'s run queue.
+/// Runs `request` on the workers behind `config`'s run queue. A cancel ends the wait at once
+/// (`RunError::Aborted`); the worker's agent is not stopped, and its result is ignored.
 pub(super) async fn run(
     remote: &Remote,
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
+    cancel: &CancellationToken,
 ) -> Result<RunOutput, RunError> {
     let target = config
         .amqp
@@ -302,10 +317,31 @@ pub(super) async fn run(
         .ok_or_else(|| RunError::Unavailable("the runtime has no broker settings".into()))?;
     let deadline = Instant::now() + config.timeout;
     let client = remote.client(&config.name, target);
-    let run = exec::agent_run(request)?;
-    let (mut waiting, mut records) = client.wait_for(&run.run_id);
-    client.hand_over(&run, deadline).await?;
-    debug!(queue = %target.queue, "run handed over");
+    let run = exec::agent_run(config, request)?;
+    let (mut waiting, records) = client.wait_for(&run.run_id);
+    let result = tokio::select! {
+        result = follow(&client, config, &run, io, records, deadline) => result,
+        () = cancel.cancelled() => Err(RunError::Aborted),
+    };
+    waiting.ended = match &result {
+        Err(RunError::Aborted) => Ended::Cancelled,
+        Err(RunError::Timeout(_) | RunError::Unavailable(_)) => Ended::TimedOut,
+        _ => Ended::Taken,
+    };
+    result
+}
+
+/// Hands the run over, then carries out its records until the final one.
+async fn follow(
+    client: &Client,
+    config: &RuntimeConfig,
+    run: &AgentRun,
+    io: &impl RunIo,
+    mut records: mpsc::Receiver<Record>,
+    deadline: Instant,
+) -> Result<RunOutput, RunError> {
+    client.hand_over(run, deadline).await?;
+    debug!(queue = %client.target.queue, "run handed over");
     loop {
         let record = tokio::select! {
             record = records.recv() => record,
@@ -316,6 +352,8 @@ pub(super) async fn run(
         };
         match record {
             Record::Effect { effect, .. } => io.effect(effect),
+            Record::Delta { text, .. } => io.stream(StreamItem::Delta(text)).await,
+            Record::Tool { tool, .. } => io.stream(StreamItem::Tool(tool)).await,
             Record::Command { command_id, command, reply_to, .. } => {
                 let answer = tokio::select! {
                     answer = io.command(command_id.clone(), command) => answer,
@@ -324,10 +362,9 @@ pub(super) async fn run(
                 client.answer(&reply_to, &CommandReply::new(&run.run_id, command_id, answer)).await;
             }
             Record::Final { worker, redelivered, outcome, .. } => {
-                waiting.ended = Ended::Taken;
                 info!(%worker, redelivered, "result taken from a worker");
                 return match outcome {
-                    Outcome::Reply { reply } => Ok(RunOutput { reply }),
+                    Outcome::Reply { reply, metadata } => Ok(RunOutput { reply, metadata }),
                     Outcome::Failed { code, message } => Err(RunError::Remote { code, message }),
                 };
             }

@@ -13,8 +13,8 @@ pub(super) fn run(request: &RunRequest) -> RunOutput {
                 }
                 text.push_str(&attachment.url);
             }
-            RunOutput { reply: Some(text) }
+            RunOutput { reply: Some(text), ..RunOutput::default() }
         }
-        RunInput::Event { .. } => RunOutput { reply: None },
+        RunInput::Event { .. } => RunOutput::default(),
     }
 }

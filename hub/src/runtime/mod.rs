@@ -9,14 +9,20 @@ mod exec;
 
 use std::path::PathBuf;
 
-use channeld_protocol::types::{Actions, Capabilities, InboundMessage, IncomingEvent, Participant};
+use channeld_protocol::types::{
+    Actions, Capabilities, InboundMessage, IncomingEvent, Metadata, Participant,
+};
 use channeld_protocol::{ChannelId, Id};
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{RuntimeConfig, RuntimeKind};
 
 pub use amqp::Remote;
-pub use channeld_agent_exec::{AGENT_ENVELOPE_VERSION, ExecError, RunIo};
+pub use channeld_agent_exec::{
+    AGENT_ENVELOPE_VERSION, CANCEL_GRACE, ExecError, METADATA_ENV_PREFIX, RunIo, StreamItem,
+    metadata_env,
+};
 pub use channeld_protocol::types::CommandAnswer;
 
 /// What a run answers.
@@ -41,6 +47,8 @@ pub struct RunRequest {
     /// True when this run was cut off by a crash and is being started again.
     pub redelivered: bool,
     pub control_socket: PathBuf,
+    /// The inbound's locator (for `read`, `respond`, `complete`).
+    pub locator: String,
 }
 
 /// What a run produced.
@@ -48,6 +56,9 @@ pub struct RunRequest {
 pub struct RunOutput {
     /// The reply text, if the run has one.
     pub reply: Option<String>,
+    /// The reply's metadata (an agent's `reply` line may carry it): goes to the driver in
+    /// the reply's `message.metadata`.
+    pub metadata: Metadata,
 }
 
 /// Why a run produced no reply.
@@ -55,7 +66,7 @@ pub struct RunOutput {
 pub enum RunError {
     /// The agent process (exec runtime) failed.
     #[error(transparent)]
-    Exec(#[from] ExecError),
+    Exec(ExecError),
     /// The run ended without reply text (nothing, only whitespace, a `reply` without text).
     #[error("agent produced no reply")]
     EmptyReply,
@@ -71,6 +82,18 @@ pub enum RunError {
     /// No worker reported a result before the runtime's `timeout_secs`.
     #[error("no result from a worker within {0} s")]
     Timeout(u64),
+    /// The run was cancelled (extension `cancel`, control op `cancel`).
+    #[error("the run was cancelled")]
+    Aborted,
+}
+
+impl From<ExecError> for RunError {
+    fn from(err: ExecError) -> Self {
+        match err {
+            ExecError::Aborted => RunError::Aborted,
+            other => RunError::Exec(other),
+        }
+    }
 }
 
 impl RunError {
@@ -81,6 +104,7 @@ impl RunError {
             RunError::EmptyReply => "empty_reply",
             RunError::Remote { code, .. } => code,
             RunError::Timeout(_) => "agent_timeout",
+            RunError::Aborted => "aborted",
             RunError::Envelope(_) | RunError::Unavailable(_) => "agent_failed",
         }
     }
@@ -94,16 +118,20 @@ impl RunError {
     }
 }
 
-/// Runs `request` on the configured runtime.
+/// Runs `request` on the configured runtime; `cancel` stops it (`RunError::Aborted`).
 pub async fn run(
     remote: &Remote,
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
+    cancel: &CancellationToken,
 ) -> Result<RunOutput, RunError> {
+    if cancel.is_cancelled() {
+        return Err(RunError::Aborted);
+    }
     match config.kind {
         RuntimeKind::Echo => Ok(echo::run(request)),
-        RuntimeKind::Exec => exec::run(config, request, io).await,
-        RuntimeKind::Amqp => amqp::run(remote, config, request, io).await,
+        RuntimeKind::Exec => exec::run(config, request, io, cancel).await,
+        RuntimeKind::Amqp => amqp::run(remote, config, request, io, cancel).await,
     }
 }

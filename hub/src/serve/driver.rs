@@ -1,14 +1,16 @@
 //! A driver connection: the handshake (`hello` for this instance, one driver per instance,
 //! `hello_ack` with the negotiated extensions), then its frames — inbound to the inbound
 //! path, receipts and errors to the outbox (or the reply courier), command results, operator
-//! action results and health to their waits.
+//! action results and health to their waits, history requests to the ledger,
+//! cancels to the run they name.
 //! Legacy connections (no `hello`) use the same frame loop.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use channeld_link::{FrameReader, FrameSink};
 use channeld_protocol::Frame;
-use channeld_protocol::ext::PeerDeclaration;
+use channeld_protocol::ext::{CancelRequest, CancelResult, PeerDeclaration};
 use channeld_protocol::frame::{Hello, HelloAck, Lifecycle};
 use channeld_protocol::types::{Health, HealthState};
 use tokio::io::AsyncRead;
@@ -16,12 +18,43 @@ use tracing::{debug, info, warn};
 
 use super::{answer_decode_error, closing};
 use crate::connection::{Connection, PeerKind};
+use crate::history;
 use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
-use crate::inbound;
+use crate::inbound::{self, cancel};
 use crate::instance::Instance;
 use crate::outbox::receipts;
 
 /// Serves a connection that said `hello`, until it leaves or the hub closes connections.
+/// How long a closing connection's `stop` may wait for room in a queue a stalled driver
+/// does not drain.
+const STOP_GRACE: Duration = Duration::from_secs(1);
+
+/// Where a connection's writes stand against the stall timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stall {
+    /// Nothing waits for the driver, or not for long.
+    Flowing,
+    /// A write has waited a third of the timeout: the instance shows Degraded.
+    Degraded(Duration),
+    /// A write has waited the whole timeout: the connection is closed (replies handed on
+    /// it go back to pending, for the next connection).
+    Close(Duration),
+}
+
+/// Pure: the verdict for a write blocked for `blocked` (`None`: not writing).
+pub(crate) fn stall(blocked: Option<Duration>, timeout: Duration) -> Stall {
+    match blocked {
+        Some(blocked) if blocked >= timeout => Stall::Close(blocked),
+        Some(blocked) if blocked >= timeout / 3 => Stall::Degraded(blocked),
+        _ => Stall::Flowing,
+    }
+}
+
+/// How often a connection checks its writes: ten times per timeout, at most once a second.
+fn stall_check_every(timeout: Duration) -> Duration {
+    (timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
 pub(super) async fn run<R: AsyncRead + Unpin>(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
@@ -123,18 +156,47 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
     reader: &mut FrameReader<R>,
     mut first: Option<Frame>,
 ) {
+    let stall_timeout = hub.config.stall_timeout;
+    let mut stall_check = tokio::time::interval(stall_check_every(stall_timeout));
+    stall_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut degraded = false;
     loop {
         let item = match first.take() {
             Some(frame) => Ok(Some(Ok(frame))),
             None => tokio::select! {
                 biased;
                 () = closing(hub, inst) => {
+                    // A driver that does not read would hold this send: bounded by the grace.
                     let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
-                    let _ = conn.sink.send(&stop).await;
+                    let _ = tokio::time::timeout(STOP_GRACE, conn.sink.send(&stop)).await;
                     return;
                 }
                 item = reader.next() => item,
                 () = conn.sink.closed() => return,
+                _ = stall_check.tick() => {
+                    match stall(conn.sink.write_blocked_for(), stall_timeout) {
+                        Stall::Flowing if degraded => {
+                            degraded = false;
+                            info!(instance = %inst.config.id, conn = conn.id, "driver reads its socket again");
+                            inst.set_health(Health::new(HealthState::Ready, Some("driver reads its socket again".into())));
+                        }
+                        Stall::Flowing => {}
+                        Stall::Degraded(blocked) => {
+                            if !degraded {
+                                degraded = true;
+                                warn!(instance = %inst.config.id, conn = conn.id, blocked_s = blocked.as_secs(), queued = conn.sink.queued(), "driver is not reading its socket");
+                            }
+                            let detail = format!("driver has not read its socket for {} s", blocked.as_secs());
+                            inst.set_health(Health::new(HealthState::Degraded, Some(detail)));
+                        }
+                        Stall::Close(blocked) => {
+                            warn!(instance = %inst.config.id, conn = conn.id, blocked_s = blocked.as_secs(), "driver did not read its socket within stall_timeout_secs; closing the connection");
+                            inst.record_error(format!("closed a driver connection that did not read for {} s", blocked.as_secs()));
+                            return;
+                        }
+                    }
+                    continue;
+                }
             },
         };
         let frame = match item {
@@ -197,6 +259,36 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                 });
                 let _ = conn.sink.try_send(&answer);
             }
+            Frame::HistoryRequest(request) if conn.declaration.extensions.history => {
+                // A ledger read: answered off the reader, so the frames behind it go on.
+                let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+                hub.clone().tasks.spawn(async move {
+                    let answer = history::answer(&hub, &inst, request).await;
+                    let _ = conn.sink.send(&answer).await;
+                });
+            }
+            Frame::Cancel(request) if conn.declaration.extensions.cancel => {
+                // Answered once the run stopped: off the reader, which must go on meanwhile.
+                let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
+                hub.clone().tasks.spawn(async move {
+                    let CancelRequest { request_id, event_id } = request;
+                    let answer = match cancel::cancel(&hub, &inst, event_id.clone()).await {
+                        Ok(done) => Frame::CancelResult(CancelResult {
+                            request_id,
+                            event_id,
+                            cancelled: done.cancelled,
+                            state: done.state,
+                        }),
+                        Err(err) => Frame::error(
+                            Some(request_id),
+                            err.code(),
+                            err.to_string(),
+                            err.retryable(),
+                        ),
+                    };
+                    let _ = conn.sink.send(&answer).await;
+                });
+            }
             Frame::Event(_) => {}
             Frame::Hello(hello) => {
                 let answer = Frame::error(
@@ -218,5 +310,22 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                 let _ = conn.sink.try_send(&answer);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blocked_write_degrades_at_a_third_of_the_timeout_and_closes_at_the_timeout() {
+        let timeout = Duration::from_secs(60);
+        assert_eq!(stall(None, timeout), Stall::Flowing);
+        assert_eq!(stall(Some(Duration::from_secs(19)), timeout), Stall::Flowing);
+        let degraded = Duration::from_secs(20);
+        assert_eq!(stall(Some(degraded), timeout), Stall::Degraded(degraded));
+        assert_eq!(stall(Some(timeout), timeout), Stall::Close(timeout));
+        assert_eq!(stall_check_every(timeout), Duration::from_secs(1));
+        assert_eq!(stall_check_every(Duration::from_millis(500)), Duration::from_millis(100));
     }
 }

@@ -17,6 +17,7 @@ use channeld_protocol::ext::PeerDeclaration;
 use channeld_protocol::{DecodeError, Frame};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::UnixListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
 use crate::connection::{Connection, PeerKind};
@@ -31,6 +32,10 @@ use crate::peer::{PeerCreds, PeerPolicy, describe_peer, peer_creds};
 pub const CONNECTION_QUEUE: usize = 1024;
 /// How long a new connection may take to send its first frame.
 const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections per instance socket that have not sent their first frame yet; one more is
+/// answered `too_many_connections` (retryable) and closed, so a flood of silent
+/// connections cannot exhaust the hub while the driver keeps being served.
+pub const MAX_UNIDENTIFIED: usize = 64;
 /// How long a closing connection may take to write what is queued.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
@@ -43,6 +48,7 @@ pub(crate) async fn accept_loop(
     mut liveness: Responder,
 ) {
     let policy = Arc::new(PeerPolicy::for_socket(inst.config.peers.clone(), &inst.config.socket));
+    let unidentified = Arc::new(Semaphore::new(MAX_UNIDENTIFIED));
     loop {
         tokio::select! {
             () = hub.shutdown.cancelled() => break,
@@ -51,12 +57,16 @@ pub(crate) async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let (hub, inst, policy) = (hub.clone(), inst.clone(), policy.clone());
+                    let slot = unidentified.clone().try_acquire_owned().ok();
                     hub.clone().connections.spawn(async move {
                         let creds = peer_creds(&stream);
                         let (read, write) = stream.into_split();
-                        match creds.as_ref().filter(|cred| policy.admits(cred)) {
-                            Some(cred) => serve(hub, inst, read, write, cred.pid).await,
-                            None => refuse_peer(&inst, &policy, creds.as_ref(), write).await,
+                        match (creds.as_ref().filter(|cred| policy.admits(cred)), slot) {
+                            (Some(cred), Some(slot)) => {
+                                serve_counted(hub, inst, read, write, cred.pid, Some(slot)).await;
+                            }
+                            (Some(_), None) => refuse_crowd(&inst, write).await,
+                            (None, _) => refuse_peer(&inst, &policy, creds.as_ref(), write).await,
                         }
                     });
                 }
@@ -81,6 +91,21 @@ pub async fn serve<R, W>(
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    serve_counted(hub, inst, read, write, peer_pid, None).await;
+}
+
+/// [`serve`], holding `slot` (one of [`MAX_UNIDENTIFIED`]) until the first frame arrived.
+async fn serve_counted<R, W>(
+    hub: Arc<Hub>,
+    inst: Arc<Instance>,
+    read: R,
+    write: W,
+    peer_pid: Option<i32>,
+    slot: Option<OwnedSemaphorePermit>,
+) where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
     let mut reader = FrameReader::new(read);
     let (sink, writer) = spawn_writer(write, CONNECTION_QUEUE);
     let first = tokio::select! {
@@ -89,6 +114,7 @@ pub async fn serve<R, W>(
             first.ok().flatten()
         }
     };
+    drop(slot);
     match first {
         Some(Frame::Hello(hello)) => {
             let _open = hub.metrics.connection(ConnectionKind::Driver);
@@ -124,6 +150,23 @@ async fn closing(hub: &Hub, inst: &Instance) {
         () = hub.close_connections.cancelled() => {}
         () = inst.removed.cancelled() => {}
     }
+}
+
+/// Answers a connection beyond [`MAX_UNIDENTIFIED`] with `too_many_connections`
+/// (retryable) and closes it without reading from it.
+async fn refuse_crowd<W>(inst: &Instance, write: W)
+where
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    warn!(instance = %inst.config.id, limit = MAX_UNIDENTIFIED, "connection refused: too many connections that have not said hello");
+    let message = format!(
+        "{} has {MAX_UNIDENTIFIED} connections that have not sent a first frame; try again",
+        inst.config.id
+    );
+    let (sink, writer) = spawn_writer(write, 1);
+    let _ = sink.send(&Frame::error(None, "too_many_connections", message, true)).await;
+    drop(sink);
+    let _ = writer.close_within(CLOSE_GRACE).await;
 }
 
 /// Answers a process the socket's peer rule does not admit with `peer_not_allowed` and

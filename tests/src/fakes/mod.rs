@@ -2,6 +2,7 @@
 //! binds 127.0.0.1:0, speaks the platform's real wire format, records everything it sees and
 //! is steered through a handle.
 
+pub mod bcn;
 pub mod slack;
 pub mod wechat;
 pub mod wecom;

@@ -1,0 +1,143 @@
+//! Which runs of an instance can be cancelled (extension `cancel`, control op `cancel`): one
+//! [`RunCancel`] per accepted inbound from its admission until its run ended, and a bounded
+//! memory of how recent runs ended, so a second cancel is answered without the ledger.
+//!
+//! The table only holds state; `inbound/cancel.rs` carries a cancel out.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use channeld_protocol::Id;
+use tokio_util::sync::CancellationToken;
+
+use crate::connection::lock;
+
+/// How many ended runs an instance remembers for cancels that come late.
+pub const REMEMBERED: usize = 1024;
+
+/// The state a cancelled run is recorded with (`error_code` in the ledger, the `error` code
+/// the driver gets, `cancel_result.state`).
+pub const ABORTED: &str = "aborted";
+
+/// One accepted inbound's cancellation: asked by `token`, finished (its end recorded and
+/// sent) when `done` is cancelled, with the state it ended in.
+#[derive(Debug, Default)]
+pub struct RunCancel {
+    /// Cancelled by whoever cancels the run; the run stops at its next step.
+    pub token: CancellationToken,
+    /// Cancelled once the run's end is recorded and its ending handed to the driver.
+    pub done: CancellationToken,
+    ended: Mutex<Option<String>>,
+    /// Taken by the first cancel that reports this run as cancelled.
+    claimed: AtomicBool,
+}
+
+impl RunCancel {
+    /// The state it ended in (`aborted`, `replied`, `failed`, …), once done.
+    pub fn ended(&self) -> Option<String> {
+        lock(&self.ended).clone()
+    }
+
+    /// True for the first caller only: that cancel names the run in its answer.
+    pub fn claim(&self) -> bool {
+        !self.claimed.swap(true, Ordering::AcqRel)
+    }
+}
+
+/// The table of one instance.
+#[derive(Debug, Default)]
+pub struct Cancels {
+    live: HashMap<Id, Arc<RunCancel>>,
+    /// Ended runs, oldest first, at most [`REMEMBERED`].
+    ended: VecDeque<(Id, String)>,
+}
+
+/// Where an event stands for a cancel.
+#[derive(Debug, Clone)]
+pub enum Lookup {
+    Live(Arc<RunCancel>),
+    Ended(String),
+    Unknown,
+}
+
+impl Cancels {
+    /// A run for `event_id` is accepted; returns its handle (the existing one if it has one).
+    pub fn register(&mut self, event_id: &Id) -> Arc<RunCancel> {
+        self.live.entry(event_id.clone()).or_default().clone()
+    }
+
+    pub fn lookup(&self, event_id: &Id) -> Lookup {
+        if let Some(run) = self.live.get(event_id) {
+            return Lookup::Live(run.clone());
+        }
+        match self.ended.iter().rev().find(|(id, _)| id == event_id) {
+            Some((_, state)) => Lookup::Ended(state.clone()),
+            None => Lookup::Unknown,
+        }
+    }
+
+    /// The run of `event_id` ended in `state`: it is remembered, and its waiters woken.
+    pub fn finish(&mut self, event_id: &Id, run: &RunCancel, state: &str) {
+        if self.live.get(event_id).is_some_and(|live| std::ptr::eq(live.as_ref(), run)) {
+            self.live.remove(event_id);
+        }
+        if self.ended.len() == REMEMBERED {
+            self.ended.pop_front();
+        }
+        self.ended.push_back((event_id.clone(), state.to_owned()));
+        *lock(&run.ended) = Some(state.to_owned());
+        run.done.cancel();
+    }
+
+    /// Runs registered and not ended.
+    pub fn live_len(&self) -> usize {
+        self.live.len()
+    }
+}
+
+/// An instance's table behind its lock.
+pub type SharedCancels = Mutex<Cancels>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(value: &str) -> Id {
+        Id::new(value).unwrap()
+    }
+
+    #[test]
+    fn a_run_is_live_until_it_ends_then_remembered_with_its_state() {
+        let mut table = Cancels::default();
+        let run = table.register(&id("e1"));
+        assert!(Arc::ptr_eq(&run, &table.register(&id("e1"))));
+        assert!(matches!(table.lookup(&id("e1")), Lookup::Live(_)));
+        assert!(matches!(table.lookup(&id("e2")), Lookup::Unknown));
+        table.finish(&id("e1"), &run, ABORTED);
+        assert!(run.done.is_cancelled());
+        assert_eq!(run.ended().as_deref(), Some(ABORTED));
+        assert!(matches!(table.lookup(&id("e1")), Lookup::Ended(state) if state == ABORTED));
+        assert_eq!(table.live_len(), 0);
+    }
+
+    #[test]
+    fn only_the_first_cancel_claims_a_run() {
+        let run = RunCancel::default();
+        assert!(run.claim());
+        assert!(!run.claim());
+    }
+
+    #[test]
+    fn the_memory_of_ended_runs_is_bounded() {
+        let mut table = Cancels::default();
+        for n in 0..REMEMBERED + 5 {
+            let event = id(&format!("e{n}"));
+            let run = table.register(&event);
+            table.finish(&event, &run, "replied");
+        }
+        assert!(matches!(table.lookup(&id("e0")), Lookup::Unknown));
+        assert!(matches!(table.lookup(&id("e5")), Lookup::Ended(_)));
+        assert_eq!(table.ended.len(), REMEMBERED);
+    }
+}

@@ -1,0 +1,304 @@
+//! Conversation history in the ledger: each conversation's admitted inbound texts and posted
+//! replies, per instance, conversation and thread, with a wall-clock timestamp. Bounded by
+//! a per-conversation cap (the oldest entries go first) and by `retention_days` pruning.
+//! Synchronous functions over one connection or transaction.
+//!
+//! A thread is stored as `''` when there is none, so one index serves every lookup.
+
+use channeld_protocol::ext::HistoryRole;
+use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
+
+use super::LedgerError;
+use super::store::Cached;
+
+/// An entry to append.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewHistory {
+    pub instance: String,
+    pub conversation: String,
+    pub thread: Option<String>,
+    pub role: HistoryRole,
+    pub text: String,
+    pub sender: Option<String>,
+    pub message_id: Option<String>,
+    pub event_id: Option<String>,
+    /// The reply's delivery record (`replies.id`), for an assistant entry.
+    pub reply_id: Option<i64>,
+    pub at_ms: u64,
+}
+
+/// One stored entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryEntry {
+    pub id: i64,
+    pub instance: String,
+    pub conversation: String,
+    pub thread: Option<String>,
+    pub role: HistoryRole,
+    pub text: String,
+    pub sender: Option<String>,
+    pub message_id: Option<String>,
+    pub event_id: Option<String>,
+    pub reply_id: Option<i64>,
+    pub at_ms: u64,
+}
+
+impl HistoryEntry {
+    /// The wire form (`history_result`, control `history`).
+    pub fn to_wire(&self) -> channeld_protocol::ext::HistoryEntry {
+        channeld_protocol::ext::HistoryEntry {
+            id: self.id,
+            role: self.role,
+            text: self.text.clone(),
+            at_ms: self.at_ms,
+            sender: self.sender.clone(),
+            message_id: self.message_id.clone(),
+            event_id: self.event_id.clone(),
+        }
+    }
+}
+
+const COLUMNS: &str = "id, instance, conversation, thread, role, text, sender, message_id, \
+                       event_id, reply_id, at_ms";
+
+fn entry(row: &Row<'_>) -> rusqlite::Result<HistoryEntry> {
+    let thread: String = row.get(3)?;
+    let role: String = row.get(4)?;
+    Ok(HistoryEntry {
+        id: row.get(0)?,
+        instance: row.get(1)?,
+        conversation: row.get(2)?,
+        thread: (!thread.is_empty()).then_some(thread),
+        role: HistoryRole::parse(&role).ok_or_else(|| {
+            rusqlite::Error::FromSqlConversionFailure(
+                4,
+                rusqlite::types::Type::Text,
+                format!("unknown history role {role:?}").into(),
+            )
+        })?,
+        text: row.get(5)?,
+        sender: row.get(6)?,
+        message_id: row.get(7)?,
+        event_id: row.get(8)?,
+        reply_id: row.get(9)?,
+        at_ms: row.get::<_, i64>(10)? as u64,
+    })
+}
+
+/// Appends `new` and drops the conversation's oldest entries beyond `cap` (at least 1).
+/// Returns the new entry's id.
+pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64, LedgerError> {
+    let thread = new.thread.as_deref().unwrap_or("");
+    txn.exec_cached(
+        "INSERT INTO history (instance, conversation, thread, role, text, sender, message_id,
+             event_id, reply_id, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+        params![
+            new.instance,
+            new.conversation,
+            thread,
+            new.role.as_str(),
+            new.text,
+            new.sender,
+            new.message_id,
+            new.event_id,
+            new.reply_id,
+            new.at_ms as i64
+        ],
+    )?;
+    let id = txn.last_insert_rowid();
+    txn.exec_cached(
+        "DELETE FROM history WHERE instance = ?1 AND conversation = ?2 AND thread = ?3
+             AND id <= (SELECT id FROM history WHERE instance = ?1 AND conversation = ?2
+                 AND thread = ?3 ORDER BY id DESC LIMIT 1 OFFSET ?4)",
+        params![new.instance, new.conversation, thread, cap.max(1) as i64],
+    )?;
+    Ok(id)
+}
+
+/// Records the reply of `event_id` as posted, from its delivery record: an assistant entry
+/// in the reply's conversation and thread, with the platform's message id from `receipt`.
+/// Nothing when the reply has no delivery record.
+pub fn append_posted_reply(
+    txn: &Transaction<'_>,
+    instance: &str,
+    event_id: &str,
+    message_id: Option<String>,
+    cap: usize,
+    now_ms: u64,
+) -> Result<Option<i64>, LedgerError> {
+    let stored = txn
+        .query_row_cached(
+            "SELECT id, message FROM replies WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id],
+            |row| Ok((row.get::<_, i64>(0)?, row.get::<_, Vec<u8>>(1)?)),
+        )
+        .optional()?;
+    let Some((reply_id, message)) = stored else { return Ok(None) };
+    let message: channeld_protocol::types::OutboundMessage = serde_json::from_slice(&message)
+        .map_err(|err| LedgerError::Sql(format!("stored reply does not decode: {err}")))?;
+    let new = NewHistory {
+        instance: instance.to_owned(),
+        conversation: message.target.conversation.to_string(),
+        thread: message.target.thread.as_ref().map(ToString::to_string),
+        role: HistoryRole::Assistant,
+        text: message.body.text_str().to_owned(),
+        sender: None,
+        message_id,
+        event_id: Some(event_id.to_owned()),
+        reply_id: Some(reply_id),
+        at_ms: now_ms,
+    };
+    append(txn, &new, cap).map(Some)
+}
+
+/// The newest `limit` entries of a conversation (and thread: `None` is the conversation
+/// outside threads), oldest first.
+pub fn recent(
+    conn: &Connection,
+    instance: &str,
+    conversation: &str,
+    thread: Option<&str>,
+    limit: usize,
+) -> Result<Vec<HistoryEntry>, LedgerError> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {COLUMNS} FROM history WHERE instance = ?1 AND conversation = ?2 AND thread = ?3
+         ORDER BY id DESC LIMIT ?4"
+    ))?;
+    let rows =
+        stmt.query_map(params![instance, conversation, thread.unwrap_or(""), limit as i64], entry)?;
+    let mut entries = rows.collect::<Result<Vec<_>, _>>()?;
+    entries.reverse();
+    Ok(entries)
+}
+
+/// The entries of one inbound event (its text and the reply posted for it), oldest first.
+pub fn by_event(
+    conn: &Connection,
+    instance: &str,
+    event_id: &str,
+) -> Result<Vec<HistoryEntry>, LedgerError> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {COLUMNS} FROM history WHERE instance = ?1 AND event_id = ?2 ORDER BY id"
+    ))?;
+    let rows = stmt.query_map(params![instance, event_id], entry)?;
+    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+/// One entry by its id.
+pub fn get(conn: &Connection, id: i64) -> Result<Option<HistoryEntry>, LedgerError> {
+    Ok(conn
+        .prepare_cached(&format!("SELECT {COLUMNS} FROM history WHERE id = ?1"))?
+        .query_row(params![id], entry)
+        .optional()?)
+}
+
+/// Deletes entries older than `before_ms`; returns how many went.
+pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+    Ok(txn.execute("DELETE FROM history WHERE at_ms < ?1", params![before_ms as i64])?)
+}
+
+#[cfg(test)]
+mod tests {
+    use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
+    use channeld_protocol::{ChannelId, Id};
+
+    use super::*;
+    use crate::ledger::replies::{self, NewReply};
+    use crate::ledger::schema::open_in_memory;
+
+    fn user(conversation: &str, thread: Option<&str>, text: &str, at_ms: u64) -> NewHistory {
+        NewHistory {
+            instance: "a.b".into(),
+            conversation: conversation.into(),
+            thread: thread.map(Into::into),
+            role: HistoryRole::User,
+            text: text.into(),
+            sender: Some("alice".into()),
+            message_id: Some(format!("m-{text}")),
+            event_id: Some(format!("e-{text}")),
+            reply_id: None,
+            at_ms,
+        }
+    }
+
+    fn texts(entries: &[HistoryEntry]) -> Vec<&str> {
+        entries.iter().map(|e| e.text.as_str()).collect()
+    }
+
+    #[test]
+    fn recent_is_the_newest_entries_oldest_first_per_conversation_and_thread() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        for (n, text) in ["one", "two", "three", "four"].into_iter().enumerate() {
+            append(&txn, &user("c1", None, text, n as u64), 200).unwrap();
+        }
+        append(&txn, &user("c1", Some("t1"), "in-thread", 9), 200).unwrap();
+        append(&txn, &user("c2", None, "other", 9), 200).unwrap();
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 3).unwrap()), ["two", "three", "four"]);
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", Some("t1"), 10).unwrap()), ["in-thread"]);
+        assert!(recent(&txn, "a.b", "nope", None, 10).unwrap().is_empty());
+        assert!(recent(&txn, "x.y", "c1", None, 10).unwrap().is_empty());
+        let found = by_event(&txn, "a.b", "e-two").unwrap();
+        assert_eq!(texts(&found), ["two"]);
+        let entry = get(&txn, found[0].id).unwrap().unwrap();
+        assert_eq!(entry, found[0]);
+        assert_eq!(entry.sender.as_deref(), Some("alice"));
+        assert_eq!(entry.thread, None);
+    }
+
+    #[test]
+    fn the_cap_keeps_only_the_newest_entries_of_that_conversation() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        append(&txn, &user("c2", None, "kept", 0), 2).unwrap();
+        for n in 0..5 {
+            append(&txn, &user("c1", None, &n.to_string(), n), 2).unwrap();
+        }
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["3", "4"]);
+        assert_eq!(texts(&recent(&txn, "a.b", "c2", None, 10).unwrap()), ["kept"]);
+    }
+
+    #[test]
+    fn a_posted_reply_becomes_an_assistant_entry_in_its_conversation() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        let mut target = MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new("c1").unwrap());
+        target.thread = Some(Id::new("t1").unwrap());
+        let message = OutboundMessage {
+            target,
+            body: MessageBody::text("the answer".to_owned()).unwrap(),
+            metadata: Default::default(),
+        };
+        let reply = NewReply {
+            instance: "a.b".into(),
+            event_id: "e-q".into(),
+            conversation: "c1".into(),
+            message: serde_json::to_vec(&message).unwrap(),
+            expires_ms: 100,
+        };
+        let reply_id = replies::add(&txn, &reply, 1).unwrap();
+        let id = append_posted_reply(&txn, "a.b", "e-q", Some("p-1".into()), 10, 5).unwrap();
+        assert!(id.is_some());
+        let entries = recent(&txn, "a.b", "c1", Some("t1"), 10).unwrap();
+        assert_eq!(entries.len(), 1);
+        let entry = &entries[0];
+        assert_eq!(entry.role, HistoryRole::Assistant);
+        assert_eq!(entry.text, "the answer");
+        assert_eq!(entry.message_id.as_deref(), Some("p-1"));
+        assert_eq!(entry.event_id.as_deref(), Some("e-q"));
+        assert_eq!(entry.reply_id, Some(reply_id));
+        assert_eq!(entry.at_ms, 5);
+        assert_eq!(append_posted_reply(&txn, "a.b", "e-none", None, 10, 5).unwrap(), None);
+    }
+
+    #[test]
+    fn pruning_drops_entries_older_than_the_cutoff() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        append(&txn, &user("c1", None, "old", 10), 200).unwrap();
+        append(&txn, &user("c1", None, "new", 30), 200).unwrap();
+        assert_eq!(prune(&txn, 20).unwrap(), 1);
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["new"]);
+    }
+}

@@ -1,0 +1,236 @@
+//! The soak (not CI; `#[ignore]`d): `scripts/soak [MINUTES]` runs it for MINUTES (default 60).
+//! Mixed traffic — MQTT inbound messages answered by the echo runtime, console lines, and
+//! proactive sends with idempotency keys — while the MQTT driver is killed (SIGKILL) and
+//! restarted, the hub is killed and restarted, and the broker is restarted, at random. At
+//! the start and the end it prints the resident memory and open file descriptors of every
+//! process, and at the end the loss and duplicate counts: MQTT messages without a reply,
+//! replies seen more than once (a kill between a platform post and its receipt may repeat
+//! one, with the same payload id), sends without a post, console lines without an answer.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use channeld_tests::mosquitto::{Mosquitto, MqttTestClient, provision_session};
+use channeld_tests::{DriverProcess, HubProcess, workspace_bin};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+
+const MQTT: &str = "mqtt.soak";
+const CONSOLE: &str = "console.soak";
+
+fn fds(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+}
+
+fn rss(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|rest| rest.split_whitespace().next().and_then(|kib| kib.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+fn report(when: &str, processes: &[(&str, i32)]) {
+    for (name, pid) in processes {
+        println!(
+            "soak {when}: {name:<16} pid {pid:<7} rss {:>7} KiB  fds {:>4}",
+            rss(*pid),
+            fds(*pid)
+        );
+    }
+}
+
+/// A console driver with its input and output piped to the test.
+struct Console {
+    child: Child,
+    input: std::process::ChildStdin,
+}
+
+fn console(hub: &HubProcess, answers: Arc<Mutex<HashMap<String, usize>>>) -> Console {
+    let mut child = Command::new(workspace_bin("channeld-console"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CHANNELD_CHANNEL_ID", CONSOLE)
+        .env("CHANNELD_SOCKET", hub.socket(CONSOLE))
+        .env("CHANNELD_CONSOLE_SENDER", "bob")
+        .env("CHANNELD_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn channeld-console");
+    let input = child.stdin.take().unwrap();
+    let output = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(output).lines() {
+            let Ok(line) = line else { return };
+            for word in line.split_whitespace().filter(|w| w.starts_with("console-")) {
+                *answers.lock().unwrap().entry(word.to_owned()).or_default() += 1;
+            }
+        }
+    });
+    Console { child, input }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a long soak: scripts/soak [MINUTES]"]
+async fn soak() {
+    let minutes: u64 =
+        std::env::var("SOAK_MINUTES").ok().and_then(|m| m.parse().ok()).unwrap_or(60);
+    let mut broker = Mosquitto::start();
+    let mut hub = HubProcess::start(&format!(
+        "[instance.\"{MQTT}\"]\nallow = [\"alice\"]\n[instance.\"{CONSOLE}\"]\nallow = [\"bob\"]\n"
+    ));
+    let inbound_filter = format!("channeld/{MQTT}/in/+/+");
+    provision_session(broker.port(), &format!("channeld-{MQTT}"), None, &[inbound_filter.as_str()])
+        .await;
+    let mqtt_env = vec![("CHANNELD_MQTT_URL".to_owned(), broker.url())];
+    let mut driver = DriverProcess::spawn("channeld-mqtt", &hub, MQTT, &mqtt_env);
+
+    // The observer keeps a persistent session, so nothing published while it reconnects
+    // (after a broker restart) is missed.
+    let replies: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let mut options = MqttOptions::new("soak-observer", "127.0.0.1", broker.port());
+    options.set_clean_session(false);
+    options.set_keep_alive(Duration::from_secs(30));
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (observer, mut events) = AsyncClient::new(options, 64);
+    let out_filter = format!("channeld/{MQTT}/out/+");
+    {
+        let replies = replies.clone();
+        let observer = observer.clone();
+        tokio::spawn(async move {
+            loop {
+                match events.poll().await {
+                    Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                        let _ = observer.subscribe(out_filter.clone(), QoS::AtLeastOnce).await;
+                    }
+                    Ok(Event::Incoming(Packet::Publish(publish))) => {
+                        let payload: serde_json::Value =
+                            serde_json::from_slice(&publish.payload).unwrap_or_default();
+                        let key = payload["text"].as_str().unwrap_or_default().to_owned();
+                        *replies.lock().unwrap().entry(key).or_default() += 1;
+                    }
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            }
+        });
+    }
+    let mut alice = MqttTestClient::connect(broker.port(), "soak-alice", &[]).await;
+    let console_answers: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let mut console = console(&hub, console_answers.clone());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    report(
+        "start",
+        &[
+            ("channeld", hub.pid()),
+            ("channeld-mqtt", driver.pid()),
+            ("channeld-console", console.child.id() as i32),
+            ("mosquitto", broker.pid().map_or(0, |p| p as i32)),
+        ],
+    );
+
+    let end = Instant::now() + Duration::from_secs(minutes * 60);
+    let mut next_fault = Instant::now() + Duration::from_secs(20 + fastrand::u64(0..20));
+    let (mut mqtt_sent, mut console_sent, mut sends) = (0u64, 0u64, 0u64);
+    let mut send_outcomes: HashMap<i32, u64> = HashMap::new();
+    let mut faults: HashMap<&str, u64> = HashMap::new();
+    while Instant::now() < end {
+        for _ in 0..10 {
+            let text = format!("mqtt-{mqtt_sent}");
+            let payload = serde_json::json!({"text": text, "id": text}).to_string();
+            alice
+                .publish_confirmed(&format!("channeld/{MQTT}/in/alice/c{}", mqtt_sent % 5), payload)
+                .await;
+            mqtt_sent += 1;
+        }
+        let line = format!("console-{console_sent}\n");
+        if console.input.write_all(line.as_bytes()).and_then(|()| console.input.flush()).is_ok() {
+            console_sent += 1;
+        }
+        if sends < mqtt_sent / 50 {
+            let key = format!("send-{sends}");
+            let out = hub.ctl(&[
+                "send",
+                MQTT,
+                "--conversation",
+                "proactive",
+                "--key",
+                &key,
+                "--timeout",
+                "10",
+                &key,
+            ]);
+            *send_outcomes.entry(out.status.code().unwrap_or(-1)).or_default() += 1;
+            sends += 1;
+        }
+        if Instant::now() >= next_fault {
+            match fastrand::u8(0..3) {
+                0 => {
+                    driver.kill();
+                    driver = DriverProcess::spawn("channeld-mqtt", &hub, MQTT, &mqtt_env);
+                    *faults.entry("driver kill").or_default() += 1;
+                }
+                1 => {
+                    hub.restart();
+                    *faults.entry("hub kill").or_default() += 1;
+                }
+                _ => {
+                    broker.restart();
+                    *faults.entry("broker restart").or_default() += 1;
+                }
+            }
+            next_fault = Instant::now() + Duration::from_secs(20 + fastrand::u64(0..40));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Quiet period: whatever is owed arrives.
+    let settle = Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = replies.lock().unwrap().keys().filter(|k| k.starts_with("mqtt-")).count() as u64;
+        let answered = console_answers.lock().unwrap().len() as u64;
+        if (got >= mqtt_sent && answered >= console_sent) || Instant::now() > settle {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    report(
+        "end",
+        &[
+            ("channeld", hub.pid()),
+            ("channeld-mqtt", driver.pid()),
+            ("channeld-console", console.child.id() as i32),
+            ("mosquitto", broker.pid().map_or(0, |p| p as i32)),
+        ],
+    );
+    let replies = replies.lock().unwrap().clone();
+    let mqtt_lost = (0..mqtt_sent).filter(|n| !replies.contains_key(&format!("mqtt-{n}"))).count();
+    let mqtt_dup: usize =
+        replies.iter().filter(|(k, _)| k.starts_with("mqtt-")).map(|(_, n)| n - 1).sum();
+    let posted_sends = (0..sends).filter(|n| replies.contains_key(&format!("send-{n}"))).count();
+    let send_dup: usize =
+        replies.iter().filter(|(k, _)| k.starts_with("send-")).map(|(_, n)| n - 1).sum();
+    let answers = console_answers.lock().unwrap().clone();
+    let console_lost =
+        (0..console_sent).filter(|n| !answers.contains_key(&format!("console-{n}"))).count();
+    let console_dup: usize = answers.values().map(|n| n - 1).sum();
+    println!("soak: {minutes} min, faults {faults:?}");
+    println!(
+        "soak: mqtt {mqtt_sent} sent, {mqtt_lost} without reply, {mqtt_dup} duplicate replies"
+    );
+    println!(
+        "soak: sends {sends}, {posted_sends} posted, {send_dup} posted twice, channelctl exits {send_outcomes:?}"
+    );
+    println!(
+        "soak: console {console_sent} lines, {console_lost} without answer, {console_dup} answered twice"
+    );
+    let _ = console.child.kill();
+    let _ = console.child.wait();
+}
