@@ -322,7 +322,7 @@ impl Report {
                             what: &str,
                             value: Option<f64>,
                             goal: f64| {
-                    let Some(value) = value else { return None };
+                    let value = value?;
                     let ledger = if ledger { "on" } else { "off" };
                     Some(format!(
                         "{mode} {name}, ledger {ledger}, {window} in flight: {what} {value:.2} (target ≥ {goal}): {}",
