@@ -1,7 +1,8 @@
 //! Past one machine: the hub's `amqp` runtime and `channeld-worker`s on a real RabbitMQ.
 //! 1,000 runs over two workers with one SIGKILLed mid-stream, and runs across a broker
 //! restart: every inbound is answered once, none is lost, and a run repeats only as a
-//! flagged redelivery.
+//! flagged redelivery. Deltas, tool reports, reply metadata, the metadata environment and
+//! `CHANNELD_LOCATOR` reach a worker's agent and come back as they do with the exec runtime.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -215,4 +216,62 @@ async fn runs_survive_a_broker_restart_mid_stream() {
     let replies = drive(&hub, 300, 100, || rabbit.restart()).await;
     assert_all_answered_once(&replies, 300);
     assert_repeats_are_flagged(&agent_log, 300);
+}
+
+/// Deltas `Hel`, a tool report, `lo`, then a reply whose metadata carries what the agent
+/// saw: `$TEST_BOT` (from the inbound's `env.TEST_BOT` metadata), `$PATH_SET` (a driver
+/// cannot set it) and whether `$CHANNELD_LOCATOR` was set.
+fn streaming_agent(dir: &Path) -> PathBuf {
+    write_script(
+        dir,
+        "stream-agent.sh",
+        "IFS= read -r line\n\
+         echo '{\"type\":\"delta\",\"text\":\"Hel\"}'\n\
+         echo '{\"type\":\"tool\",\"name\":\"search\",\"status\":\"done\",\"hits\":2}'\n\
+         echo '{\"type\":\"delta\",\"text\":\"lo\"}'\n\
+         case \"$CHANNELD_LOCATOR\" in test:v1:*) loc=yes;; *) loc=no;; esac\n\
+         echo \"{\\\"type\\\":\\\"reply\\\",\\\"text\\\":\\\"Hello\\\",\\\"metadata\\\":{\\\"bot\\\":\\\"$TEST_BOT\\\",\\\"evil\\\":\\\"$EVIL\\\",\\\"locator\\\":\\\"$loc\\\"}}\"\n",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_streams_deltas_and_tools_and_returns_the_reply_metadata() {
+    let rabbit = RabbitMq::start();
+    let url = rabbit.guest_url();
+    let dir = tempfile::tempdir().unwrap();
+    let agent = streaming_agent(dir.path());
+    let hub = hub(&url, "scale.stream");
+    let _worker = Worker::start(&url, "scale.stream", &agent, &dir.path().join("w.log"));
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "stream"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    let mut inbound = message(ONE, "m-1", "alice", "room", "hi");
+    inbound.metadata.insert("env.TEST_BOT".into(), "bot-1".into());
+    inbound.metadata.insert("env.EVIL".into(), "set".into());
+    driver.send(Frame::Inbound(Inbound { event_id: id("m-1"), message: inbound })).await;
+    let mut steps = Vec::new();
+    let reply = loop {
+        let frame = match tokio::time::timeout(QUIET_LIMIT, driver.reader.next()).await {
+            Ok(Ok(Some(Ok(frame)))) => frame,
+            other => panic!("no frame ({other:?})\n--- hub log ---\n{}", hub.log()),
+        };
+        match frame {
+            Frame::Stream(step) => steps.push(step),
+            Frame::Deliver(delivery) => break delivery,
+            Frame::Accepted(_) | Frame::Health(_) => {}
+            other => panic!("unexpected frame {other:?}\n--- hub log ---\n{}", hub.log()),
+        }
+    };
+    assert_eq!(steps.iter().map(|s| s.seq).collect::<Vec<_>>(), [0, 1, 2]);
+    let texts: Vec<Option<&str>> = steps.iter().map(|s| s.text.as_deref()).collect();
+    assert_eq!(texts, [Some("Hel"), None, Some("lo")]);
+    let tool = steps[1].tool.as_ref().expect("a tool report");
+    assert_eq!((tool.name.as_str(), tool.status.as_str()), ("search", "done"));
+    assert_eq!(tool.rest.get("hits"), Some(&serde_json::json!(2)));
+    assert_eq!(reply.message.body.text_str(), "Hello");
+    let metadata = &reply.message.metadata;
+    assert_eq!(metadata.get("stream_seq").map(String::as_str), Some("3"));
+    assert_eq!(metadata.get("bot").map(String::as_str), Some("bot-1"), "{metadata:?}");
+    assert_eq!(metadata.get("evil").map(String::as_str), Some(""), "{metadata:?}");
+    assert_eq!(metadata.get("locator").map(String::as_str), Some("yes"), "{metadata:?}");
 }
