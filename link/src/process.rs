@@ -127,24 +127,26 @@ pub fn spawn_signal_handler(token: CancellationToken) -> JoinHandle<()> {
 /// interactive process whose terminal closed). Without it SIGHUP is left to the caller (the
 /// hub reloads its configuration on it).
 pub fn spawn_stop_handler(token: CancellationToken, hangup_stops: bool) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let (Ok(mut term), Ok(mut int)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-        else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        let mut hup = if hangup_stops {
-            match signal(SignalKind::hangup()) {
-                Ok(hup) => Some(hup),
-                Err(err) => {
-                    tracing::error!(error = %err, "cannot install the SIGHUP handler");
-                    None
-                }
+    // The handlers are installed here, before the task runs: a signal that arrives right after
+    // this call returns stops the process gracefully instead of killing it.
+    let (Ok(mut term), Ok(mut int)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        tracing::error!("cannot install signal handlers");
+        return tokio::spawn(async {});
+    };
+    let mut hup = if hangup_stops {
+        match signal(SignalKind::hangup()) {
+            Ok(hup) => Some(hup),
+            Err(err) => {
+                tracing::error!(error = %err, "cannot install the SIGHUP handler");
+                None
             }
-        } else {
-            None
-        };
+        }
+    } else {
+        None
+    };
+    tokio::spawn(async move {
         let hangup = async {
             match hup.as_mut() {
                 Some(hup) => hup.recv().await,

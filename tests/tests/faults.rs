@@ -484,12 +484,17 @@ async fn silent_connections_are_bounded_and_the_driver_keeps_being_served() {
 async fn an_agent_that_floods_output_ignores_sigterm_and_forks_is_killed_whole_and_fails_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let pid_file = dir.path().join("child.pid");
-    // The agent and its child ignore SIGTERM; the agent prints without end.
+    // The agent and its child ignore SIGTERM; once the child wrote its pid down (so the
+    // test knows whom to watch even when the hub ends the group at once), the agent prints
+    // without end.
     let agent = channeld_tests::write_script(
         dir.path(),
         "flood.sh",
         &format!(
-            "trap '' TERM\ncat > /dev/null\nsh -c \"trap '' TERM; echo \\$\\$ > '{}'; exec sleep 60\" &\nexec yes 'gigabytes of output, gigabytes of output'\n",
+            "trap '' TERM\ncat > /dev/null\npid_file='{}'\n\
+             sh -c \"trap '' TERM; echo \\$\\$ > '$pid_file.tmp'; mv '$pid_file.tmp' '$pid_file'; exec sleep 60\" &\n\
+             while [ ! -s \"$pid_file\" ]; do sleep 0.01; done\n\
+             exec yes 'gigabytes of output, gigabytes of output'\n",
             pid_file.display()
         ),
     );

@@ -60,14 +60,7 @@ fn unit_files() -> Vec<PathBuf> {
 }
 
 fn is_driver_unit(path: &Path) -> bool {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.ends_with("@.service") && !is_worker_name(n))
-}
-
-/// `channeld-worker@.service`: a template too, but for a run queue, not a channel instance.
-fn is_worker_name(name: &str) -> bool {
-    name == "channeld-worker@.service"
+    path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with("@.service"))
 }
 
 /// The binary a unit starts: the first word of its `ExecStart=`.
@@ -185,13 +178,10 @@ fn driver_units_score_at_most_2_0_in_systemd_analyze_security() {
     }
     let worse: Vec<_> = scores
         .iter()
-        .filter(|(name, score, driver)| {
-            (*driver || is_worker_name(name)) && *score > MAX_DRIVER_EXPOSURE
-        })
+        .filter(|(_, score, driver)| *driver && *score > MAX_DRIVER_EXPOSURE)
         .collect();
     assert!(worse.is_empty(), "driver units above {MAX_DRIVER_EXPOSURE}: {worse:?}");
     assert!(scores.iter().filter(|(_, _, driver)| *driver).count() >= 6, "{scores:?}");
-    assert!(scores.iter().any(|(name, _, _)| is_worker_name(name)), "no worker unit: {scores:?}");
 }
 
 #[test]
@@ -356,9 +346,9 @@ fn the_hub_exits_78_on_a_bad_config_so_systemd_does_not_restart_it() {
         .env_remove("NOTIFY_SOCKET"));
     assert_eq!(output.status.code(), Some(78), "{}", text(&output));
     let unit = std::fs::read_to_string(repo().join("systemd/channeld.service")).expect("unit");
-    let prevents_78 = unit.lines().any(|l| {
-        l.strip_prefix("RestartPreventExitStatus=")
-            .is_some_and(|codes| codes.split_whitespace().any(|code| code == "78"))
-    });
-    assert!(prevents_78, "hub unit restarts on 78");
+    let prevented = unit
+        .lines()
+        .filter_map(|l| l.strip_prefix("RestartPreventExitStatus="))
+        .any(|codes| codes.split_whitespace().any(|code| code == "78"));
+    assert!(prevented, "hub unit restarts on 78");
 }

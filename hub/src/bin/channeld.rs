@@ -140,6 +140,9 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // And SIGTERM/SIGINT stop it gracefully from here on, even while it is still starting.
+    let shutdown = CancellationToken::new();
+    drop(channeld_link::process::spawn_stop_handler(shutdown.clone(), false));
     let config = match HubConfig::load(path, overrides) {
         Ok(config) => config,
         Err(err) => {
@@ -175,8 +178,6 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let shutdown = CancellationToken::new();
-    drop(channeld_link::process::spawn_stop_handler(shutdown.clone(), false));
     let hub = Hub::new(config, ledger, shutdown);
     let reloads =
         tokio::spawn(reload_on_hangup(hub.clone(), hangups, path.to_owned(), overrides.clone()));

@@ -357,8 +357,10 @@ mod tests {
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
             let same = |frame: &[u8]| frame.first().map(|b| [*b; 32]);
-            let recorded = ledger.record_inbound(inbound("e1"), same, None).await.unwrap();
-            assert!(matches!(recorded, Recorded::New { .. }));
+            assert_eq!(
+                ledger.record_inbound(inbound("e1"), same, None).await.unwrap(),
+                Recorded::New { entry: None }
+            );
             let ended = ledger
                 .finish_run("a.b".into(), "e1".into(), RunEnd::Reply("hi".into()), None, 2)
                 .await
