@@ -21,6 +21,7 @@ use crate::liveness::Probes;
 use crate::locator::LocatorKey;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
+use crate::runtime::Remote;
 
 /// Extensions this hub implements and offers to peers that declare them.
 pub const HUB_EXTENSIONS: Extensions = Extensions {
@@ -76,6 +77,8 @@ pub struct Hub {
     /// What the systemd watchdog asks (each accept loop).
     pub probes: Arc<Probes>,
     pub started: SystemTime,
+    /// The broker clients of `amqp` runtimes.
+    pub remote: Remote,
 }
 
 impl Hub {
@@ -128,6 +131,7 @@ impl Hub {
             supervisors: TaskTracker::new(),
             probes: Arc::default(),
             started: SystemTime::now(),
+            remote: Remote::default(),
         })
     }
 

@@ -87,6 +87,8 @@ enum LedgerCmd {
 }
 
 fn main() -> ExitCode {
+    // The one crypto provider for the rustls the amqp runtime links (amqps:// brokers).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let demo = matches!(cli.command, Some(Cmd::Demo));
     channeld_link::process::init_logging(if demo { "warn" } else { "info" });

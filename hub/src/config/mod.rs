@@ -146,6 +146,9 @@ struct RawRuntime {
     max_output_bytes: Option<usize>,
     #[serde(default)]
     stdin: StdinMode,
+    url: Option<String>,
+    queue: Option<String>,
+    reply_queue: Option<String>,
     #[serde(default)]
     wake: Wake,
     max_runs: Option<usize>,
@@ -184,19 +187,11 @@ pub enum RuntimeKind {
     Echo,
     /// Runs a command per inbound run.
     Exec,
+    /// Hands each run to `channeld-worker`s through a RabbitMQ run queue.
+    Amqp,
 }
 
-/// How the exec runtime uses the agent's stdin.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StdinMode {
-    /// One envelope line, then end of file. The agent may read stdin to the end.
-    #[default]
-    Envelope,
-    /// The envelope line, then one line per command result; closed when the agent exits.
-    /// Needed for agents that ask for input, approval or a choice.
-    Stream,
-}
+pub use channeld_agent_exec::StdinMode;
 
 /// What the exec runtime's envelope tells the agent about the inbound that woke it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -220,10 +215,76 @@ pub struct RuntimeConfig {
     pub timeout: Duration,
     pub max_output_bytes: usize,
     pub stdin: StdinMode,
+    /// Where an `amqp` runtime hands its runs.
+    pub amqp: Option<AmqpTarget>,
     pub wake: Wake,
     /// At most this many runs at once of an instance using this runtime (applied at start,
     /// as the lower of it and the instance's `max_inflight`).
     pub max_runs: Option<usize>,
+}
+
+/// The broker and queues of an `amqp` runtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AmqpTarget {
+    pub url: BrokerUrl,
+    /// The run queue the workers consume.
+    pub queue: String,
+    /// This hub's reply queue.
+    pub reply_queue: String,
+}
+
+/// A broker URL (it may hold a password): prints as `***`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BrokerUrl(String);
+
+impl BrokerUrl {
+    /// The value, for the one call that connects.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for BrokerUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// `url = "env:NAME"` or `url = "credential:NAME"` (a file in `$CREDENTIALS_DIRECTORY`):
+/// the URL itself never sits in the config file.
+fn broker_url(key: &str, setting: &str) -> Result<BrokerUrl, ConfigError> {
+    let value = if let Some(name) = setting.strip_prefix("env:") {
+        std::env::var(name)
+            .map_err(|_| invalid(key, format!("the environment variable {name} is not set")))?
+    } else if let Some(name) = setting.strip_prefix("credential:") {
+        if name.is_empty() || name.contains('/') {
+            return Err(invalid(key, "a credential name is a plain file name"));
+        }
+        let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| {
+            invalid(key, format!("credential {name}: $CREDENTIALS_DIRECTORY is not set"))
+        })?;
+        let text = std::fs::read_to_string(Path::new(&dir).join(name))
+            .map_err(|err| invalid(key, format!("credential {name} could not be read: {err}")))?;
+        text.trim_end_matches(['\n', '\r']).to_owned()
+    } else {
+        return Err(invalid(
+            key,
+            "must be \"env:VARIABLE\" or \"credential:NAME\"; a broker URL is a secret and never sits in the config file",
+        ));
+    };
+    if !(value.starts_with("amqp://") || value.starts_with("amqps://")) {
+        return Err(invalid(key, "the URL it names is not an amqp:// or amqps:// URL"));
+    }
+    Ok(BrokerUrl(value))
+}
+
+/// A queue name (RabbitMQ: at most 255 bytes, not `amq.`-prefixed).
+fn queue_name(key: &str, name: Option<String>) -> Result<String, ConfigError> {
+    let name = name.ok_or_else(|| invalid(key, "an amqp runtime needs it"))?;
+    if name.is_empty() || name.len() > 200 || name.starts_with("amq.") {
+        return Err(invalid(key, "must be 1 to 200 bytes and not start with \"amq.\""));
+    }
+    Ok(name)
 }
 
 impl RuntimeConfig {
@@ -236,6 +297,7 @@ impl RuntimeConfig {
             timeout: Duration::from_secs(300),
             max_output_bytes: 1024 * 1024,
             stdin: StdinMode::Envelope,
+            amqp: None,
             wake: Wake::Full,
             max_runs: None,
         }
@@ -401,6 +463,39 @@ impl HubConfig {
             if rt.kind == RuntimeKind::Echo && !rt.command.is_empty() {
                 return Err(invalid(format!("{key}.command"), "the echo runtime takes no command"));
             }
+            if rt.kind == RuntimeKind::Amqp && !rt.command.is_empty() {
+                return Err(invalid(
+                    format!("{key}.command"),
+                    "an amqp runtime takes no command: its workers run the agent",
+                ));
+            }
+            let amqp = if rt.kind == RuntimeKind::Amqp {
+                let url_key = format!("{key}.url");
+                let url = rt
+                    .url
+                    .as_deref()
+                    .ok_or_else(|| invalid(&url_key, "an amqp runtime needs it"))?;
+                let queue = queue_name(&format!("{key}.queue"), rt.queue)?;
+                let reply_queue = queue_name(&format!("{key}.reply_queue"), rt.reply_queue)?;
+                if queue == reply_queue {
+                    return Err(invalid(format!("{key}.reply_queue"), "must differ from queue"));
+                }
+                Some(AmqpTarget { url: broker_url(&url_key, url)?, queue, reply_queue })
+            } else {
+                for (field, set) in [
+                    ("url", rt.url.is_some()),
+                    ("queue", rt.queue.is_some()),
+                    ("reply_queue", rt.reply_queue.is_some()),
+                ] {
+                    if set {
+                        return Err(invalid(
+                            format!("{key}.{field}"),
+                            "only an amqp runtime takes it",
+                        ));
+                    }
+                }
+                None
+            };
             let config = RuntimeConfig {
                 name: name.clone(),
                 kind: rt.kind,
@@ -412,6 +507,7 @@ impl HubConfig {
                     rt.max_output_bytes.unwrap_or(1024 * 1024),
                 )?,
                 stdin: rt.stdin,
+                amqp,
                 wake: rt.wake,
                 max_runs: rt
                     .max_runs

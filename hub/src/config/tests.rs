@@ -142,6 +142,32 @@ fn metrics_listen_is_off_by_default_and_takes_an_address_or_a_socket_path() {
 }
 
 #[test]
+fn an_amqp_runtime_takes_its_url_from_a_credential_never_from_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("runs-url"), "amqp://u:secret@broker:5672/%2f\n").unwrap();
+    // SAFETY: only this test reads CREDENTIALS_DIRECTORY in the config tests.
+    unsafe { std::env::set_var("CREDENTIALS_DIRECTORY", dir.path()) };
+    let base = "[runtime.r]\nkind = \"amqp\"\nqueue = \"runs\"\nreply_queue = \"replies\"\n";
+    let config = parse(&format!("{base}url = \"credential:runs-url\"\n")).unwrap();
+    let target = config.runtimes["r"].amqp.clone().unwrap();
+    assert_eq!(target.url.expose(), "amqp://u:secret@broker:5672/%2f");
+    assert!(!format!("{config:?}").contains("secret"), "the URL never prints");
+
+    let err = parse(&format!("{base}url = \"amqp://u:secret@broker\"\n")).unwrap_err();
+    let text = err.to_string();
+    assert!(text.starts_with("runtime.r.url:") && !text.contains("u:secret"), "{text}");
+    let err = parse(&format!("{base}url = \"credential:missing\"\n")).unwrap_err();
+    assert!(err.to_string().starts_with("runtime.r.url:"), "{err}");
+    let err =
+        parse("[runtime.r]\nkind = \"amqp\"\nurl = \"credential:runs-url\"\nreply_queue = \"x\"\n")
+            .unwrap_err();
+    assert!(err.to_string().starts_with("runtime.r.queue:"), "{err}");
+    let err =
+        parse("[runtime.r]\nkind = \"exec\"\ncommand = [\"a\"]\nqueue = \"q\"\n").unwrap_err();
+    assert!(err.to_string().starts_with("runtime.r.queue:"), "{err}");
+}
+
+#[test]
 fn a_body_free_runtime_with_max_runs_serializes_its_instances() {
     let text = "[runtime.resident]\nkind = \"exec\"\ncommand = [\"/bin/agent\"]\n\
                 wake = \"body_free\"\nmax_runs = 1\n\

@@ -237,7 +237,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         Work::Runtime => {
             // The runtime as configured when the run starts: a reload does not change it.
             let policy = inst.policy();
-            runtime::run(&policy.runtime, &request, &io, &cancel.token).await
+            runtime::run(&hub.remote, &policy.runtime, &request, &io, &cancel.token).await
         }
     };
     // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
@@ -262,7 +262,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     let ended = Instant::now();
     let end = match &result {
         Ok(text) => RunEnd::Reply(text.clone()),
-        Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: public_message(err) },
+        Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: err.public_message() },
     };
     // A driver's reply is recorded with the outcome, and the courier delivers it (and
     // retries it); a legacy peer's goes back on its connection, once.
@@ -339,7 +339,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
 /// with `stream` the stream's end frame (`aborted` for a cancelled run, else `error`).
 pub async fn end_run(conn: &Connection, event_id: &Id, err: &RunError, seq: u64) {
     if !conn.declaration.extensions.stream {
-        refuse(conn, event_id, err.code(), public_message(err), false).await;
+        refuse(conn, event_id, err.code(), err.public_message(), false).await;
         return;
     }
     let end = if matches!(err, RunError::Aborted) { StreamEnd::Aborted } else { StreamEnd::Error };
@@ -350,7 +350,7 @@ pub async fn end_run(conn: &Connection, event_id: &Id, err: &RunError, seq: u64)
         tool: None,
         end: Some(end),
         code: Some(err.code().to_owned()),
-        message: Some(public_message(err)),
+        message: Some(err.public_message()),
     });
     let _ = conn.sink.send(&frame).await;
 }
@@ -379,14 +379,6 @@ async fn answer(hub: &Hub, inst: &Instance, command: SlashCommand, route: &Route
             info!(instance = %inst.config.id, generation, "new session started by /new");
             "Started a new session.".to_owned()
         }
-    }
-}
-
-/// What the driver (and so possibly the platform) is told about a failed run: no stderr.
-fn public_message(err: &RunError) -> String {
-    match err {
-        RunError::Failed { status, .. } => format!("agent exited with {status}"),
-        other => other.to_string(),
     }
 }
 

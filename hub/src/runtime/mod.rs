@@ -3,15 +3,14 @@
 //! A runtime sees a [`RunRequest`] and talks back through [`RunIo`] (live effects and
 //! commands, routed to the connection that carried the inbound); its result is the reply.
 
+mod amqp;
 mod echo;
 mod exec;
 
-use std::future::Future;
 use std::path::PathBuf;
 
-use channeld_protocol::ext::ToolReport;
 use channeld_protocol::types::{
-    Actions, Capabilities, Command, Effect, InboundMessage, IncomingEvent, Metadata, Participant,
+    Actions, Capabilities, InboundMessage, IncomingEvent, Metadata, Participant,
 };
 use channeld_protocol::{ChannelId, Id};
 use serde::Serialize;
@@ -19,8 +18,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{RuntimeConfig, RuntimeKind};
 
+pub use amqp::Remote;
+pub use channeld_agent_exec::{
+    AGENT_ENVELOPE_VERSION, CANCEL_GRACE, ExecError, METADATA_ENV_PREFIX, RunIo, StreamItem,
+    metadata_env,
+};
 pub use channeld_protocol::types::CommandAnswer;
-pub use exec::AGENT_ENVELOPE_VERSION;
 
 /// What a run answers.
 #[derive(Debug, Clone, Serialize)]
@@ -58,74 +61,66 @@ pub struct RunOutput {
     pub metadata: Metadata,
 }
 
-/// One step of a run's output as it is produced (extension `stream`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StreamItem {
-    /// A piece of the reply (`{"type":"delta","text":…}`).
-    Delta(String),
-    /// A tool call report (`{"type":"tool","name":…,"status":…}`).
-    Tool(ToolReport),
-}
-
-/// The live side of a run: effects go out at once, commands wait for their result.
-pub trait RunIo: Send + Sync {
-    /// Sends a live effect (gated by the driver's declared actions; undeclared progress is
-    /// dropped).
-    fn effect(&self, effect: Effect);
-
-    /// Presents a command on the originating connection and waits for the answer. Timeouts
-    /// and disconnects answer `rejected`: commands fail closed.
-    fn command(
-        &self,
-        command_id: Id,
-        command: Command,
-    ) -> impl Future<Output = CommandAnswer> + Send;
-
-    /// Passes one step of the output on, in order (to drivers that negotiated `stream`;
-    /// dropped for the others).
-    fn stream(&self, item: StreamItem) -> impl Future<Output = ()> + Send;
-}
-
 /// Why a run produced no reply.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("agent could not be started: {0}")]
-    Spawn(std::io::Error),
-    #[error("agent exceeded its time limit of {0} s")]
-    Timeout(u64),
-    #[error("agent output exceeded {0} bytes")]
-    OutputTooLarge(usize),
-    #[error("agent exited with {status}{}", stderr_suffix(.stderr))]
-    Failed { status: String, stderr: String },
-    #[error("agent i/o failed: {0}")]
-    Io(std::io::Error),
+    /// The agent process (exec runtime) failed.
+    #[error(transparent)]
+    Exec(ExecError),
     /// The run ended without reply text (nothing, only whitespace, a `reply` without text).
     #[error("agent produced no reply")]
     EmptyReply,
+    /// The run's envelope could not be built.
+    #[error("run envelope: {0}")]
+    Envelope(String),
+    /// A worker ran the agent and reported this failure (`code` is the exec error code).
+    #[error("{message}")]
+    Remote { code: String, message: String },
+    /// The run could not be handed to the run queue before its deadline.
+    #[error("the run queue is unavailable: {0}")]
+    Unavailable(String),
+    /// No worker reported a result before the runtime's `timeout_secs`.
+    #[error("no result from a worker within {0} s")]
+    Timeout(u64),
     /// The run was cancelled (extension `cancel`, control op `cancel`).
     #[error("the run was cancelled")]
     Aborted,
 }
 
-fn stderr_suffix(stderr: &str) -> String {
-    if stderr.is_empty() { String::new() } else { format!(": {stderr}") }
+impl From<ExecError> for RunError {
+    fn from(err: ExecError) -> Self {
+        match err {
+            ExecError::Aborted => RunError::Aborted,
+            other => RunError::Exec(other),
+        }
+    }
 }
 
 impl RunError {
     /// The wire code of the `error` frame sent to the driver.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> &str {
         match self {
-            RunError::Timeout(_) => "agent_timeout",
-            RunError::OutputTooLarge(_) => "agent_output_too_large",
+            RunError::Exec(err) => err.code(),
             RunError::EmptyReply => "empty_reply",
+            RunError::Remote { code, .. } => code,
+            RunError::Timeout(_) => "agent_timeout",
             RunError::Aborted => "aborted",
-            RunError::Spawn(_) | RunError::Failed { .. } | RunError::Io(_) => "agent_failed",
+            RunError::Envelope(_) | RunError::Unavailable(_) => "agent_failed",
+        }
+    }
+
+    /// What the driver (and so possibly the platform) is told: no stderr.
+    pub fn public_message(&self) -> String {
+        match self {
+            RunError::Exec(err) => err.public_message(),
+            other => other.to_string(),
         }
     }
 }
 
 /// Runs `request` on the configured runtime; `cancel` stops it (`RunError::Aborted`).
 pub async fn run(
+    remote: &Remote,
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
@@ -137,5 +132,6 @@ pub async fn run(
     match config.kind {
         RuntimeKind::Echo => Ok(echo::run(request)),
         RuntimeKind::Exec => exec::run(config, request, io, cancel).await,
+        RuntimeKind::Amqp => amqp::run(remote, config, request, io, cancel).await,
     }
 }

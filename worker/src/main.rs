@@ -1,0 +1,504 @@
+//! `channeld-worker`: takes runs from a hub's `amqp` runtime queue on RabbitMQ and runs the
+//! agent command for each under the exec contract (`channeld-agent-exec`), streaming the
+//! agent's effects and commands to the hub's reply queue and ending each run with one final
+//! record. A run message is acknowledged only after its final record was confirmed by the
+//! broker, so a worker that dies mid-run leaves the run to RabbitMQ, which redelivers it to
+//! another worker (`redelivered`, `CHANNELD_REDELIVERED=1`). See README "Scaling out".
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use channeld_agent_exec::amqp::{
+    self, CommandReply, Outcome, Record, confirm_channel, declare_run_queue, json_properties,
+    publish_confirmed,
+};
+use channeld_agent_exec::{AgentRun, ExecSpec, RunIo, StdinMode, StreamItem};
+use channeld_protocol::Id;
+use channeld_protocol::types::{Command, CommandAnswer, Effect};
+use clap::Parser;
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    BasicRejectOptions, QueueDeclareOptions,
+};
+use lapin::types::{FieldTable, LongString};
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::sync::oneshot;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+/// `$CREDENTIALS_DIRECTORY/amqp-url`, then `CHANNELD_AMQP_URL`: the broker URL (a secret,
+/// never an argument).
+const CREDENTIAL_URL: &str = "amqp-url";
+const ENV_URL: &str = "CHANNELD_AMQP_URL";
+/// Pause between reconnects to the broker (doubling up to the maximum).
+const RECONNECT_MIN: Duration = Duration::from_millis(200);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "channeld-worker",
+    version,
+    about = "Runs a channeld hub's agents from a RabbitMQ run queue"
+)]
+struct Args {
+    /// The run queue (the hub's `[runtime.NAME] queue`).
+    #[arg(long, env = "CHANNELD_WORKER_QUEUE")]
+    queue: String,
+    /// Runs at once (the consumer's prefetch).
+    #[arg(long, default_value_t = 1, env = "CHANNELD_WORKER_CONCURRENCY")]
+    concurrency: u16,
+    /// An agent run's time limit; its process group is killed after it.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+    /// Most stdout an agent run may write.
+    #[arg(long, default_value_t = 1024 * 1024)]
+    max_output_bytes: usize,
+    /// `envelope` (stdin closes after the envelope) or `stream` (command results follow).
+    #[arg(long, default_value = "envelope", value_parser = parse_stdin)]
+    stdin: StdinMode,
+    /// Extra environment for the agent, `NAME=VALUE` (repeatable).
+    #[arg(long = "env", value_name = "NAME=VALUE", value_parser = parse_env)]
+    env: Vec<(String, String)>,
+    /// On SIGTERM, how long running runs may finish before they are handed back.
+    #[arg(long, default_value_t = 30)]
+    stop_timeout_secs: u64,
+    /// How often the health line is logged.
+    #[arg(long, default_value_t = 60)]
+    health_interval_secs: u64,
+    /// The agent command (argv, no shell), after `--`.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+fn parse_stdin(value: &str) -> Result<StdinMode, String> {
+    match value {
+        "envelope" => Ok(StdinMode::Envelope),
+        "stream" => Ok(StdinMode::Stream),
+        other => Err(format!("{other:?} is neither envelope nor stream")),
+    }
+}
+
+fn parse_env(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((name, value)) if !name.is_empty() => Ok((name.to_owned(), value.to_owned())),
+        _ => Err("expected NAME=VALUE".to_owned()),
+    }
+}
+
+/// Why the worker cannot run.
+#[derive(Debug, thiserror::Error)]
+enum WorkerError {
+    #[error("no broker URL: set ${ENV_URL} or the credential {CREDENTIAL_URL}")]
+    NoUrl,
+    #[error("credential {CREDENTIAL_URL}: {0}")]
+    Credential(String),
+    #[error("--concurrency must be at least 1")]
+    Concurrency,
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    #[error("the broker cancelled the run queue's consumer")]
+    Cancelled,
+}
+
+/// The broker URL, from the credential file or the environment; never logged.
+fn broker_url() -> Result<String, WorkerError> {
+    if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") {
+        let path = std::path::Path::new(&dir).join(CREDENTIAL_URL);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let url = text.trim_end_matches(['\n', '\r']).to_owned();
+                if url.is_empty() {
+                    return Err(WorkerError::Credential("is empty".into()));
+                }
+                return Ok(url);
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => return Err(WorkerError::Credential(format!("could not be read: {err}"))),
+        }
+    }
+    std::env::var(ENV_URL).ok().filter(|url| !url.is_empty()).ok_or(WorkerError::NoUrl)
+}
+
+/// What every run of this worker shares.
+struct Worker {
+    name: String,
+    queue: String,
+    url: String,
+    concurrency: u16,
+    spec: ExecSpec,
+    stop_timeout: Duration,
+    health_interval: Duration,
+    completed: AtomicU64,
+    failed: AtomicU64,
+    redelivered: AtomicU64,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("name", &self.name).field("queue", &self.queue).finish()
+    }
+}
+
+/// Command answers awaited by runs, by `run_id` + command id.
+type Waiters = Arc<Mutex<HashMap<(String, String), oneshot::Sender<CommandAnswer>>>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn main() -> ExitCode {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=warn")),
+        )
+        .with_writer(std::io::stdout)
+        .init();
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            error!(error = %err, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(start(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            error!(error = %err, "worker stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn start(args: Args) -> Result<(), WorkerError> {
+    if args.concurrency == 0 {
+        return Err(WorkerError::Concurrency);
+    }
+    let url = broker_url()?;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "worker".into());
+    let worker = Arc::new(Worker {
+        name: format!("{host}:{}", std::process::id()),
+        queue: args.queue,
+        url,
+        concurrency: args.concurrency,
+        spec: ExecSpec {
+            command: args.command,
+            env: args.env.into_iter().collect::<BTreeMap<_, _>>(),
+            timeout: Duration::from_secs(args.timeout_secs.max(1)),
+            max_output_bytes: args.max_output_bytes.max(1),
+            stdin: args.stdin,
+        },
+        stop_timeout: Duration::from_secs(args.stop_timeout_secs),
+        health_interval: Duration::from_secs(args.health_interval_secs.max(1)),
+        completed: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
+        redelivered: AtomicU64::new(0),
+    });
+    let stop = CancellationToken::new();
+    let on_signal = stop.clone();
+    tokio::spawn(async move {
+        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+        let int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
+        if let (Ok(mut term), Ok(mut int)) = (term, int) {
+            tokio::select! {
+                _ = term.recv() => info!("SIGTERM: stopping"),
+                _ = int.recv() => info!("SIGINT: stopping"),
+            }
+        }
+        on_signal.cancel();
+    });
+    let mut pause = RECONNECT_MIN;
+    loop {
+        match session(&worker, &stop).await {
+            Ok(()) => {
+                info!("worker stopped");
+                return Ok(());
+            }
+            Err(err) => {
+                warn!(error = %err, "broker connection lost; running runs are left to redelivery; reconnecting");
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = stop.cancelled() => {
+                info!("worker stopped while disconnected");
+                return Ok(());
+            }
+        }
+        pause = (pause * 2).min(RECONNECT_MAX);
+    }
+}
+
+/// One connection's life: consumes runs until stopped (`Ok`) or the connection fails
+/// (`Err`; runs in progress are dropped, their agents killed, and RabbitMQ redelivers their
+/// messages).
+async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), WorkerError> {
+    let properties = ConnectionProperties::default()
+        .with_connection_name(LongString::from(format!("channeld-worker {}", worker.name)));
+    let connection = Connection::connect(&worker.url, properties).await?;
+    let consume = connection.create_channel().await?;
+    declare_run_queue(&consume, &worker.queue).await?;
+    consume.basic_qos(worker.concurrency, BasicQosOptions::default()).await?;
+    let publish = confirm_channel(&connection).await?;
+    // Command answers for this worker's runs: a private queue that goes with the connection.
+    let commands = connection.create_channel().await?;
+    let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+    let command_queue =
+        commands.queue_declare("".into(), private, FieldTable::default()).await?.name().to_string();
+    let mut answers = commands
+        .basic_consume(
+            command_queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions { no_ack: true, ..Default::default() },
+            FieldTable::default(),
+        )
+        .await?;
+    let tag = format!("channeld-worker-{}", worker.name);
+    let mut consumer = consume
+        .basic_consume(
+            worker.queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    info!(queue = %worker.queue, concurrency = worker.concurrency, worker = %worker.name, "worker ready");
+    let waiters: Waiters = Arc::default();
+    let mut runs = JoinSet::new();
+    let mut health = tokio::time::interval(worker.health_interval);
+    let connection_lost = loop {
+        tokio::select! {
+            () = stop.cancelled() => break None,
+            delivery = consumer.next() => match delivery {
+                Some(Ok(delivery)) => {
+                    let run = Run {
+                        worker: worker.clone(),
+                        publish: publish.clone(),
+                        command_queue: command_queue.clone(),
+                        waiters: waiters.clone(),
+                    };
+                    runs.spawn(run.handle(delivery));
+                }
+                Some(Err(err)) => break Some(WorkerError::Broker(err)),
+                None => break Some(WorkerError::Cancelled),
+            },
+            answer = answers.next() => match answer {
+                Some(Ok(delivery)) => answer_command(&waiters, &delivery),
+                Some(Err(err)) => break Some(WorkerError::Broker(err)),
+                None => break Some(WorkerError::Cancelled),
+            },
+            Some(_) = runs.join_next() => {}
+            _ = health.tick() => log_health(worker, runs.len(), true),
+        }
+    };
+    if let Some(err) = connection_lost {
+        runs.abort_all();
+        return Err(err);
+    }
+    // Graceful stop: no new runs; the running ones may finish, then are handed back.
+    info!(running = runs.len(), "stopping: no new runs; waiting for the running ones");
+    if let Err(err) = consume.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await
+    {
+        debug!(error = %err, "cancelling the consumer failed");
+    }
+    let deadline = tokio::time::Instant::now() + worker.stop_timeout;
+    while !runs.is_empty() {
+        tokio::select! {
+            _ = runs.join_next() => {}
+            answer = answers.next() => {
+                if let Some(Ok(delivery)) = answer { answer_command(&waiters, &delivery) }
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                warn!(running = runs.len(), "stop timeout: handing the running runs back to the queue");
+                runs.abort_all();
+                while runs.join_next().await.is_some() {}
+            }
+        }
+    }
+    // Closing the channels requeues whatever is unacknowledged (runs handed back).
+    let _ = connection.close(200, "worker stopping".into()).await;
+    log_health(worker, 0, false);
+    Ok(())
+}
+
+fn log_health(worker: &Worker, running: usize, connected: bool) {
+    info!(
+        connected,
+        running,
+        completed = worker.completed.load(Ordering::Relaxed),
+        failed = worker.failed.load(Ordering::Relaxed),
+        redelivered = worker.redelivered.load(Ordering::Relaxed),
+        "worker health"
+    );
+}
+
+fn answer_command(waiters: &Waiters, delivery: &Delivery) {
+    match serde_json::from_slice::<CommandReply>(&delivery.data) {
+        Ok(reply) => {
+            let key = (reply.run_id.clone(), reply.command_id.to_string());
+            match lock(waiters).remove(&key) {
+                Some(waiter) => {
+                    let _ = waiter.send(reply.answer());
+                }
+                None => {
+                    debug!(run_id = %key.0, command_id = %key.1, "answer for a command no run waits for")
+                }
+            }
+        }
+        Err(err) => warn!(error = %err, "unreadable command answer ignored"),
+    }
+}
+
+/// One run message being worked on.
+struct Run {
+    worker: Arc<Worker>,
+    publish: Channel,
+    command_queue: String,
+    waiters: Waiters,
+}
+
+impl Run {
+    async fn handle(self, delivery: Delivery) {
+        let properties = &delivery.properties;
+        let reply_to = properties.reply_to().as_ref().map(|q| q.to_string());
+        let parsed = AgentRun::from_slice(&delivery.data);
+        let (mut agent_run, reply_to) = match (parsed, reply_to) {
+            (Ok(run), Some(reply_to)) if !reply_to.is_empty() => (run, reply_to),
+            (parsed, reply_to) => {
+                // Not a run this worker can answer: dead-lettered, never retried.
+                let reason = match parsed {
+                    Err(err) => err.to_string(),
+                    Ok(_) => format!("no reply_to ({reply_to:?})"),
+                };
+                error!(%reason, "run message refused (dead-lettered)");
+                let _ = delivery.acker.reject(BasicRejectOptions { requeue: false }).await;
+                return;
+            }
+        };
+        if delivery.redelivered {
+            agent_run.mark_redelivered();
+        }
+        // The environment from the inbound's metadata, filtered again by the run's family.
+        let env = amqp::env_from_headers(properties.headers().as_ref());
+        agent_run.set_metadata_env(env.iter().map(|(name, value)| (name.as_str(), value.as_str())));
+        let run_id = agent_run.run_id.clone();
+        if agent_run.redelivered {
+            self.worker.redelivered.fetch_add(1, Ordering::Relaxed);
+        }
+        info!(%run_id, redelivered = agent_run.redelivered, "run started");
+        let io = WorkerIo { run: &self, run_id: &run_id, reply_to: &reply_to };
+        // Runs are not cancelled from the hub (a cancel there only ends the hub's wait).
+        let never = CancellationToken::new();
+        let outcome =
+            match channeld_agent_exec::run(&self.worker.spec, &agent_run, &io, &never).await {
+                Ok(output) => Outcome::Reply { reply: output.reply, metadata: output.metadata },
+                Err(err) => {
+                    warn!(%run_id, error = %err, "agent run failed");
+                    self.worker.failed.fetch_add(1, Ordering::Relaxed);
+                    Outcome::Failed { code: err.code().to_owned(), message: err.public_message() }
+                }
+            };
+        let record = Record::Final {
+            run_id: run_id.clone(),
+            worker: self.worker.name.clone(),
+            redelivered: agent_run.redelivered,
+            outcome,
+        };
+        let body = serde_json::to_vec(&record).expect("records serialize");
+        let properties = json_properties(record.kind(), &run_id);
+        match publish_confirmed(&self.publish, &reply_to, &body, properties).await {
+            Ok(()) => {
+                if let Err(err) = delivery.acker.ack(BasicAckOptions::default()).await {
+                    warn!(%run_id, error = %err, "run finished but its ack failed; it will be redelivered");
+                } else {
+                    self.worker.completed.fetch_add(1, Ordering::Relaxed);
+                    info!(%run_id, "run finished");
+                }
+            }
+            Err(err) => {
+                warn!(%run_id, error = %err, "final record not confirmed; the run goes back to the queue");
+                let _ = delivery
+                    .acker
+                    .nack(BasicNackOptions { requeue: true, ..Default::default() })
+                    .await;
+            }
+        }
+    }
+}
+
+/// A run's live side: effects and commands go to the hub's reply queue.
+struct WorkerIo<'a> {
+    run: &'a Run,
+    run_id: &'a str,
+    reply_to: &'a str,
+}
+
+impl WorkerIo<'_> {
+    async fn send(&self, record: &Record) -> Result<(), amqp::PublishError> {
+        let body = serde_json::to_vec(record).expect("records serialize");
+        let properties = json_properties(record.kind(), self.run_id);
+        publish_confirmed(&self.run.publish, self.reply_to, &body, properties).await
+    }
+}
+
+impl RunIo for WorkerIo<'_> {
+    fn effect(&self, effect: Effect) {
+        // Live progress: sent without holding the run up; one lost with the connection is
+        // not retried.
+        let record = Record::Effect { run_id: self.run_id.to_owned(), effect };
+        let body = serde_json::to_vec(&record).expect("records serialize");
+        let properties = json_properties(record.kind(), self.run_id);
+        let (channel, queue) = (self.run.publish.clone(), self.reply_to.to_owned());
+        tokio::spawn(async move {
+            if let Err(err) = publish_confirmed(&channel, &queue, &body, properties).await {
+                debug!(error = %err, "effect not sent");
+            }
+        });
+    }
+
+    async fn stream(&self, item: StreamItem) {
+        // Deltas and tool reports go in order: each is confirmed before the next line is read.
+        let run_id = self.run_id.to_owned();
+        let record = match item {
+            StreamItem::Delta(text) => Record::Delta { run_id, text },
+            StreamItem::Tool(tool) => Record::Tool { run_id, tool },
+        };
+        if let Err(err) = self.send(&record).await {
+            debug!(run_id = %self.run_id, error = %err, "stream record not sent");
+        }
+    }
+
+    async fn command(&self, command_id: Id, command: Command) -> CommandAnswer {
+        let key = (self.run_id.to_owned(), command_id.to_string());
+        let (tx, rx) = oneshot::channel();
+        lock(&self.run.waiters).insert(key.clone(), tx);
+        let record = Record::Command {
+            run_id: self.run_id.to_owned(),
+            command_id,
+            command,
+            reply_to: self.run.command_queue.clone(),
+        };
+        let answer = match self.send(&record).await {
+            Err(err) => {
+                CommandAnswer::rejected(format!("the command could not reach the hub: {err}"))
+            }
+            // The hub answers within its command timeout; the run's own limit bounds the wait.
+            Ok(()) => match tokio::time::timeout(self.run.worker.spec.timeout, rx).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) | Err(_) => CommandAnswer::rejected("no answer from the hub in time"),
+            },
+        };
+        lock(&self.run.waiters).remove(&key);
+        answer
+    }
+}
