@@ -20,7 +20,7 @@ const INSTANCE: &str = "wecom.ops";
 const BOT: &str = "aib-ops";
 const SECRET: &str = "s3cret-ops";
 /// How long a test waits for something the driver should do within a few seconds.
-const WITHIN: Duration = Duration::from_secs(20);
+const WITHIN: Duration = Duration::from_secs(45);
 
 /// Starts `channeld-wecom` for [`INSTANCE`] against `fake` with `secret` and `env`.
 fn spawn_driver(

@@ -175,7 +175,9 @@ impl Inbox<'_> {
             debug!(%event_id, "event older than the lookback window; ignored");
             return true;
         }
-        if self.state.read(|s| s.is_seen(&event_id)) || lock(self.held).is_reported(&event_id) {
+        // Held before seen: a settlement marks an event seen and only then releases it, so
+        // checking in this order never misses one settled between the two checks.
+        if lock(self.held).is_reported(&event_id) || self.state.read(|s| s.is_seen(&event_id)) {
             return true;
         }
         let incoming = match self.open(&event).await {
@@ -186,12 +188,12 @@ impl Inbox<'_> {
             }
         };
         let message_id = incoming.id.to_hex();
+        if lock(self.held).is_reported(&message_id) {
+            return true;
+        }
         if self.state.read(|s| s.is_seen(&message_id)) {
             // The same message in another wrap (or relayed again): already handled.
             self.state.update(|s| s.mark_seen(event_id, at, None));
-            return true;
-        }
-        if lock(self.held).is_reported(&message_id) {
             return true;
         }
         let report = match convert::report(&self.hub.channel().clone(), &incoming, relay) {
