@@ -399,9 +399,10 @@ async fn a_streamed_reply_arrives_as_deltas_and_tool_reports_in_order_then_the_f
         last["message"]["content"][0]["text"],
         "Analysis result: the root cause is a lock order"
     );
-    // Not asserted: `routing` from the agent's reply metadata. The driver copies a
-    // `routing` metadata entry onto `final`, but the merged hub's deliver did not carry it in
-    // this run (open question for the hub side).
+    // The agent's reply metadata `routing` rides on `final` as the guide's structured routing.
+    assert_eq!(last["routing"]["mode"], "required", "{last}");
+    assert_eq!(last["routing"]["responders"][0]["value"], "DBA");
+    assert_eq!(last["routing"]["reason"], "a DBA is needed");
     assert!(record.response_index(&send).unwrap() < record.event_index(&run_id, "delta").unwrap());
     assert_no_violations(&record);
 }

@@ -143,9 +143,40 @@ pub fn tool_event(
     }
 }
 
+/// Extra `final` fields from the reply's metadata: an agent's `routing` entry (a JSON
+/// object, the guide's structured routing) goes onto the event as it is. Anything that is not
+/// an object is left out with a warning: BCN would fall back to @mention parsing anyway.
+pub fn final_extra(metadata: &BTreeMap<String, String>) -> serde_json::Map<String, Value> {
+    let mut extra = serde_json::Map::new();
+    if let Some(routing) = metadata.get("routing") {
+        match serde_json::from_str::<Value>(routing) {
+            Ok(value @ Value::Object(_)) => {
+                extra.insert("routing".into(), value);
+            }
+            _ => tracing::warn!("reply metadata `routing` is not a JSON object; left out of final"),
+        }
+    }
+    extra
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_routing_object_in_reply_metadata_goes_onto_final_and_anything_else_does_not() {
+        let mut metadata = BTreeMap::new();
+        assert!(final_extra(&metadata).is_empty());
+        metadata.insert("tag".into(), "x".into());
+        metadata.insert("routing".into(), r#"{"mode":"required","responders":[]}"#.into());
+        let extra = final_extra(&metadata);
+        assert_eq!(extra.len(), 1);
+        assert_eq!(extra["routing"]["mode"], "required");
+        metadata.insert("routing".into(), "DBA please".into());
+        assert!(final_extra(&metadata).is_empty());
+        metadata.insert("routing".into(), "[1]".into());
+        assert!(final_extra(&metadata).is_empty());
+    }
 
     fn params(value: Value) -> ChatParams {
         serde_json::from_value(value).unwrap()

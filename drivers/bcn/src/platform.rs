@@ -513,9 +513,10 @@ impl Driver for BcnDriver {
             ));
         }
         let text = post.message.body.text_str();
+        let extra = convert::final_extra(&post.message.metadata);
         match self
             .shared
-            .chat_event(run_id, wire::state::FINAL, Some(text), Some(Ending::Final))
+            .chat_event_with(run_id, wire::state::FINAL, Some(text), Some(Ending::Final), extra)
             .await
         {
             Ok(seq) => Ok(DeliveryReceipt {
