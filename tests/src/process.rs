@@ -180,6 +180,31 @@ impl HubProcess {
             .unwrap_or_else(|| panic!("{instance} missing from status: {status}"))
     }
 
+    /// Polls `channelctl status` until `check` holds for `instance`; panics after `within`
+    /// naming `what`, with the last status and `context()` (a driver's log, say).
+    pub async fn wait_status(
+        &self,
+        instance: &str,
+        what: &str,
+        within: Duration,
+        check: impl Fn(&serde_json::Value) -> bool,
+        context: impl Fn() -> String,
+    ) -> serde_json::Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let status = tokio::task::block_in_place(|| self.instance_status(instance));
+            if check(&status) {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{instance}: {what} not seen within {within:?}: {status}\n{}",
+                context()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Runs `channelctl` against this hub.
     pub fn ctl(&self, args: &[&str]) -> Output {
         channelctl(&self.control_socket(), args)

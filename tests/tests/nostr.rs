@@ -83,18 +83,13 @@ async fn wait_ready(hub: &HubProcess) -> Value {
 }
 
 async fn wait_health(hub: &HubProcess, state: &str) -> Value {
-    let deadline = Instant::now() + READY_WITHIN;
-    loop {
-        let status = hub.instance_status(BOT);
-        // Until the driver reports its own health the hub shows its placeholder "driver
-        // connected" as Ready; wait for the driver's report.
+    // Until the driver reports its own health the hub shows its placeholder "driver
+    // connected" as Ready; wait for the driver's report.
+    let check = |status: &Value| {
         let reported = status["health"]["detail"] != "driver connected";
-        if status["connected"] == true && status["health"]["state"] == state && reported {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "{BOT} not {state} within {READY_WITHIN:?}: {status}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        status["connected"] == true && status["health"]["state"] == state && reported
+    };
+    hub.wait_status(BOT, state, READY_WITHIN, check, String::new).await
 }
 
 fn counter(hub: &HubProcess, name: &str) -> u64 {

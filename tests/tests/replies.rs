@@ -82,15 +82,7 @@ async fn wait_status(
     limit: Duration,
     check: impl Fn(&Value) -> bool,
 ) -> Value {
-    let deadline = Instant::now() + limit;
-    loop {
-        let status = tokio::task::block_in_place(|| hub.instance_status(instance));
-        if check(&status) {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "{what} not within {limit:?}: {status}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    hub.wait_status(instance, what, limit, check, String::new).await
 }
 
 fn replies(status: &Value, state: &str) -> u64 {

@@ -67,19 +67,8 @@ fn hub_with(allow: &[&str], agent: Option<&Path>, extra: &str) -> HubProcess {
 
 /// Waits until the hub shows the driver connected with `state`; returns the status row.
 async fn wait_health(hub: &HubProcess, state: &str, log: &dyn Fn() -> String) -> Value {
-    let deadline = Instant::now() + WITHIN;
-    loop {
-        let status = hub.instance_status(INSTANCE);
-        if status["connected"] == true && status["health"]["state"] == state {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{INSTANCE} not {state} within {WITHIN:?}: {status}\n{}",
-            log()
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let check = |status: &Value| status["connected"] == true && status["health"]["state"] == state;
+    hub.wait_status(INSTANCE, state, WITHIN, check, log).await
 }
 
 async fn wait_sent(fake: &FakeIlink, count: usize, what: &str) -> Records {

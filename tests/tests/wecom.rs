@@ -65,19 +65,7 @@ async fn wait_status(
     what: &str,
     check: impl Fn(&Value) -> bool,
 ) -> Value {
-    let deadline = Instant::now() + WITHIN;
-    loop {
-        let status = hub.instance_status(INSTANCE);
-        if check(&status) {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what} not seen within {WITHIN:?}: {status}\n{}",
-            driver.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    hub.wait_status(INSTANCE, what, WITHIN, check, || driver.log()).await
 }
 
 fn ready(status: &Value) -> bool {

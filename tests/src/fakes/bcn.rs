@@ -589,20 +589,15 @@ impl FakeBcn {
         within: Duration,
         mut check: impl FnMut(&Platform) -> Option<T>,
     ) -> T {
-        let mut version = self.shared.version.subscribe();
-        let deadline = Instant::now() + within;
-        loop {
-            version.borrow_and_update();
-            if let Some(found) = check(&self.shared.platform()) {
-                return found;
-            }
-            if tokio::time::timeout_at(deadline, version.changed()).await.is_err() {
-                panic!(
-                    "the fake BCN did not see {what} within {within:?}\n{}",
-                    self.shared.platform().record.summary()
-                );
-            }
-        }
+        super::wait_until(
+            "BCN",
+            what,
+            within,
+            self.shared.version.subscribe(),
+            || check(&self.shared.platform()),
+            || self.shared.platform().record.summary(),
+        )
+        .await
     }
 }
 

@@ -268,22 +268,15 @@ impl FakeSlack {
         within: Duration,
         mut check: impl FnMut(&Record) -> Option<T>,
     ) -> T {
-        let mut version = self.shared.version.subscribe();
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            if let Some(found) = check(&self.shared.lock().record) {
-                return found;
-            }
-            match tokio::time::timeout_at(deadline, version.changed()).await {
-                Ok(Ok(())) => {}
-                _ => {
-                    let record = self.record();
-                    panic!(
-                        "fake Slack: {what} did not happen within {within:?}; record: {record:#?}"
-                    )
-                }
-            }
-        }
+        super::wait_until(
+            "Slack",
+            what,
+            within,
+            self.shared.version.subscribe(),
+            || check(&self.shared.lock().record),
+            || format!("record: {:#?}", self.record()),
+        )
+        .await
     }
 
     /// Adds a person `users.info` knows.

@@ -440,23 +440,15 @@ impl FakeIlink {
         what: &str,
         mut probe: impl FnMut(&Records) -> Option<T>,
     ) -> T {
-        let mut changed = self.shared.subscribe();
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            changed.borrow_and_update();
-            if let Some(found) = self.shared.with(|world| probe(&world.records)) {
-                return found;
-            }
-            tokio::select! {
-                result = changed.changed() => {
-                    result.expect("the fake iLink server state is gone");
-                }
-                () = tokio::time::sleep_until(deadline) => {
-                    let summary = self.shared.with(|world| summary(&world.records));
-                    panic!("the fake iLink server did not see {what} within {within:?}; {summary}");
-                }
-            }
-        }
+        super::wait_until(
+            "iLink server",
+            what,
+            within,
+            self.shared.subscribe(),
+            || self.shared.with(|world| probe(&world.records)),
+            || self.shared.with(|world| summary(&world.records)),
+        )
+        .await
     }
 
     /// Stops serving and closes the port; held requests are answered 503.

@@ -274,20 +274,15 @@ impl FakeWeCom {
         within: Duration,
         mut check: impl FnMut(&Platform) -> Option<T>,
     ) -> T {
-        let mut version = self.shared.version.subscribe();
-        let deadline = Instant::now() + within;
-        loop {
-            version.borrow_and_update();
-            if let Some(found) = check(&self.shared.platform()) {
-                return found;
-            }
-            if tokio::time::timeout_at(deadline, version.changed()).await.is_err() {
-                panic!(
-                    "the fake WeCom did not see {what} within {within:?}\n{}",
-                    self.shared.platform().record.summary()
-                );
-            }
-        }
+        super::wait_until(
+            "WeCom",
+            what,
+            within,
+            self.shared.version.subscribe(),
+            || check(&self.shared.platform()),
+            || self.shared.platform().record.summary(),
+        )
+        .await
     }
 }
 
