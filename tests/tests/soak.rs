@@ -78,6 +78,18 @@ fn console(hub: &HubProcess, answers: Arc<Mutex<HashMap<String, usize>>>) -> Con
     Console { child, input }
 }
 
+/// Consecutive numbers in `sorted` as (first, last) runs.
+fn runs(sorted: &[u64]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &n in sorted {
+        match runs.last_mut() {
+            Some((_, last)) if *last + 1 == n => *last = n,
+            _ => runs.push((n, n)),
+        }
+    }
+    runs
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a long soak: scripts/soak [MINUTES]"]
 async fn soak() {
@@ -138,7 +150,13 @@ async fn soak() {
     );
 
     let end = Instant::now() + Duration::from_secs(minutes * 60);
-    let mut next_fault = Instant::now() + Duration::from_secs(20 + fastrand::u64(0..20));
+    // SOAK_FAULT_SECS (default 20): faults come every 1–3 times that.
+    let fault_secs: u64 =
+        std::env::var("SOAK_FAULT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let mut next_fault =
+        Instant::now() + Duration::from_secs(fault_secs + fastrand::u64(0..fault_secs));
+    // (mqtt messages sent before it, fault): to place a loss next to its cause.
+    let mut fault_log: Vec<(u64, &str)> = Vec::new();
     let (mut mqtt_sent, mut console_sent, mut sends) = (0u64, 0u64, 0u64);
     let mut send_outcomes: HashMap<i32, u64> = HashMap::new();
     let mut faults: HashMap<&str, u64> = HashMap::new();
@@ -172,22 +190,25 @@ async fn soak() {
             sends += 1;
         }
         if Instant::now() >= next_fault {
-            match fastrand::u8(0..3) {
+            let fault = match fastrand::u8(0..3) {
                 0 => {
                     driver.kill();
                     driver = DriverProcess::spawn("channeld-mqtt", &hub, MQTT, &mqtt_env);
-                    *faults.entry("driver kill").or_default() += 1;
+                    "driver kill"
                 }
                 1 => {
                     hub.restart();
-                    *faults.entry("hub kill").or_default() += 1;
+                    "hub kill"
                 }
                 _ => {
                     broker.restart();
-                    *faults.entry("broker restart").or_default() += 1;
+                    "broker restart"
                 }
-            }
-            next_fault = Instant::now() + Duration::from_secs(20 + fastrand::u64(0..40));
+            };
+            *faults.entry(fault).or_default() += 1;
+            fault_log.push((mqtt_sent, fault));
+            next_fault =
+                Instant::now() + Duration::from_secs(fault_secs + fastrand::u64(0..2 * fault_secs));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -211,9 +232,25 @@ async fn soak() {
         ],
     );
     let replies = replies.lock().unwrap().clone();
-    let mqtt_lost = (0..mqtt_sent).filter(|n| !replies.contains_key(&format!("mqtt-{n}"))).count();
+    let lost: Vec<u64> =
+        (0..mqtt_sent).filter(|n| !replies.contains_key(&format!("mqtt-{n}"))).collect();
+    let mqtt_lost = lost.len();
+    for (first, last) in runs(&lost).into_iter().take(20) {
+        let cause = fault_log.iter().rev().find(|(at, _)| *at <= first);
+        println!("soak: mqtt-{first}..=mqtt-{last} without reply (after {cause:?})");
+    }
     let mqtt_dup: usize =
         replies.iter().filter(|(k, _)| k.starts_with("mqtt-")).map(|(_, n)| n - 1).sum();
+    let mut repeated: Vec<u64> = replies
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .filter_map(|(k, _)| k.strip_prefix("mqtt-")?.parse().ok())
+        .collect();
+    repeated.sort_unstable();
+    for (first, last) in runs(&repeated).into_iter().take(20) {
+        let cause = fault_log.iter().rev().find(|(at, _)| *at <= first);
+        println!("soak: mqtt-{first}..=mqtt-{last} answered twice (after {cause:?})");
+    }
     let posted_sends = (0..sends).filter(|n| replies.contains_key(&format!("send-{n}"))).count();
     let send_dup: usize =
         replies.iter().filter(|(k, _)| k.starts_with("send-")).map(|(_, n)| n - 1).sum();
