@@ -26,6 +26,31 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 use serde::{Deserialize, Serialize};
 
+/// The broker URLs in a URL setting: one URL, or several separated by commas (the nodes of
+/// a RabbitMQ cluster), in the order they are tried. Blanks around each are ignored.
+pub fn broker_urls(setting: &str) -> Vec<&str> {
+    setting.split(',').map(str::trim).filter(|url| !url.is_empty()).collect()
+}
+
+/// Connects to the first broker of `setting` ([`broker_urls`]) that accepts the connection,
+/// trying them in order; the error is the last one's (errors never carry the URL, a secret).
+pub async fn connect_first(
+    setting: &str,
+    properties: lapin::ConnectionProperties,
+) -> lapin::Result<lapin::Connection> {
+    let urls = broker_urls(setting);
+    let mut last = None;
+    for url in urls {
+        match lapin::Connection::connect(url, properties.clone()).await {
+            Ok(connection) => return Ok(connection),
+            Err(err) => last = Some(err),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed))
+    }))
+}
+
 /// Deliveries of one run message before RabbitMQ dead-letters it (a run that kills every
 /// worker it reaches does not go round forever).
 pub const RUN_DELIVERY_LIMIT: i64 = 5;
@@ -265,6 +290,30 @@ impl CommandReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_setting_lists_the_nodes_in_order() {
+        assert_eq!(broker_urls("amqp://a:1/%2f"), ["amqp://a:1/%2f"]);
+        assert_eq!(
+            broker_urls("amqp://a:1/%2f, amqp://b:2/%2f,,amqps://c:3/v "),
+            ["amqp://a:1/%2f", "amqp://b:2/%2f", "amqps://c:3/v"]
+        );
+        assert!(broker_urls(" , ").is_empty());
+    }
+
+    #[tokio::test]
+    async fn connecting_tries_the_next_node_when_one_refuses() {
+        // Two loopback ports nobody listens on: both refused, the last error is returned.
+        let closed = || {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            listener.local_addr().expect("addr").port()
+        };
+        let setting =
+            format!("amqp://127.0.0.1:{}/%2f,amqp://127.0.0.1:{}/%2f", closed(), closed());
+        let err = connect_first(&setting, lapin::ConnectionProperties::default()).await;
+        assert!(err.is_err());
+        assert!(!format!("{:?}", err.err()).contains("127.0.0.1:"), "errors do not name the URL");
+    }
 
     #[test]
     fn records_round_trip_and_finals_are_flat() {

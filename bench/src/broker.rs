@@ -1,6 +1,7 @@
 //! A mosquitto broker on a free loopback port, no inflight limit, no persistence, with Nagle
 //! off (`set_tcp_nodelay true`) or as installed (Nagle on): which is faster depends on the
-//! row, so the bench measures both and compares against the better one.
+//! row, so the bench measures both and compares against the better one. And a RabbitMQ node
+//! with its own epmd, for the AMQP rows.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -74,4 +75,91 @@ pub fn mosquitto_version() -> Option<String> {
     let out = Command::new(binary).arg("-h").stdin(Stdio::null()).output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     text.lines().find(|l| l.contains("version")).map(|l| l.trim().to_owned())
+}
+
+/// A RabbitMQ node with its own epmd (so nothing outlives the bench), both stopped by PID.
+pub struct RabbitMq {
+    pub port: u16,
+    node: Proc,
+    epmd: Proc,
+}
+
+impl Drop for RabbitMq {
+    fn drop(&mut self) {
+        // The start script stops the Erlang node on SIGTERM; that takes a few seconds, and
+        // killing the script early would orphan the node.
+        let _ = self.node.stop(Duration::from_secs(60));
+        let _ = self.epmd.stop(Duration::from_secs(5));
+    }
+}
+
+impl RabbitMq {
+    /// Starts a fresh node with its config and data in `dir` and waits until it serves AMQP
+    /// (the default `guest` user, loopback only).
+    pub fn start(dir: &Path) -> Result<Self> {
+        let server = find_program(
+            "rabbitmq-server",
+            &["/usr/lib/rabbitmq/bin/rabbitmq-server", "/usr/sbin/rabbitmq-server"],
+        )
+        .context("rabbitmq-server is not installed: apt-get install rabbitmq-server")?;
+        let epmd_bin = find_epmd().context("epmd (Erlang) is not installed")?;
+        let epmd_port = free_port()?;
+        let epmd_child = Command::new(&epmd_bin)
+            .arg("-port")
+            .arg(epmd_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start epmd")?;
+        let mut epmd = Proc::new("epmd", epmd_child, None);
+        wait_until(&mut epmd, Duration::from_secs(10), "listen", || {
+            TcpStream::connect(("127.0.0.1", epmd_port)).is_ok()
+        })?;
+        let port = free_port()?;
+        let dist_port = free_port()?;
+        std::fs::write(
+            dir.join("rabbit.conf"),
+            format!("listeners.tcp.default = 127.0.0.1:{port}\n"),
+        )?;
+        std::fs::write(dir.join("plugins"), "[].\n")?;
+        let log = dir.join("rabbitmq.log");
+        let node = format!("channeld-bench-{}@localhost", std::process::id());
+        let child = Command::new(&server)
+            .env("ERL_EPMD_PORT", epmd_port.to_string())
+            .env("RABBITMQ_NODENAME", node)
+            .env("RABBITMQ_NODE_PORT", port.to_string())
+            .env("RABBITMQ_DIST_PORT", dist_port.to_string())
+            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbit"))
+            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", dir.join("log"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("plugins"))
+            .env("RABBITMQ_PID_FILE", dir.join("pid"))
+            .env("HOME", dir)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log)?)
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start rabbitmq-server")?;
+        let mut node = Proc::new("rabbitmq-server", child, Some(log));
+        wait_until(&mut node, Duration::from_secs(60), "accept AMQP connections", || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        })?;
+        Ok(Self { port, node, epmd })
+    }
+
+    /// The default `guest` user's URL.
+    pub fn guest_url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+}
+
+fn find_epmd() -> Option<PathBuf> {
+    if let Some(path) = find_program("epmd", &[]) {
+        return Some(path);
+    }
+    let erts = std::fs::read_dir("/usr/lib/erlang").ok()?;
+    erts.filter_map(|entry| entry.ok())
+        .map(|entry| entry.path().join("bin/epmd"))
+        .find(|path| path.is_file())
 }

@@ -52,6 +52,29 @@ impl HubProc {
         spec: &HubSpec,
         wrap: Option<&str>,
     ) -> Result<Self> {
+        Self::launch(bin_dir, dir, &config_text(spec, dir), spec.ledger, wrap, &[])
+    }
+
+    /// Starts the hub on the config `text` (written into `dir`), with `env` added to its
+    /// environment (where `env:NAME` settings find their secrets).
+    pub fn start_config(
+        bin_dir: &Path,
+        dir: &Path,
+        text: &str,
+        ledger: bool,
+        env: &[(&str, &str)],
+    ) -> Result<Self> {
+        Self::launch(bin_dir, dir, text, ledger, None, env)
+    }
+
+    fn launch(
+        bin_dir: &Path,
+        dir: &Path,
+        text: &str,
+        ledger: bool,
+        wrap: Option<&str>,
+        env: &[(&str, &str)],
+    ) -> Result<Self> {
         let channeld = binary(
             bin_dir,
             "channeld",
@@ -59,8 +82,7 @@ impl HubProc {
         )?;
         let runtime_dir = dir.join("run");
         let config = dir.join("channeld.toml");
-        std::fs::write(&config, config_text(spec, dir))
-            .with_context(|| format!("write {}", config.display()))?;
+        std::fs::write(&config, text).with_context(|| format!("write {}", config.display()))?;
         let log = dir.join("channeld.log");
         let mut words = wrap.map(str::split_whitespace).into_iter().flatten();
         let mut command = match words.next() {
@@ -72,9 +94,10 @@ impl HubProc {
             None => Command::new(&channeld),
         };
         command.arg("--config").arg(&config).arg("--runtime-dir").arg(&runtime_dir);
-        if spec.ledger {
+        if ledger {
             command.arg("--state-dir").arg(dir.join("state"));
         }
+        command.envs(env.iter().copied());
         let child = command
             .env_remove("STATE_DIRECTORY")
             .env("CHANNELD_LOG", "warn")

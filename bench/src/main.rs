@@ -21,6 +21,7 @@ mod phase;
 mod procs;
 mod report;
 mod stats;
+mod workers;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -106,6 +107,49 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         seconds: u64,
     },
+    /// Runs over RabbitMQ: throughput of the hub's `amqp` runtime with 1, 2 and 4
+    /// `channeld-worker`s on an agent that sleeps (starts RabbitMQ; `scripts/bench --workers`).
+    Workers {
+        /// Worker counts, one row each.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        workers: Vec<usize>,
+        /// Each worker's `--concurrency`.
+        #[arg(long, default_value_t = 4)]
+        concurrency: u16,
+        /// How long the agent sleeps before answering.
+        #[arg(long, default_value_t = 200)]
+        sleep_ms: u64,
+        /// Runs per row: this times the row's worker count (`--quick`: 10).
+        #[arg(long, default_value_t = 120)]
+        runs_per_worker: usize,
+        /// Where the JSON goes.
+        #[arg(long, default_value = "target/bench-workers.json")]
+        json: PathBuf,
+    },
+    /// The 1,000-run check against the broker(s) in `$CHANNELD_AMQP_URL` (comma-separated
+    /// node URLs), running `--stop-command` mid-stream; prints answered / lost / repeated.
+    /// Exits 1 unless every run was answered once and every repeat was flagged.
+    /// `scripts/rabbitmq-cluster` runs it against a three-node cluster.
+    ClusterRun {
+        #[arg(long, default_value_t = 1000)]
+        runs: usize,
+        #[arg(long, default_value_t = 2)]
+        workers: usize,
+        #[arg(long, default_value_t = 8)]
+        concurrency: u16,
+        /// How long the agent sleeps before answering.
+        #[arg(long, default_value_t = 20)]
+        sleep_ms: u64,
+        /// After this many answers, run `--stop-command`.
+        #[arg(long, default_value_t = 300)]
+        stop_after: usize,
+        /// A shell command run mid-stream (e.g. stopping one broker node).
+        #[arg(long)]
+        stop_command: Option<String>,
+        /// Seconds without any frame before the missing runs count as lost.
+        #[arg(long, default_value_t = 90)]
+        quiet_secs: u64,
+    },
     /// Internal: the minimal SDK driver (launch settings from the environment).
     #[command(hide = true)]
     Driver,
@@ -158,6 +202,42 @@ fn main() -> ExitCode {
             let measure = std::time::Duration::from_secs(seconds);
             metrics_cost::metrics_cost(&bin_dir, reps.max(1), measure)
         }),
+        Cmd::Workers { workers, concurrency, sleep_ms, runs_per_worker, json } => bin_dir(&cli.run)
+            .and_then(|bin_dir| {
+                workers::workers_bench(&workers::WorkersArgs {
+                    bin_dir,
+                    workers,
+                    concurrency: concurrency.max(1),
+                    sleep: std::time::Duration::from_millis(sleep_ms),
+                    runs_per_worker: if cli.run.quick { 10 } else { runs_per_worker.max(1) },
+                    json,
+                })
+            }),
+        Cmd::ClusterRun {
+            runs,
+            workers,
+            concurrency,
+            sleep_ms,
+            stop_after,
+            stop_command,
+            quiet_secs,
+        } => {
+            let args = bin_dir(&cli.run).map(|bin_dir| workers::ClusterArgs {
+                bin_dir,
+                runs,
+                workers: workers.max(1),
+                concurrency: concurrency.max(1),
+                sleep: std::time::Duration::from_millis(sleep_ms),
+                stop_after,
+                stop_command,
+                quiet: std::time::Duration::from_secs(quiet_secs.max(1)),
+            });
+            match args.and_then(|args| workers::cluster_run(&args)) {
+                Ok(true) => return ExitCode::SUCCESS,
+                Ok(false) => return ExitCode::FAILURE,
+                Err(err) => Err(err),
+            }
+        }
         Cmd::Memory { result } => bin_dir(&cli.run).and_then(|bin_dir| {
             let drivers = memory::run_memory(&bin_dir, cli.run.quick, cli.run.amqp)?;
             write_json(&result, &drivers)

@@ -1,17 +1,16 @@
 //! Resident size of idle driver processes, one per family that can run here, each connected
 //! to a hub (and to its broker, for the broker families) and then left alone.
 
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde_json::Value;
 
-use crate::broker::Mosquitto;
+use crate::broker::{Mosquitto, RabbitMq};
 use crate::hub::{HubProc, HubSpec, MAIN_INSTANCE, any_health, transport_connected};
-use crate::procs::{Proc, find_program, free_port, rss_kib, wait_until};
+use crate::procs::{Proc, rss_kib};
 use crate::report::DriverMemory;
 
 /// How long a driver sits idle after connecting before its resident size is read.
@@ -192,84 +191,4 @@ fn missing(family: &str, path: &Path) -> DriverMemory {
         rss_anon_kib: None,
         note: format!("not measured: {} is not built", path.display()),
     }
-}
-
-/// A RabbitMQ node with its own epmd (so nothing outlives the bench), both stopped by PID.
-struct RabbitMq {
-    port: u16,
-    node: Proc,
-    epmd: Proc,
-}
-
-impl Drop for RabbitMq {
-    fn drop(&mut self) {
-        // The start script stops the Erlang node on SIGTERM; that takes a few seconds, and
-        // killing the script early would orphan the node.
-        let _ = self.node.stop(Duration::from_secs(60));
-        let _ = self.epmd.stop(Duration::from_secs(5));
-    }
-}
-
-impl RabbitMq {
-    fn start(dir: &Path) -> Result<Self> {
-        let server = find_program(
-            "rabbitmq-server",
-            &["/usr/lib/rabbitmq/bin/rabbitmq-server", "/usr/sbin/rabbitmq-server"],
-        )
-        .context("rabbitmq-server is not installed: apt-get install rabbitmq-server")?;
-        let epmd_bin = find_epmd().context("epmd (Erlang) is not installed")?;
-        let epmd_port = free_port()?;
-        let epmd_child = Command::new(&epmd_bin)
-            .arg("-port")
-            .arg(epmd_port.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("start epmd")?;
-        let mut epmd = Proc::new("epmd", epmd_child, None);
-        wait_until(&mut epmd, Duration::from_secs(10), "listen", || {
-            TcpStream::connect(("127.0.0.1", epmd_port)).is_ok()
-        })?;
-        let port = free_port()?;
-        let dist_port = free_port()?;
-        std::fs::write(
-            dir.join("rabbit.conf"),
-            format!("listeners.tcp.default = 127.0.0.1:{port}\n"),
-        )?;
-        std::fs::write(dir.join("plugins"), "[].\n")?;
-        let log = dir.join("rabbitmq.log");
-        let node = format!("channeld-bench-{}@localhost", std::process::id());
-        let child = Command::new(&server)
-            .env("ERL_EPMD_PORT", epmd_port.to_string())
-            .env("RABBITMQ_NODENAME", node)
-            .env("RABBITMQ_NODE_PORT", port.to_string())
-            .env("RABBITMQ_DIST_PORT", dist_port.to_string())
-            .env("RABBITMQ_CONFIG_FILE", dir.join("rabbit"))
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("plugins"))
-            .env("RABBITMQ_PID_FILE", dir.join("pid"))
-            .env("HOME", dir)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log)?)
-            .stderr(Stdio::null())
-            .spawn()
-            .context("start rabbitmq-server")?;
-        let mut node = Proc::new("rabbitmq-server", child, Some(log));
-        wait_until(&mut node, Duration::from_secs(60), "accept AMQP connections", || {
-            TcpStream::connect(("127.0.0.1", port)).is_ok()
-        })?;
-        Ok(Self { port, node, epmd })
-    }
-}
-
-fn find_epmd() -> Option<PathBuf> {
-    if let Some(path) = find_program("epmd", &[]) {
-        return Some(path);
-    }
-    let erts = std::fs::read_dir("/usr/lib/erlang").ok()?;
-    erts.filter_map(|entry| entry.ok())
-        .map(|entry| entry.path().join("bin/epmd"))
-        .find(|path| path.is_file())
 }

@@ -26,14 +26,14 @@ use lapin::options::{
     BasicRejectOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, LongString};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, ConnectionProperties};
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 /// `$CREDENTIALS_DIRECTORY/amqp-url`, then `CHANNELD_AMQP_URL`: the broker URL (a secret,
-/// never an argument).
+/// never an argument), or a cluster's node URLs separated by commas, tried in order.
 const CREDENTIAL_URL: &str = "amqp-url";
 const ENV_URL: &str = "CHANNELD_AMQP_URL";
 /// Pause between reconnects to the broker (doubling up to the maximum).
@@ -113,7 +113,7 @@ fn broker_url() -> Result<String, WorkerError> {
         match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let url = text.trim_end_matches(['\n', '\r']).to_owned();
-                if url.is_empty() {
+                if amqp::broker_urls(&url).is_empty() {
                     return Err(WorkerError::Credential("is empty".into()));
                 }
                 return Ok(url);
@@ -122,7 +122,10 @@ fn broker_url() -> Result<String, WorkerError> {
             Err(err) => return Err(WorkerError::Credential(format!("could not be read: {err}"))),
         }
     }
-    std::env::var(ENV_URL).ok().filter(|url| !url.is_empty()).ok_or(WorkerError::NoUrl)
+    std::env::var(ENV_URL)
+        .ok()
+        .filter(|url| !amqp::broker_urls(url).is_empty())
+        .ok_or(WorkerError::NoUrl)
 }
 
 /// What every run of this worker shares.
@@ -245,7 +248,7 @@ async fn start(args: Args) -> Result<(), WorkerError> {
 async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), WorkerError> {
     let properties = ConnectionProperties::default()
         .with_connection_name(LongString::from(format!("channeld-worker {}", worker.name)));
-    let connection = Connection::connect(&worker.url, properties).await?;
+    let connection = amqp::connect_first(&worker.url, properties).await?;
     let consume = connection.create_channel().await?;
     declare_run_queue(&consume, &worker.queue).await?;
     consume.basic_qos(worker.concurrency, BasicQosOptions::default()).await?;

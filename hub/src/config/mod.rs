@@ -272,8 +272,15 @@ fn broker_url(key: &str, setting: &str) -> Result<BrokerUrl, ConfigError> {
             "must be \"env:VARIABLE\" or \"credential:NAME\"; a broker URL is a secret and never sits in the config file",
         ));
     };
-    if !(value.starts_with("amqp://") || value.starts_with("amqps://")) {
-        return Err(invalid(key, "the URL it names is not an amqp:// or amqps:// URL"));
+    // One URL, or a cluster's nodes separated by commas (tried in order).
+    let urls = channeld_agent_exec::amqp::broker_urls(&value);
+    if urls.is_empty()
+        || !urls.iter().all(|url| url.starts_with("amqp://") || url.starts_with("amqps://"))
+    {
+        return Err(invalid(
+            key,
+            "the value it names is not an amqp:// or amqps:// URL (or a comma-separated list of them)",
+        ));
     }
     Ok(BrokerUrl(value))
 }

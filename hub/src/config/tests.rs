@@ -168,6 +168,22 @@ fn an_amqp_runtime_takes_its_url_from_a_credential_never_from_the_file() {
 }
 
 #[test]
+fn an_amqp_runtime_url_may_list_a_clusters_nodes() {
+    let base = "[runtime.r]\nkind = \"amqp\"\nqueue = \"runs\"\nreply_queue = \"replies\"\n";
+    let list = "amqp://u:secret@n1:5672/%2f, amqp://u:secret@n2:5672/%2f";
+    // SAFETY: only this test reads these variables.
+    unsafe { std::env::set_var("CHANNELD_CONFIG_TEST_CLUSTER_URL", list) };
+    let config = parse(&format!("{base}url = \"env:CHANNELD_CONFIG_TEST_CLUSTER_URL\"\n")).unwrap();
+    assert_eq!(config.runtimes["r"].amqp.clone().unwrap().url.expose(), list);
+    unsafe { std::env::set_var("CHANNELD_CONFIG_TEST_BAD_LIST", "amqp://n1/%2f,http://n2/") };
+    let err = parse(&format!("{base}url = \"env:CHANNELD_CONFIG_TEST_BAD_LIST\"\n")).unwrap_err();
+    assert!(err.to_string().starts_with("runtime.r.url:"), "{err}");
+    unsafe { std::env::set_var("CHANNELD_CONFIG_TEST_EMPTY_LIST", " , ") };
+    let err = parse(&format!("{base}url = \"env:CHANNELD_CONFIG_TEST_EMPTY_LIST\"\n")).unwrap_err();
+    assert!(err.to_string().starts_with("runtime.r.url:"), "{err}");
+}
+
+#[test]
 fn a_body_free_runtime_with_max_runs_serializes_its_instances() {
     let text = "[runtime.resident]\nkind = \"exec\"\ncommand = [\"/bin/agent\"]\n\
                 wake = \"body_free\"\nmax_runs = 1\n\

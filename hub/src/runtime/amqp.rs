@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use channeld_agent_exec::AgentRun;
 use channeld_agent_exec::amqp::{
-    CommandReply, ENV_HEADER, Outcome, RUN_MESSAGE_TYPE, Record, confirm_channel,
+    CommandReply, ENV_HEADER, Outcome, RUN_MESSAGE_TYPE, Record, confirm_channel, connect_first,
     declare_reply_queue, declare_run_queue, env_header, json_properties, publish_confirmed,
 };
 use futures_util::StreamExt;
@@ -109,7 +109,7 @@ impl Client {
     async fn connect(&self, role: &str) -> lapin::Result<Connection> {
         let properties = ConnectionProperties::default()
             .with_connection_name(LongString::from(format!("channeld {role} {}", self.name)));
-        Connection::connect(self.target.url.expose(), properties).await
+        connect_first(self.target.url.expose(), properties).await
     }
 
     /// The confirm-mode channel, connecting (and declaring the queues) when there is none.
