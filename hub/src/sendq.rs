@@ -119,12 +119,7 @@ async fn session(
                 Some(Err(err)) => break Err(SessionError::Broker(err)),
                 None => break Err(SessionError::Cancelled),
             },
-            Some(done) = sends.join_next() => {
-                if let Ok(outcome) = done {
-                    state.ended(outcome);
-                    hub.metrics.amqp_send(outcome);
-                }
-            }
+            Some(_) = sends.join_next() => {}
         }
     };
     // Unacknowledged sends go back to the queue with the channel.
@@ -164,7 +159,7 @@ fn parse(data: &[u8], message_id: Option<&str>) -> Result<Ask, String> {
 }
 
 /// Sends one message and answers it; the message is settled here.
-async fn handle(hub: Arc<Hub>, publish: Channel, delivery: Delivery) -> Outcome {
+async fn handle(hub: Arc<Hub>, publish: Channel, delivery: Delivery) {
     let properties = &delivery.properties;
     let reply_to = properties.reply_to().as_ref().map(ToString::to_string);
     let message_id = properties.message_id().as_ref().map(ToString::to_string);
@@ -186,6 +181,11 @@ async fn handle(hub: Arc<Hub>, publish: Channel, delivery: Delivery) -> Outcome 
             (Outcome::Malformed, RemoteSendOutcome::failed(error))
         }
     };
+    // Counted before the caller can hear of it.
+    if let Some(state) = &hub.amqp_sends {
+        state.ended(outcome);
+    }
+    hub.metrics.amqp_send(outcome);
     let answered = match reply_to.as_deref().filter(|queue| !queue.is_empty()) {
         None => Ok(()),
         Some(queue) => {
@@ -215,7 +215,6 @@ async fn handle(hub: Arc<Hub>, publish: Channel, delivery: Delivery) -> Outcome 
     if let Err(err) = settled {
         debug!(%correlation_id, error = %err, "send queue message not settled (connection lost?); it will be delivered again");
     }
-    outcome
 }
 
 #[cfg(test)]
