@@ -18,7 +18,8 @@ pub(crate) fn print_text(
         Cmd::Send { .. } => {
             let sent: SendResult = serde_json::from_value(result)?;
             if sent.repeated {
-                println!("same send as before (idempotency key repeated): nothing posted again");
+                // On stderr: stdout stays the first send's answer, for scripts.
+                eprintln!("same send as before (idempotency key repeated): nothing posted again");
             }
             match sent.receipt {
                 Some(receipt) => {
