@@ -8,7 +8,9 @@
 //!   inbound's metadata ([`crate::metadata_env`]; the envelope may be body-free).
 //! - Records (worker → `reply_to`): [`Record`] as JSON, `correlation_id` = run id.
 //! - A command answer (hub → the command record's `reply_to`): [`CommandReply`] as JSON,
-//!   `correlation_id` = command id.
+//!   `correlation_id` = command id, `type` [`COMMAND_RESULT_TYPE`].
+//! - A cancel (hub → the fanout exchange `<queue>.cancel`, [`cancel_exchange_name`], to which
+//!   every worker binds its private queue): [`CancelRun`] as JSON, `type` [`CANCEL_TYPE`].
 
 use std::collections::BTreeMap;
 
@@ -87,6 +89,35 @@ pub fn env_from_headers(headers: Option<&FieldTable>) -> Vec<(String, String)> {
             _ => None,
         })
         .collect()
+}
+
+/// The `type` property of a command answer.
+pub const COMMAND_RESULT_TYPE: &str = "channeld.command_result";
+/// The `type` property of a cancel.
+pub const CANCEL_TYPE: &str = "channeld.cancel";
+
+/// The fanout exchange that carries a run queue's cancels to every worker: `<queue>.cancel`.
+pub fn cancel_exchange_name(queue: &str) -> String {
+    format!("{queue}.cancel")
+}
+
+/// Declares a run queue's cancel exchange (durable, fanout) as both sides expect it.
+pub async fn declare_cancel_exchange(channel: &Channel, queue: &str) -> lapin::Result<()> {
+    channel
+        .exchange_declare(
+            cancel_exchange_name(queue).as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
+            FieldTable::default(),
+        )
+        .await
+}
+
+/// A run cancelled at the hub: the worker running it stops its agent (SIGTERM to the process
+/// group, SIGKILL after the exec grace), and a worker that picks it later does not run it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRun {
+    pub run_id: String,
 }
 
 /// The dead-letter exchange (and queue) of a run queue: `<queue>.dead`.
@@ -174,10 +205,22 @@ pub async fn publish_confirmed(
     payload: &[u8],
     properties: BasicProperties,
 ) -> Result<(), PublishError> {
+    publish_confirmed_to(channel, "", queue, payload, properties).await
+}
+
+/// [`publish_confirmed`] through `exchange` with `routing_key`: `Unroutable` when no queue
+/// is bound that takes it.
+pub async fn publish_confirmed_to(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    payload: &[u8],
+    properties: BasicProperties,
+) -> Result<(), PublishError> {
     let confirm = channel
         .basic_publish(
-            "".into(),
-            queue.into(),
+            exchange.into(),
+            routing_key.into(),
             BasicPublishOptions { mandatory: true, immediate: false },
             payload,
             properties,
@@ -205,6 +248,9 @@ pub async fn confirm_channel(connection: &lapin::Connection) -> lapin::Result<Ch
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Record {
+    /// The worker took the run and starts its agent (sent without waiting for the confirm).
+    /// The hub answers a run it no longer waits for because it was cancelled with a cancel.
+    Started { run_id: String, worker: String },
     /// A live effect (typing, preview, …) from the agent's output.
     Effect { run_id: String, effect: Effect },
     /// A piece of the reply (agent line `delta`), in order.
@@ -227,7 +273,8 @@ pub enum Record {
 impl Record {
     pub fn run_id(&self) -> &str {
         match self {
-            Record::Effect { run_id, .. }
+            Record::Started { run_id, .. }
+            | Record::Effect { run_id, .. }
             | Record::Delta { run_id, .. }
             | Record::Tool { run_id, .. }
             | Record::Command { run_id, .. }
@@ -238,6 +285,7 @@ impl Record {
     /// The `type` property of the message carrying it.
     pub fn kind(&self) -> &'static str {
         match self {
+            Record::Started { .. } => "channeld.started",
             Record::Effect { .. } => "channeld.effect",
             Record::Delta { .. } => "channeld.delta",
             Record::Tool { .. } => "channeld.tool",

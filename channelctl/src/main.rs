@@ -16,19 +16,24 @@
 //! history (`history_off`) or is unknown. `cancel`: 0 cancelled or already ended (the output
 //! says which), 4 unknown event.
 //!
-//! It depends on `channeld-control` (the protocol types) only, never on the hub: it links
-//! no SQLite.
+//! With `--amqp URL|env:NAME`, `send` goes through the hub's RabbitMQ send queue instead
+//! (`amqp.rs`) and exits alike; 3 then means the broker or the queue is unreachable, 5 no
+//! outcome in time (the send stays queued: repeat it with the same `--key`).
+//!
+//! It depends on `channeld-control` (the protocol types) and lapin, never on the hub: it
+//! links no SQLite.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use channeld_control::{Op, Request, Response, code};
+use channeld_control::{Op, RemoteSend, Request, Response, code};
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
+mod amqp;
 mod manifest;
 mod mcp;
 mod print;
@@ -44,6 +49,14 @@ struct Cli {
     /// Print the hub's JSON result instead of text.
     #[arg(long, global = true)]
     json: bool,
+    /// `send` through the hub's RabbitMQ send queue instead of its control socket:
+    /// `env:NAME` (the URL in that variable; keeps the password out of the process list) or
+    /// an amqp:// URL.
+    #[arg(long, global = true, value_name = "URL|env:NAME")]
+    amqp: Option<String>,
+    /// The hub's send queue (`[hub.amqp_sends] queue`).
+    #[arg(long, global = true, default_value = channeld_control::DEFAULT_SEND_QUEUE)]
+    amqp_queue: String,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -237,6 +250,7 @@ fn main() -> ExitCode {
             }
         };
     }
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let socket = cli.socket.clone().unwrap_or_else(default_socket);
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
@@ -361,12 +375,44 @@ fn main() -> ExitCode {
             Duration::from_secs(10),
         ),
     };
-    let response = match runtime.block_on(call(&socket, Request { id: 1, op }, wait_budget)) {
-        Ok(response) => response,
-        Err(err) => {
-            eprintln!("channelctl: {err}");
-            return ExitCode::from(err.exit_code());
+    let answer = match cli.amqp.as_deref() {
+        Some(broker) => {
+            let Op::Send {
+                instance,
+                conversation,
+                thread,
+                text,
+                metadata,
+                wait,
+                timeout_ms,
+                idempotency_key,
+            } = op
+            else {
+                eprintln!("channelctl: --amqp works with send only");
+                return ExitCode::from(2);
+            };
+            let send = RemoteSend {
+                instance,
+                conversation,
+                thread,
+                text,
+                metadata,
+                wait,
+                timeout_ms,
+                idempotency_key: Some(idempotency_key.unwrap_or_else(amqp::fresh_key)),
+            };
+            runtime.block_on(send_over_amqp(broker, &cli.amqp_queue, &send, wait_budget))
         }
+        None => {
+            runtime.block_on(call(&socket, Request { id: 1, op }, wait_budget)).map_err(|err| {
+                eprintln!("channelctl: {err}");
+                err.exit_code()
+            })
+        }
+    };
+    let response = match answer {
+        Ok(response) => response,
+        Err(status) => return ExitCode::from(status),
     };
     if !response.ok {
         let error = response.error.unwrap_or_else(|| channeld_control::ErrorBody {
@@ -402,6 +448,42 @@ fn main() -> ExitCode {
         Err(err) => {
             eprintln!("channelctl: unexpected answer from the hub: {err}");
             ExitCode::from(EXIT_UNEXPECTED)
+        }
+    }
+}
+
+/// `send` over the broker, answered as the control socket would answer it; `Err` is the exit
+/// status (the reason is printed).
+async fn send_over_amqp(
+    broker: &str,
+    queue: &str,
+    send: &RemoteSend,
+    budget: Duration,
+) -> Result<Response, u8> {
+    let (broker, argv_password) = amqp::BrokerUrl::resolve(broker).map_err(|err| {
+        eprintln!("channelctl: {err}");
+        2
+    })?;
+    if argv_password {
+        eprintln!(
+            "channelctl: warning: the --amqp URL holds a password that the process list shows to every user; put the URL in a variable and pass --amqp env:NAME"
+        );
+    }
+    match amqp::send(&broker, queue, send, budget).await {
+        Ok(outcome) => Ok(Response {
+            id: 1,
+            ok: outcome.ok,
+            result: outcome.result.map(|result| serde_json::to_value(result).unwrap_or_default()),
+            error: outcome.error,
+        }),
+        Err(err) => {
+            eprintln!("channelctl: {err}");
+            Err(match err {
+                amqp::AmqpError::NoVariable(_) | amqp::AmqpError::NotAUrl => 2,
+                amqp::AmqpError::Unreachable(_) | amqp::AmqpError::NoQueue(_) => EXIT_UNREACHABLE,
+                amqp::AmqpError::Timeout { .. } => EXIT_UNKNOWN,
+                _ => EXIT_UNEXPECTED,
+            })
         }
     }
 }

@@ -17,6 +17,10 @@ pub(crate) fn print_text(
     match command {
         Cmd::Send { .. } => {
             let sent: SendResult = serde_json::from_value(result)?;
+            if sent.repeated {
+                // On stderr: stdout stays the first send's answer, for scripts.
+                eprintln!("same send as before (idempotency key repeated): nothing posted again");
+            }
             match sent.receipt {
                 Some(receipt) => {
                     println!("receipted {} (request {})", receipt.message_id, sent.request_id)
@@ -245,6 +249,21 @@ fn print_status(status: &StatusResult) {
     println!("{} (pid {}), up {}", status.hub, status.pid, ago(now, status.started_ms));
     if let Some(storage) = &status.storage {
         println!("ledger: {storage}: {STORAGE_NOTE}");
+    }
+    if let Some(sends) = &status.amqp_sends {
+        println!(
+            "amqp sends: queue {} {}; received {}, sent {}, failed {}, malformed {}, reconnects {}",
+            sends.queue,
+            if sends.connected { "consumed" } else { "disconnected (reconnecting)" },
+            sends.received,
+            sends.sent,
+            sends.failed,
+            sends.malformed,
+            sends.reconnects,
+        );
+        if let Some(error) = &sends.last_error {
+            println!("amqp sends: last error: {error}");
+        }
     }
     println!(
         "{:<20} {:<8} {:<10} {:<12} {:>4} {:>8} {:>8} {:>7} {:>6}  REASON / LAST ERROR",

@@ -383,6 +383,103 @@ pub struct SendResult {
     /// The outbox record, when the hub keeps a ledger.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outbox_id: Option<i64>,
+    /// The idempotency key was used before for this same message: this is the first send's
+    /// record, and nothing was posted again.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub repeated: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !*value
+}
+
+/// The send queue's name unless `[hub.amqp_sends] queue` (or `channelctl --amqp-queue`) says
+/// otherwise.
+pub const DEFAULT_SEND_QUEUE: &str = "channeld.sends";
+
+/// The `type` property of a send-queue message and of its outcome.
+pub const SEND_MESSAGE_TYPE: &str = "channeld.send";
+pub const SEND_OUTCOME_TYPE: &str = "channeld.send_outcome";
+
+/// A message on the hub's AMQP send queue (`[hub.amqp_sends]`, PROTOCOL.md "Sends over
+/// RabbitMQ"): the control `send` op's fields, without `id` and `op`. The idempotency key is
+/// required (the body's, else the message's `message_id` property): RabbitMQ may deliver a
+/// message twice, and the key makes the second delivery answer without posting again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteSend {
+    pub instance: String,
+    pub conversation: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<String>,
+    pub text: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    /// Wait for the receipt before answering (default true).
+    #[serde(default = "yes")]
+    pub wait: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+impl RemoteSend {
+    /// The control op it stands for.
+    pub fn into_op(self) -> Op {
+        Op::Send {
+            instance: self.instance,
+            conversation: self.conversation,
+            thread: self.thread,
+            text: self.text,
+            metadata: self.metadata,
+            wait: self.wait,
+            timeout_ms: self.timeout_ms,
+            idempotency_key: self.idempotency_key,
+        }
+    }
+}
+
+/// The hub's answer to a [`RemoteSend`], published to the message's `reply_to` with its
+/// `correlation_id`: what the control socket would have answered, without the request id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteSendOutcome {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<SendResult>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+impl RemoteSendOutcome {
+    pub fn sent(result: SendResult) -> Self {
+        Self { ok: true, result: Some(result), error: None }
+    }
+
+    pub fn failed(error: ErrorBody) -> Self {
+        Self { ok: false, result: None, error: Some(error) }
+    }
+}
+
+/// The hub's send-queue consumer, as `status` shows it (`[hub.amqp_sends]` set).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AmqpSendsStatus {
+    pub queue: String,
+    /// Consuming now (false while it reconnects).
+    pub connected: bool,
+    /// Messages taken from the queue.
+    pub received: u64,
+    /// Of those, how many ended in a send that was sent, queued or repeated.
+    pub sent: u64,
+    /// Of those, how many the hub refused or could not send (an error outcome).
+    pub failed: u64,
+    /// Of those, how many were not a send message at all (dead-lettered).
+    pub malformed: u64,
+    /// Connections made after the first (broker restarts, network loss).
+    pub reconnects: u64,
+    /// The last broker error (never the URL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
 
 /// One outbox record.
@@ -551,6 +648,9 @@ pub struct StatusResult {
     /// refused, sends fail); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<String>,
+    /// The AMQP send queue's consumer, when `[hub.amqp_sends]` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amqp_sends: Option<AmqpSendsStatus>,
 }
 
 /// One family in `catalog`.
@@ -571,6 +671,47 @@ pub struct CatalogResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The send-queue message and its outcome, exactly as PROTOCOL.md shows them.
+    #[test]
+    fn remote_sends_and_outcomes_have_their_documented_json() {
+        let line = r#"{"instance":"mqtt.lab","conversation":"ops","text":"deploy 881 finished","idempotency_key":"deploy-881"}"#;
+        let send: RemoteSend = serde_json::from_str(line).unwrap();
+        assert!(send.wait);
+        assert_eq!(send.idempotency_key.as_deref(), Some("deploy-881"));
+        let back = serde_json::to_string(&send).unwrap();
+        assert_eq!(
+            back,
+            r#"{"instance":"mqtt.lab","conversation":"ops","text":"deploy 881 finished","wait":true,"idempotency_key":"deploy-881"}"#
+        );
+        assert!(matches!(send.into_op(), Op::Send { wait: true, .. }));
+        let repeated = RemoteSendOutcome::sent(SendResult {
+            request_id: "out-7".into(),
+            state: "queued".into(),
+            receipt: None,
+            outbox_id: Some(7),
+            repeated: true,
+        });
+        assert_eq!(
+            serde_json::to_string(&repeated).unwrap(),
+            r#"{"ok":true,"result":{"request_id":"out-7","state":"queued","outbox_id":7,"repeated":true}}"#
+        );
+        let conflict = RemoteSendOutcome::failed(ErrorBody {
+            code: code::CONFLICT.into(),
+            message: "m".into(),
+            request_id: None,
+        });
+        assert_eq!(
+            serde_json::to_string(&conflict).unwrap(),
+            r#"{"ok":false,"error":{"code":"conflict","message":"m"}}"#
+        );
+        assert!(
+            serde_json::from_str::<RemoteSend>(
+                r#"{"instance":"a.b","conversation":"c","text":"t","id":1}"#
+            )
+            .is_err()
+        );
+    }
 
     /// Every op a client can build reads back as itself: no op field may collide with the
     /// request's own keys (`id`, `op`), which the flattened layout shares.

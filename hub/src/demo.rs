@@ -41,6 +41,7 @@ pub fn config(runtime_dir: &Path) -> HubConfig {
         stall_timeout: Duration::from_secs(60),
         drain_timeout: Duration::from_secs(10),
         metrics_listen: None,
+        amqp_sends: None,
         runtimes,
         instances: vec![InstanceConfig {
             allow: Allowlist::All,

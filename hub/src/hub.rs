@@ -19,7 +19,7 @@ use crate::instance::{Instance, Instances, Registry};
 use crate::ledger::Ledger;
 use crate::liveness::Probes;
 use crate::locator::LocatorKey;
-use crate::metrics::Metrics;
+use crate::metrics::{AmqpSendsState, Metrics};
 use crate::outbox::Outbox;
 use crate::runtime::Remote;
 
@@ -79,12 +79,18 @@ pub struct Hub {
     pub started: SystemTime,
     /// The broker clients of `amqp` runtimes.
     pub remote: Remote,
+    /// The AMQP send queue's consumer state (`[hub.amqp_sends]` set).
+    pub amqp_sends: Option<Arc<AmqpSendsState>>,
 }
 
 impl Hub {
     pub fn new(config: HubConfig, ledger: Ledger, shutdown: CancellationToken) -> Arc<Self> {
         let metrics = Arc::new(Metrics::new(config.metrics_listen.is_some(), ledger.metrics()));
         metrics.init_connection_kinds();
+        let amqp_sends = config.amqp_sends.as_ref().map(|sends| {
+            metrics.init_amqp_sends();
+            Arc::new(AmqpSendsState::new(&sends.queue))
+        });
         let instances: Instances = config
             .instances
             .iter()
@@ -132,6 +138,7 @@ impl Hub {
             probes: Arc::default(),
             started: SystemTime::now(),
             remote: Remote::default(),
+            amqp_sends,
         })
     }
 

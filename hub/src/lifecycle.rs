@@ -94,6 +94,9 @@ pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
     hub.loops.spawn(crate::health::probe_loop(hub.clone()));
     hub.loops.spawn(crate::recovery::housekeeping(hub.clone()));
     hub.loops.spawn(crate::recovery::storage_watch(hub.clone()));
+    if let (Some(config), Some(state)) = (hub.config.amqp_sends.clone(), hub.amqp_sends.clone()) {
+        hub.loops.spawn(crate::sendq::consume(hub.clone(), config, state));
+    }
     // Replies keep moving while runs drain: the courier stops with the connections.
     hub.tasks.spawn(hub.courier.clone().run(hub.close_connections.clone()));
     let finished = CancellationToken::new();

@@ -91,6 +91,9 @@ fn state_label(state: HealthState) -> &'static str {
 async fn refresh(hub: &Hub) {
     let metrics = &hub.metrics;
     let instances = hub.instances.snapshot();
+    if let Some(sends) = &hub.amqp_sends {
+        metrics.amqp_sends_connected.set(i64::from(sends.connected()));
+    }
     metrics.driver_connected.clear();
     metrics.driver_process_up.clear();
     metrics.health_state.clear();

@@ -42,19 +42,32 @@ pub struct SendOutcome {
     pub outbox_id: Option<i64>,
     pub state: SendState,
     pub receipt: Option<DeliveryReceipt>,
+    /// The answer to a repeated idempotency key: the first send's record, nothing sent again.
+    pub repeated: bool,
 }
 
 impl SendOutcome {
     pub fn receipted(request_id: Id, outbox_id: Option<i64>, receipt: DeliveryReceipt) -> Self {
-        Self { request_id, outbox_id, state: SendState::Receipted, receipt: Some(receipt) }
+        Self {
+            request_id,
+            outbox_id,
+            state: SendState::Receipted,
+            receipt: Some(receipt),
+            repeated: false,
+        }
     }
 
     pub fn handed(request_id: Id, outbox_id: Option<i64>) -> Self {
-        Self { request_id, outbox_id, state: SendState::Handed, receipt: None }
+        Self { request_id, outbox_id, state: SendState::Handed, receipt: None, repeated: false }
     }
 
     pub fn queued(request_id: Id, outbox_id: Option<i64>) -> Self {
-        Self { request_id, outbox_id, state: SendState::Queued, receipt: None }
+        Self { request_id, outbox_id, state: SendState::Queued, receipt: None, repeated: false }
+    }
+
+    /// Marks the answer to a repeated idempotency key.
+    pub fn repeated(self) -> Self {
+        Self { repeated: true, ..self }
     }
 }
 

@@ -122,6 +122,8 @@ fn the_modules_of_the_hub_form_a_dag() {
         "locator",
         "history",
         "clock",
+        "proactive",
+        "sendq",
     ] {
         assert!(
             graph.contains_key(expected),
@@ -231,4 +233,17 @@ fn the_reference_parser_sees_grouped_and_nested_paths() {
     graph.insert("a".to_owned(), BTreeSet::from(["b".to_owned()]));
     graph.insert("b".to_owned(), BTreeSet::from(["a".to_owned()]));
     assert!(topological_order(&graph).is_err(), "a cycle must be found");
+}
+
+/// The control op `send` and the AMQP send queue answer through one implementation
+/// (`proactive`), and only the lifecycle starts the send queue's consumer.
+#[test]
+fn both_send_paths_go_through_proactive() {
+    let graph = graph();
+    for caller in ["control", "sendq"] {
+        assert!(graph[caller].contains("proactive"), "{caller} does not use proactive");
+    }
+    let users: Vec<&String> =
+        graph.iter().filter(|(_, uses)| uses.contains("sendq")).map(|(m, _)| m).collect();
+    assert_eq!(users, ["lifecycle"], "sendq is used by {users:?}");
 }

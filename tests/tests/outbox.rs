@@ -121,6 +121,7 @@ async fn an_idempotency_key_reused_for_other_content_is_a_conflict() {
     let repeat = send("c1", "deploy 881 finished");
     assert_eq!(repeat.status.code(), Some(7), "{}", stderr(&repeat));
     assert_eq!(stdout(&repeat), stdout(&first), "a repeat answers with the first record");
+    assert!(stderr(&repeat).contains("same send as before"), "{}", stderr(&repeat));
 
     for (conversation, text) in [("c1", "deploy 882 finished"), ("c2", "deploy 881 finished")] {
         let other = send(conversation, text);

@@ -3,16 +3,20 @@
 //! agent's effects and commands to the hub's reply queue and ending each run with one final
 //! record. A run message is acknowledged only after its final record was confirmed by the
 //! broker, so a worker that dies mid-run leaves the run to RabbitMQ, which redelivers it to
-//! another worker (`redelivered`, `CHANNELD_REDELIVERED=1`). See README "Scaling out".
+//! another worker (`redelivered`, `CHANNELD_REDELIVERED=1`). A run the hub cancels (the
+//! fanout exchange `<queue>.cancel`, bound to the worker's private queue) has its agent's
+//! process group stopped as the exec runtime does it, or — not started yet — is never run;
+//! either ends with an `aborted` final record. See README "Scaling out".
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use channeld_agent_exec::amqp::{
-    self, CommandReply, Outcome, Record, confirm_channel, declare_run_queue, json_properties,
+    self, CANCEL_TYPE, CancelRun, CommandReply, Outcome, Record, cancel_exchange_name,
+    confirm_channel, declare_cancel_exchange, declare_run_queue, json_properties,
     publish_confirmed,
 };
 use channeld_agent_exec::{AgentRun, ExecSpec, RunIo, StdinMode, StreamItem};
@@ -23,7 +27,7 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    BasicRejectOptions, QueueDeclareOptions,
+    BasicRejectOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, ConnectionProperties};
@@ -140,6 +144,9 @@ struct Worker {
     completed: AtomicU64,
     failed: AtomicU64,
     redelivered: AtomicU64,
+    cancelled: AtomicU64,
+    /// Survives reconnects: a cancel heard before a connection was lost still counts.
+    cancels: Arc<Mutex<Cancels>>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -150,6 +157,52 @@ impl std::fmt::Debug for Worker {
 
 /// Command answers awaited by runs, by `run_id` + command id.
 type Waiters = Arc<Mutex<HashMap<(String, String), oneshot::Sender<CommandAnswer>>>>;
+
+/// Cancelled run ids remembered so that a run cancelled before it was picked is not run.
+const REMEMBERED_CANCELS: usize = 4096;
+
+/// The runs this worker runs (their cancel handles) and the runs the hub cancelled lately.
+#[derive(Debug, Default)]
+struct Cancels {
+    running: HashMap<String, CancellationToken>,
+    cancelled: HashSet<String>,
+    order: VecDeque<String>,
+}
+
+impl Cancels {
+    /// The cancel handle of a run about to start, or `None` when it was cancelled already.
+    fn start(&mut self, run_id: &str) -> Option<CancellationToken> {
+        if self.cancelled.contains(run_id) {
+            return None;
+        }
+        let token = CancellationToken::new();
+        self.running.insert(run_id.to_owned(), token.clone());
+        Some(token)
+    }
+
+    fn finish(&mut self, run_id: &str) {
+        self.running.remove(run_id);
+    }
+
+    /// Cancels the run if it runs here, and remembers it (bounded) in case it is picked later.
+    fn cancel(&mut self, run_id: &str) -> bool {
+        if self.cancelled.insert(run_id.to_owned()) {
+            self.order.push_back(run_id.to_owned());
+        }
+        while self.order.len() > REMEMBERED_CANCELS {
+            if let Some(old) = self.order.pop_front() {
+                self.cancelled.remove(&old);
+            }
+        }
+        match self.running.get(run_id) {
+            Some(token) => {
+                token.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -206,6 +259,8 @@ async fn start(args: Args) -> Result<(), WorkerError> {
         completed: AtomicU64::new(0),
         failed: AtomicU64::new(0),
         redelivered: AtomicU64::new(0),
+        cancelled: AtomicU64::new(0),
+        cancels: Arc::default(),
     });
     let stop = CancellationToken::new();
     let on_signal = stop.clone();
@@ -253,11 +308,22 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
     declare_run_queue(&consume, &worker.queue).await?;
     consume.basic_qos(worker.concurrency, BasicQosOptions::default()).await?;
     let publish = confirm_channel(&connection).await?;
-    // Command answers for this worker's runs: a private queue that goes with the connection.
+    // Command answers for this worker's runs and the hub's cancels: a private queue that goes
+    // with the connection, bound to the run queue's cancel exchange.
     let commands = connection.create_channel().await?;
     let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
     let command_queue =
         commands.queue_declare("".into(), private, FieldTable::default()).await?.name().to_string();
+    declare_cancel_exchange(&commands, &worker.queue).await?;
+    commands
+        .queue_bind(
+            command_queue.as_str().into(),
+            cancel_exchange_name(&worker.queue).as_str().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     let mut answers = commands
         .basic_consume(
             command_queue.as_str().into(),
@@ -277,6 +343,7 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
         .await?;
     info!(queue = %worker.queue, concurrency = worker.concurrency, worker = %worker.name, "worker ready");
     let waiters: Waiters = Arc::default();
+    let cancels = worker.cancels.clone();
     let mut runs = JoinSet::new();
     let mut health = tokio::time::interval(worker.health_interval);
     let connection_lost = loop {
@@ -289,6 +356,7 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
                         publish: publish.clone(),
                         command_queue: command_queue.clone(),
                         waiters: waiters.clone(),
+                        cancels: cancels.clone(),
                     };
                     runs.spawn(run.handle(delivery));
                 }
@@ -296,7 +364,7 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
                 None => break Some(WorkerError::Cancelled),
             },
             answer = answers.next() => match answer {
-                Some(Ok(delivery)) => answer_command(&waiters, &delivery),
+                Some(Ok(delivery)) => private_message(&waiters, &cancels, &delivery),
                 Some(Err(err)) => break Some(WorkerError::Broker(err)),
                 None => break Some(WorkerError::Cancelled),
             },
@@ -319,7 +387,7 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
         tokio::select! {
             _ = runs.join_next() => {}
             answer = answers.next() => {
-                if let Some(Ok(delivery)) = answer { answer_command(&waiters, &delivery) }
+                if let Some(Ok(delivery)) = answer { private_message(&waiters, &cancels, &delivery) }
             }
             () = tokio::time::sleep_until(deadline) => {
                 warn!(running = runs.len(), "stop timeout: handing the running runs back to the queue");
@@ -341,8 +409,28 @@ fn log_health(worker: &Worker, running: usize, connected: bool) {
         completed = worker.completed.load(Ordering::Relaxed),
         failed = worker.failed.load(Ordering::Relaxed),
         redelivered = worker.redelivered.load(Ordering::Relaxed),
+        cancelled = worker.cancelled.load(Ordering::Relaxed),
         "worker health"
     );
+}
+
+/// A message on the private queue: a command's answer, or a cancel from the hub.
+fn private_message(waiters: &Waiters, cancels: &Mutex<Cancels>, delivery: &Delivery) {
+    let is_cancel =
+        delivery.properties.kind().as_ref().is_some_and(|kind| kind.as_str() == CANCEL_TYPE);
+    if !is_cancel {
+        return answer_command(waiters, delivery);
+    }
+    match serde_json::from_slice::<CancelRun>(&delivery.data) {
+        Ok(CancelRun { run_id }) => {
+            if lock(cancels).cancel(&run_id) {
+                info!(%run_id, "run cancelled by the hub: stopping its agent");
+            } else {
+                debug!(%run_id, "cancel of a run not running here (remembered)");
+            }
+        }
+        Err(err) => warn!(error = %err, "unreadable cancel ignored"),
+    }
 }
 
 fn answer_command(waiters: &Waiters, delivery: &Delivery) {
@@ -368,6 +456,7 @@ struct Run {
     publish: Channel,
     command_queue: String,
     waiters: Waiters,
+    cancels: Arc<Mutex<Cancels>>,
 }
 
 impl Run {
@@ -398,19 +487,37 @@ impl Run {
         if agent_run.redelivered {
             self.worker.redelivered.fetch_add(1, Ordering::Relaxed);
         }
-        info!(%run_id, redelivered = agent_run.redelivered, "run started");
         let io = WorkerIo { run: &self, run_id: &run_id, reply_to: &reply_to };
-        // Runs are not cancelled from the hub (a cancel there only ends the hub's wait).
-        let never = CancellationToken::new();
-        let outcome =
-            match channeld_agent_exec::run(&self.worker.spec, &agent_run, &io, &never).await {
-                Ok(output) => Outcome::Reply { reply: output.reply, metadata: output.metadata },
-                Err(err) => {
-                    warn!(%run_id, error = %err, "agent run failed");
-                    self.worker.failed.fetch_add(1, Ordering::Relaxed);
-                    Outcome::Failed { code: err.code().to_owned(), message: err.public_message() }
-                }
-            };
+        // A run the hub cancelled before it was picked is answered `aborted` without its
+        // agent ever starting.
+        let cancel = lock(&self.cancels).start(&run_id);
+        let result = match cancel {
+            Some(cancel) => {
+                info!(%run_id, redelivered = agent_run.redelivered, "run started");
+                io.started();
+                let result =
+                    channeld_agent_exec::run(&self.worker.spec, &agent_run, &io, &cancel).await;
+                lock(&self.cancels).finish(&run_id);
+                result
+            }
+            None => {
+                info!(%run_id, "run cancelled by the hub before it started: not run");
+                Err(channeld_agent_exec::ExecError::Aborted)
+            }
+        };
+        let outcome = match result {
+            Ok(output) => Outcome::Reply { reply: output.reply, metadata: output.metadata },
+            Err(channeld_agent_exec::ExecError::Aborted) => {
+                self.worker.cancelled.fetch_add(1, Ordering::Relaxed);
+                let err = channeld_agent_exec::ExecError::Aborted;
+                Outcome::Failed { code: err.code().to_owned(), message: err.public_message() }
+            }
+            Err(err) => {
+                warn!(%run_id, error = %err, "agent run failed");
+                self.worker.failed.fetch_add(1, Ordering::Relaxed);
+                Outcome::Failed { code: err.code().to_owned(), message: err.public_message() }
+            }
+        };
         let record = Record::Final {
             run_id: run_id.clone(),
             worker: self.worker.name.clone(),
@@ -447,6 +554,23 @@ struct WorkerIo<'a> {
 }
 
 impl WorkerIo<'_> {
+    /// Tells the hub the run starts here (not waited for: the hub needs it only for a run it
+    /// cancelled before this worker heard of the cancel).
+    fn started(&self) {
+        let record = Record::Started {
+            run_id: self.run_id.to_owned(),
+            worker: self.run.worker.name.clone(),
+        };
+        let body = serde_json::to_vec(&record).expect("records serialize");
+        let properties = json_properties(record.kind(), self.run_id);
+        let (channel, queue) = (self.run.publish.clone(), self.reply_to.to_owned());
+        tokio::spawn(async move {
+            if let Err(err) = publish_confirmed(&channel, &queue, &body, properties).await {
+                debug!(error = %err, "started record not sent");
+            }
+        });
+    }
+
     async fn send(&self, record: &Record) -> Result<(), amqp::PublishError> {
         let body = serde_json::to_vec(record).expect("records serialize");
         let properties = json_properties(record.kind(), self.run_id);
@@ -503,5 +627,33 @@ impl RunIo for WorkerIo<'_> {
         };
         lock(&self.run.waiters).remove(&key);
         answer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cancel_stops_a_running_run_and_keeps_a_later_pick_from_running() {
+        let mut cancels = Cancels::default();
+        let running = cancels.start("run-1").expect("not cancelled");
+        assert!(cancels.cancel("run-1"));
+        assert!(running.is_cancelled());
+        cancels.finish("run-1");
+        assert!(!cancels.cancel("run-2"), "run-2 does not run here");
+        assert!(cancels.start("run-2").is_none(), "a cancelled run is not started");
+        assert!(cancels.start("run-3").is_some());
+    }
+
+    #[test]
+    fn remembered_cancels_are_bounded() {
+        let mut cancels = Cancels::default();
+        for n in 0..REMEMBERED_CANCELS + 10 {
+            cancels.cancel(&format!("run-{n}"));
+        }
+        assert_eq!(cancels.cancelled.len(), REMEMBERED_CANCELS);
+        assert!(cancels.start("run-0").is_some(), "the oldest were forgotten");
+        assert!(cancels.start(&format!("run-{}", REMEMBERED_CANCELS + 9)).is_none());
     }
 }

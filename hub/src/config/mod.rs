@@ -82,6 +82,28 @@ struct RawHub {
     control_allow_uids: Option<Vec<Principal>>,
     control_allow_gids: Option<Vec<Principal>>,
     metrics_listen: Option<String>,
+    amqp_sends: Option<RawAmqpSends>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAmqpSends {
+    url: Option<String>,
+    queue: Option<String>,
+    prefetch: Option<u16>,
+}
+
+/// Send-queue messages worked on at once unless `[hub.amqp_sends] prefetch` says otherwise.
+pub const DEFAULT_AMQP_SENDS_PREFETCH: u16 = 16;
+
+/// `[hub.amqp_sends]`: the hub consumes a RabbitMQ send queue (PROTOCOL.md, "Sends over
+/// RabbitMQ").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AmqpSendsConfig {
+    pub url: BrokerUrl,
+    pub queue: String,
+    /// Unacknowledged messages at once (the consumer's prefetch): the sends in progress.
+    pub prefetch: u16,
 }
 
 /// `hub.metrics_listen`: where `/metrics` is served.
@@ -288,6 +310,10 @@ fn broker_url(key: &str, setting: &str) -> Result<BrokerUrl, ConfigError> {
 /// A queue name (RabbitMQ: at most 255 bytes, not `amq.`-prefixed).
 fn queue_name(key: &str, name: Option<String>) -> Result<String, ConfigError> {
     let name = name.ok_or_else(|| invalid(key, "an amqp runtime needs it"))?;
+    checked_queue_name(key, name)
+}
+
+fn checked_queue_name(key: &str, name: String) -> Result<String, ConfigError> {
     if name.is_empty() || name.len() > 200 || name.starts_with("amq.") {
         return Err(invalid(key, "must be 1 to 200 bytes and not start with \"amq.\""));
     }
@@ -410,6 +436,8 @@ pub struct HubConfig {
     pub drain_timeout: Duration,
     /// Where `/metrics` is served; `None` (the default) turns metrics off.
     pub metrics_listen: Option<MetricsListen>,
+    /// The AMQP send queue the hub consumes; `None` (the default) consumes none.
+    pub amqp_sends: Option<AmqpSendsConfig>,
     pub runtimes: BTreeMap<String, RuntimeConfig>,
     pub instances: Vec<InstanceConfig>,
 }
@@ -446,6 +474,7 @@ impl HubConfig {
             .or(hub.runtime_dir)
             .unwrap_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR));
         let state_dir = overrides.state_dir.clone().or(hub.state_dir);
+        let ledger_on = state_dir.is_some();
         let control_socket = hub.control_socket.unwrap_or_else(|| runtime_dir.join("control.sock"));
         let max_inflight =
             positive("hub.max_inflight", hub.max_inflight.unwrap_or(DEFAULT_MAX_INFLIGHT))?;
@@ -635,6 +664,7 @@ impl HubConfig {
             stall_timeout: secs("hub.stall_timeout_secs", hub.stall_timeout_secs, 60)?,
             drain_timeout: secs("hub.drain_timeout_secs", hub.drain_timeout_secs, 10)?,
             metrics_listen: hub.metrics_listen.as_deref().map(MetricsListen::parse).transpose()?,
+            amqp_sends: hub.amqp_sends.map(|raw| amqp_sends(raw, ledger_on)).transpose()?,
             runtimes,
             instances,
         })
@@ -644,6 +674,28 @@ impl HubConfig {
     pub fn runtime_for(&self, instance: &InstanceConfig) -> &RuntimeConfig {
         self.runtimes.get(&instance.runtime).unwrap_or_else(|| &self.runtimes[DEFAULT_RUNTIME])
     }
+}
+
+/// `[hub.amqp_sends]`: needs the ledger (every message carries an idempotency key).
+fn amqp_sends(raw: RawAmqpSends, ledger: bool) -> Result<AmqpSendsConfig, ConfigError> {
+    const KEY: &str = "hub.amqp_sends";
+    let url = raw.url.ok_or_else(|| invalid(format!("{KEY}.url"), "the send queue needs it"))?;
+    let url = broker_url(&format!("{KEY}.url"), &url)?;
+    let queue = checked_queue_name(
+        &format!("{KEY}.queue"),
+        raw.queue.unwrap_or_else(|| channeld_control::DEFAULT_SEND_QUEUE.to_owned()),
+    )?;
+    let prefetch = raw.prefetch.unwrap_or(DEFAULT_AMQP_SENDS_PREFETCH);
+    if prefetch == 0 {
+        return Err(invalid(format!("{KEY}.prefetch"), "must be at least 1"));
+    }
+    if !ledger {
+        return Err(invalid(
+            KEY,
+            "the send queue needs the ledger (hub.state_dir): its messages are idempotent by key",
+        ));
+    }
+    Ok(AmqpSendsConfig { url, queue, prefetch })
 }
 
 /// `allow_uids` / `allow_gids` (or the control socket's): absent, the socket's mode decides;

@@ -78,6 +78,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
         ("hub.stall_timeout_secs", running.stall_timeout != new.stall_timeout),
         ("hub.drain_timeout_secs", running.drain_timeout != new.drain_timeout),
         ("hub.metrics_listen", running.metrics_listen != new.metrics_listen),
+        ("hub.amqp_sends", running.amqp_sends != new.amqp_sends),
     ]
     .into_iter()
     .filter(|(_, differs)| *differs)

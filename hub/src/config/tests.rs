@@ -201,3 +201,27 @@ fn a_body_free_runtime_with_max_runs_serializes_its_instances() {
         .unwrap_err();
     assert!(err.to_string().contains("wake") || err.to_string().contains("bodyless"), "{err}");
 }
+
+#[test]
+fn the_send_queue_takes_its_url_from_the_environment_and_needs_the_ledger() {
+    // SAFETY: only this test reads CONFIG_TEST_SENDS_URL.
+    unsafe { std::env::set_var("CONFIG_TEST_SENDS_URL", "amqp://app:pw-77@broker/%2f") };
+    let with_ledger = "[hub]\nstate_dir = \"/var/lib/channeld\"\n[hub.amqp_sends]\n";
+    let config = parse(&format!("{with_ledger}url = \"env:CONFIG_TEST_SENDS_URL\"\n")).unwrap();
+    let sends = config.amqp_sends.clone().unwrap();
+    assert_eq!(sends.url.expose(), "amqp://app:pw-77@broker/%2f");
+    assert_eq!((sends.queue.as_str(), sends.prefetch), ("channeld.sends", 16));
+    assert!(!format!("{config:?}").contains("pw-77"), "the URL never prints");
+    assert!(parse("").unwrap().amqp_sends.is_none());
+
+    let err = parse(&format!("{with_ledger}url = \"amqp://app:pw-77@broker\"\n")).unwrap_err();
+    let text = err.to_string();
+    assert!(text.starts_with("hub.amqp_sends.url:") && !text.contains("pw-77"), "{text}");
+    let err = parse("[hub.amqp_sends]\nurl = \"env:CONFIG_TEST_SENDS_URL\"\n").unwrap_err();
+    assert!(err.to_string().contains("hub.state_dir"), "{err}");
+    let zero = format!("{with_ledger}url = \"env:CONFIG_TEST_SENDS_URL\"\nprefetch = 0\n");
+    assert!(parse(&zero).unwrap_err().to_string().starts_with("hub.amqp_sends.prefetch:"));
+    let bad_queue =
+        format!("{with_ledger}url = \"env:CONFIG_TEST_SENDS_URL\"\nqueue = \"amq.x\"\n");
+    assert!(parse(&bad_queue).unwrap_err().to_string().starts_with("hub.amqp_sends.queue:"));
+}

@@ -13,10 +13,9 @@ use std::collections::HashMap;
 use channeld_control::{
     ActionResult, CancelView, CatalogResult, CountersView, DriverProcess, Family, HealthResult,
     HistoryView, InstanceStatus, MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult,
-    REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request, SendResult, StatusResult, code,
+    REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request, StatusResult, code,
 };
-use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
-use channeld_protocol::{ChannelId, Id};
+use channeld_protocol::types::OutboundMessage;
 use tracing::{debug, info};
 
 use super::server::{failure, success};
@@ -29,8 +28,8 @@ use crate::ledger::{
     LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,
 };
 use crate::operator::{self, OperatorError};
-use crate::outbox::SendRequest;
-use crate::send::{SendError, SendOutcome};
+use crate::proactive::{self, Ask};
+use crate::send::SendError;
 
 /// The response line for one request.
 pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
@@ -46,42 +45,19 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             timeout_ms,
             idempotency_key,
         } => {
-            let message = match outbound(&instance, &conversation, thread, text, metadata) {
-                Ok(message) => message,
-                Err(message) => return failure(id, code::INVALID_REQUEST, message, None),
-            };
-            if let Some(key) = &idempotency_key
-                && (key.is_empty() || key.len() > 256)
-            {
-                let message = "idempotency_key must be 1-256 bytes".to_owned();
-                return failure(id, code::INVALID_REQUEST, message, None);
-            }
-            let timeout = timeout_ms.map_or(hub.config.receipt_timeout, Duration::from_millis);
-            let request = SendRequest {
-                instance: instance.clone(),
-                message,
-                wait: wait.then_some(timeout),
+            let ask = Ask {
+                instance,
+                conversation,
+                thread,
+                text,
+                metadata,
+                wait,
+                timeout_ms,
                 idempotency_key,
             };
-            match hub.outbox.submit(request).await {
-                Ok(SendOutcome { request_id, outbox_id, state, receipt }) => success(
-                    id,
-                    SendResult {
-                        request_id: request_id.into_string(),
-                        state: state.as_str().into(),
-                        receipt,
-                        outbox_id,
-                    },
-                ),
-                Err(err) => {
-                    let request_id = match &err {
-                        SendError::Failed { request_id, .. }
-                        | SendError::Unknown { request_id, .. } => Some(request_id.to_string()),
-                        _ => None,
-                    };
-                    debug!(%instance, code = err.code(), error = %err, "control send failed");
-                    failure(id, err.code(), err.to_string(), request_id)
-                }
+            match proactive::send(hub, ask).await {
+                Ok(result) => success(id, result),
+                Err(error) => failure(id, &error.code, error.message, error.request_id),
             }
         }
         Op::Health { instance } => match hub.instance(&instance) {
@@ -402,24 +378,6 @@ fn entry(hub: &Hub, record: &OutboxRecord) -> OutboxEntry {
     }
 }
 
-fn outbound(
-    instance: &str,
-    conversation: &str,
-    thread: Option<String>,
-    text: String,
-    metadata: std::collections::BTreeMap<String, String>,
-) -> Result<OutboundMessage, String> {
-    let channel = ChannelId::new(instance).map_err(|err| format!("instance: {err}"))?;
-    let conversation = Id::new(conversation).map_err(|err| format!("conversation: {err}"))?;
-    let thread = thread.map(Id::new).transpose().map_err(|err| format!("thread: {err}"))?;
-    let body = MessageBody::text(text).map_err(|err| format!("text: {err}"))?;
-    Ok(OutboundMessage {
-        target: MessageTarget { channel, conversation, thread, reply_to: None },
-        body,
-        metadata,
-    })
-}
-
 /// `storage_full` while the ledger cannot write for lack of space.
 fn storage(hub: &Hub) -> Option<String> {
     hub.ledger.storage_full().then(|| code::STORAGE_FULL.to_owned())
@@ -489,6 +447,7 @@ async fn status(hub: &Hub) -> StatusResult {
         started_ms: unix_ms(hub.started),
         instances,
         storage: storage(hub),
+        amqp_sends: hub.amqp_sends.as_ref().map(|state| state.view()),
     }
 }
 

@@ -15,6 +15,7 @@
 //! Imports nothing from the rest of the hub but the ledger's own histograms
 //! ([`LedgerMetrics`]): the modules that count depend on it.
 
+mod amqp_sends;
 mod process;
 
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use crate::ledger::LedgerMetrics;
 
+pub use amqp_sends::{AmqpSendsState, RemoteSendOutcome};
 pub use process::ProcessCollector;
 
 /// How an inbound message was answered.
@@ -203,6 +205,11 @@ pub struct ReasonLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: &'static str,
 }
@@ -245,6 +252,9 @@ pub struct Metrics {
     pub outbox_records: Family<StateLabels, Gauge>,
     /// Set at each scrape.
     pub ledger_queue_depth: Gauge,
+    amqp_sends: Family<OutcomeLabel, Counter>,
+    /// Set at each scrape (`[hub.amqp_sends]` set): whether the send queue is consumed.
+    pub amqp_sends_connected: Gauge,
 }
 
 impl Metrics {
@@ -353,6 +363,18 @@ impl Metrics {
             "Ledger calls committed per batch (group commit)",
             ledger.batch_jobs.clone(),
         );
+        let amqp_sends = Family::default();
+        registry.register(
+            "channeld_amqp_sends",
+            "Messages taken from the AMQP send queue ([hub.amqp_sends]), by outcome",
+            amqp_sends.clone(),
+        );
+        let amqp_sends_connected = Gauge::default();
+        registry.register(
+            "channeld_amqp_sends_connected",
+            "Whether the AMQP send queue is consumed now (1) or its consumer reconnects (0)",
+            amqp_sends_connected.clone(),
+        );
         registry.register_collector(Box::new(ProcessCollector::new()));
         Self {
             enabled,
@@ -372,6 +394,24 @@ impl Metrics {
             health_reason,
             outbox_records,
             ledger_queue_depth,
+            amqp_sends,
+            amqp_sends_connected,
+        }
+    }
+
+    /// Counts a send-queue message's outcome.
+    pub fn amqp_send(&self, outcome: RemoteSendOutcome) {
+        if self.enabled {
+            self.amqp_sends.get_or_create(&OutcomeLabel { outcome: outcome.as_str() }).inc();
+        }
+    }
+
+    /// Every send-queue outcome's series exists from the start (at 0).
+    pub fn init_amqp_sends(&self) {
+        if self.enabled {
+            for outcome in RemoteSendOutcome::ALL {
+                drop(self.amqp_sends.get_or_create(&OutcomeLabel { outcome: outcome.as_str() }));
+            }
         }
     }
 

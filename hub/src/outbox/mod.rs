@@ -161,7 +161,7 @@ impl Outbox {
         let id = match added {
             Added::New(id) => id,
             Added::Existing(record) if same_send(&record.message, &message) => {
-                return self.existing(&inst, record, wait).await;
+                return self.existing(&inst, record, wait).await.map(SendOutcome::repeated);
             }
             Added::Existing(record) => {
                 return Err(SendError::Conflict { outbox_id: record.id });

@@ -9,7 +9,10 @@
 //! effects and commands are carried out as for the exec runtime (a command's answer goes to
 //! the worker's command queue), and the first final record ends the run. A run is taken
 //! once: a second final record (a redelivered run finished twice) and one that arrives after
-//! the run timed out are logged and ignored.
+//! the run timed out are logged and ignored. A cancelled run is cancelled on the workers too
+//! (the fanout exchange `<queue>.cancel`): the one running it stops its agent, one that
+//! picks it later skips it, and a `started` record of a run cancelled earlier is answered
+//! with the cancel again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -17,8 +20,11 @@ use std::time::Duration;
 
 use channeld_agent_exec::AgentRun;
 use channeld_agent_exec::amqp::{
-    CommandReply, ENV_HEADER, Outcome, RUN_MESSAGE_TYPE, Record, confirm_channel, connect_first,
+    CANCEL_TYPE, COMMAND_RESULT_TYPE, CancelRun, CommandReply, ENV_HEADER, Outcome, PublishError,
+    RUN_MESSAGE_TYPE, Record, cancel_exchange_name, confirm_channel, connect_first,
+    declare_cancel_exchange,
     declare_reply_queue, declare_run_queue, env_header, json_properties, publish_confirmed,
+    publish_confirmed_to,
 };
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
@@ -42,6 +48,8 @@ const RUN_RECORDS: usize = 64;
 const REPLY_PREFETCH: u16 = 256;
 /// Ended runs remembered to tell a duplicate or late result from an unknown one.
 const REMEMBERED: usize = 16_384;
+/// How long a cancel may take to reach the broker.
+const CANCEL_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -125,6 +133,7 @@ impl Client {
         let channel = confirm_channel(&connection).await?;
         declare_run_queue(&channel, &self.target.queue).await?;
         declare_reply_queue(&channel, &self.target.reply_queue).await?;
+        declare_cancel_exchange(&channel, &self.target.queue).await?;
         *publisher = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -178,7 +187,7 @@ impl Client {
     /// Sends a command's answer to the worker that asked.
     async fn answer(&self, queue: &str, reply: &CommandReply) {
         let body = serde_json::to_vec(reply).expect("command replies serialize");
-        let properties = json_properties("channeld.command_result", reply.command_id.as_str());
+        let properties = json_properties(COMMAND_RESULT_TYPE, reply.command_id.as_str());
         let sent = match self.publisher().await {
             Ok(channel) => publish_confirmed(&channel, queue, &body, properties)
                 .await
@@ -188,6 +197,32 @@ impl Client {
         if let Err(err) = sent {
             // The worker's wait ends in `rejected`: commands fail closed.
             warn!(run_id = %reply.run_id, command_id = %reply.command_id, error = %err, "command answer not sent to the worker");
+        }
+    }
+
+    /// Tells every worker of the run queue that `run_id` was cancelled: the one running it
+    /// stops its agent, one that picks it later does not run it. Best effort, bounded by
+    /// [`CANCEL_SEND_TIMEOUT`]; the hub ignores the run's result either way.
+    async fn cancel_remote(&self, run_id: &str) {
+        let body = serde_json::to_vec(&CancelRun { run_id: run_id.to_owned() })
+            .expect("cancels serialize");
+        let exchange = cancel_exchange_name(&self.target.queue);
+        let send = async {
+            let channel = self.publisher().await.map_err(PublishError::from)?;
+            let properties = json_properties(CANCEL_TYPE, run_id);
+            publish_confirmed_to(&channel, &exchange, "", &body, properties).await
+        };
+        match tokio::time::timeout(CANCEL_SEND_TIMEOUT, send).await {
+            Ok(Ok(())) => debug!(runtime = %self.name, %run_id, "cancel sent to the workers"),
+            Ok(Err(PublishError::Unroutable(_))) => {
+                debug!(runtime = %self.name, %run_id, "no worker connected to cancel the run on")
+            }
+            Ok(Err(err)) => {
+                warn!(runtime = %self.name, %run_id, error = %err, "cancel not sent to the workers; its result will be ignored")
+            }
+            Err(_) => {
+                warn!(runtime = %self.name, %run_id, "cancel not sent to the workers in time; its result will be ignored")
+            }
         }
     }
 
@@ -222,6 +257,11 @@ impl Client {
         };
         let ended = lock(&self.memory).ended.get(record.run_id()).copied();
         match (&record, ended) {
+            (Record::Started { run_id, worker }, Some(Ended::Cancelled)) => {
+                // A worker that missed the cancel (connected after it) picked the run.
+                info!(runtime = %self.name, %run_id, %worker, "a cancelled run was picked by a worker; cancelling it again");
+                self.cancel_remote(run_id).await;
+            }
             (Record::Final { run_id, worker, redelivered, .. }, Some(Ended::Taken)) => {
                 warn!(runtime = %self.name, %run_id, %worker, redelivered, "duplicate result of a run already taken; ignored");
             }
@@ -302,8 +342,10 @@ async fn consume_once(client: &Client, pause: &mut Duration) -> lapin::Result<()
     Ok(())
 }
 
-/// Runs `request` on the workers behind `config`'s run queue. A cancel ends the wait at once
-/// (`RunError::Aborted`); the worker's agent is not stopped, and its result is ignored.
+/// Runs `request` on the workers behind `config`'s run queue. A cancel ends the wait
+/// (`RunError::Aborted`) once the cancel was sent to the workers (`<queue>.cancel`): the
+/// worker running the run stops its agent, one that picks it later does not start it, and
+/// the hub ignores whatever result still comes.
 pub(super) async fn run(
     remote: &Remote,
     config: &RuntimeConfig,
@@ -323,6 +365,13 @@ pub(super) async fn run(
         result = follow(&client, config, &run, io, records, deadline) => result,
         () = cancel.cancelled() => Err(RunError::Aborted),
     };
+    if matches!(result, Err(RunError::Aborted)) {
+        // Remembered as cancelled first: a worker that starts it now is told again.
+        waiting.ended = Ended::Cancelled;
+        drop(waiting);
+        client.cancel_remote(&run.run_id).await;
+        return result;
+    }
     waiting.ended = match &result {
         Err(RunError::Aborted) => Ended::Cancelled,
         Err(RunError::Timeout(_) | RunError::Unavailable(_)) => Ended::TimedOut,
@@ -351,6 +400,7 @@ async fn follow(
             return Err(RunError::Timeout(config.timeout.as_secs()));
         };
         match record {
+            Record::Started { worker, .. } => debug!(%worker, "run started on a worker"),
             Record::Effect { effect, .. } => io.effect(effect),
             Record::Delta { text, .. } => io.stream(StreamItem::Delta(text)).await,
             Record::Tool { tool, .. } => io.stream(StreamItem::Tool(tool)).await,
