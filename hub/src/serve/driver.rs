@@ -187,15 +187,18 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                     continue;
                 }
                 _ = tick(&mut stall_check) => {
-                    match stall(conn.sink.write_blocked_for(), stall_timeout) {
-                        Stall::Flowing => {
-                            stall_check = None;
-                            if degraded {
-                                degraded = false;
-                                info!(instance = %inst.config.id, conn = conn.id, "driver reads its socket again");
-                                inst.set_health(Health::new(HealthState::Ready, Some("driver reads its socket again".into())));
-                            }
+                    let blocked = conn.sink.write_blocked_for();
+                    if blocked.is_none() {
+                        // Nothing waits for the driver now: disarmed until a write waits again.
+                        stall_check = None;
+                    }
+                    match stall(blocked, stall_timeout) {
+                        Stall::Flowing if degraded => {
+                            degraded = false;
+                            info!(instance = %inst.config.id, conn = conn.id, "driver reads its socket again");
+                            inst.set_health(Health::new(HealthState::Ready, Some("driver reads its socket again".into())));
                         }
+                        Stall::Flowing => {}
                         Stall::Degraded(blocked) => {
                             if !degraded {
                                 degraded = true;
