@@ -146,10 +146,41 @@ impl HubProc {
         .with_context(|| format!("waiting for {instances:?}"))
     }
 
-    /// Waits until exactly `count` drivers are connected.
-    pub fn wait_connected_count(&mut self, count: usize, limit: Duration) -> Result<()> {
-        self.wait_status(limit, "see the drivers leave", |rows| {
-            rows.iter().filter(|row| row["connected"] == Value::Bool(true)).count() == count
+    /// Waits until `instance` has a driver that answers a health probe (the `health` request:
+    /// one instance, where `status` lists every instance and outgrows a control line at
+    /// thousands of them).
+    pub fn wait_driver(&mut self, instance: &str, limit: Duration) -> Result<()> {
+        let control = self.control_socket();
+        let mut last = None;
+        let request = format!("{{\"id\":1,\"op\":\"health\",\"instance\":\"{instance}\"}}\n");
+        let waited =
+            wait_until(&mut self.proc, limit, "see the driver connect", || {
+                match request_at(&control, &request) {
+                    Ok(result) => {
+                        let ready = result["health"]["state"] != "Unavailable";
+                        last = Some(result["health"].to_string());
+                        ready
+                    }
+                    Err(err) => {
+                        last = Some(err.to_string());
+                        false
+                    }
+                }
+            });
+        waited.with_context(|| format!("waiting for {instance}; last answer: {last:?}"))
+    }
+
+    /// Open file descriptors of the hub (`/proc/<pid>/fd`): each connected driver holds one.
+    pub fn open_fds(&self) -> Result<usize> {
+        let dir = format!("/proc/{}/fd", self.pid());
+        Ok(std::fs::read_dir(&dir).with_context(|| format!("read {dir}"))?.count())
+    }
+
+    /// Waits until the hub holds at most `fds` descriptors (the drivers that left are gone).
+    pub fn wait_fds_at_most(&mut self, fds: usize, limit: Duration) -> Result<()> {
+        let dir = format!("/proc/{}/fd", self.pid());
+        wait_until(&mut self.proc, limit, "close the connections of the drivers that left", || {
+            std::fs::read_dir(&dir).is_ok_and(|entries| entries.count() <= fds)
         })
     }
 
@@ -175,15 +206,20 @@ impl HubProc {
 
 /// One `status` request on the control socket at `control`.
 pub fn status_at(control: &Path) -> Result<Value> {
+    request_at(control, "{\"id\":1,\"op\":\"status\"}\n")
+}
+
+/// One control request line on the control socket at `control`; its `result`.
+fn request_at(control: &Path, request: &str) -> Result<Value> {
     let mut stream =
         UnixStream::connect(control).with_context(|| format!("connect {}", control.display()))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    stream.write_all(b"{\"id\":1,\"op\":\"status\"}\n")?;
+    stream.write_all(request.as_bytes())?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line)?;
-    let answer: Value = serde_json::from_str(&line).context("status answer is not JSON")?;
+    let answer: Value = serde_json::from_str(&line).context("control answer is not JSON")?;
     if answer["ok"] != Value::Bool(true) {
-        bail!("status failed: {line}");
+        bail!("request failed: {line}");
     }
     Ok(answer["result"].clone())
 }

@@ -97,6 +97,20 @@ enum Cmd {
         #[arg(long)]
         wrap: Option<String>,
     },
+    /// Only the scaling rows (hub RSS and CPU per message with many connected drivers), under
+    /// this process's CPU affinity; prints them.
+    Scale {
+        /// Connected drivers at the top (bounded by the open-file limit).
+        #[arg(long, default_value_t = phase::TOP_DRIVERS)]
+        drivers: usize,
+        /// Seconds each CPU-per-message row measures.
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
+        /// Record the hub with `perf record -g` into this file during the spread row over
+        /// the most drivers.
+        #[arg(long)]
+        perf: Option<PathBuf>,
+    },
     /// The hub's CPU per inbound message with metrics off and on (`hub.metrics_listen`),
     /// ledger off and on; prints a table of medians.
     MetricsCost {
@@ -179,6 +193,11 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // Thousands of driver connections in the scaling rows: the soft open-file limit goes to
+    // the hard one here, and every process the bench starts (the hub too) inherits it.
+    if let Err(err) = channeld_link::process::raise_fd_limit() {
+        eprintln!("channeld-bench: cannot raise the open-file limit: {err}");
+    }
     let cli = Cli::parse();
     let outcome = match cli.command.unwrap_or(Cmd::Run) {
         Cmd::Driver => return driver::driver_main(),
@@ -198,6 +217,14 @@ fn main() -> ExitCode {
                 let wrap = wrap.as_deref();
                 phase::soak(&bin_dir, &path, window, measure, ledger, durability_normal, wrap)
             }),
+        Cmd::Scale { drivers, seconds, perf } => bin_dir(&cli.run).and_then(|bin_dir| {
+            let mut budget = Budget::new(cli.run.quick);
+            budget.max_drivers = drivers.max(1);
+            budget.cpu_measure = std::time::Duration::from_secs(seconds.max(1));
+            let args = PhaseArgs { mode: "scale".into(), cpus: String::new(), bin_dir, budget };
+            let options = phase::ScaleOptions { perf_out: perf };
+            phase::scale_main(&args, &options)
+        }),
         Cmd::MetricsCost { reps, seconds } => bin_dir(&cli.run).and_then(|bin_dir| {
             let measure = std::time::Duration::from_secs(seconds);
             metrics_cost::metrics_cost(&bin_dir, reps.max(1), measure)

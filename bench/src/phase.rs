@@ -50,7 +50,7 @@ impl Budget {
                 repetitions: 5,
                 measure: Duration::from_secs(1),
                 windows: vec![1, 16, 256],
-                max_drivers: 1000,
+                max_drivers: TOP_DRIVERS,
                 cpu_measure: Duration::from_secs(3),
             }
         }
@@ -171,7 +171,7 @@ pub fn run_phase(args: &PhaseArgs) -> Result<Phase> {
     let fsync_us = fsync_cost(dir.path(), if budget.quick { 10 } else { 200 })?;
     eprintln!("channeld-bench [{}] fsync (4 KiB append + fdatasync): {fsync_us:.1} µs", args.mode);
 
-    let scale = scale(args, &rt, dir.path())?;
+    let scale = scale(args, &rt, dir.path(), &ScaleOptions::default())?;
     let load = crate::load_average();
     Ok(Phase { mode: args.mode.clone(), cpus: args.cpus.clone(), rows, scale, fsync_us, load })
 }
@@ -275,12 +275,46 @@ fn row(path: PathKind, ledger: Option<bool>, window: usize, reps: Vec<Sample>) -
     Row { path, ledger, window, median: median_sample(&reps), reps }
 }
 
-/// Hub memory with 0, 1, 100 and `max_drivers` connected drivers, and the hub's CPU time per
-/// send with one driver and with all of them connected.
-fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path) -> Result<Scale> {
+/// Connected drivers the scaling rows aim for at the top.
+pub const TOP_DRIVERS: usize = 10_000;
+
+/// Descriptors the hub and the bench keep besides those of the drivers.
+const FD_MARGIN: usize = 256;
+
+/// The most drivers this process can connect to one hub: the hub holds two descriptors per
+/// driver (its instance socket and the connection), the bench one; both run under the soft
+/// limit the bench raised to the hard one at start (inherited by the hub).
+pub fn drivers_within_fd_limit(wanted: usize) -> usize {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return wanted.min(500);
+    }
+    let soft = usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX);
+    wanted.min(soft.saturating_sub(FD_MARGIN) / 2)
+}
+
+/// What a scaling run measures besides the rows (`channeld-bench scale`).
+#[derive(Debug, Clone, Default)]
+pub struct ScaleOptions {
+    /// Record the hub with `perf record -g` during the spread row over the most drivers,
+    /// into this file.
+    pub perf_out: Option<PathBuf>,
+}
+
+/// Hub memory with 0, 1, 100, 1,000 and `max_drivers` connected drivers, and the hub's CPU
+/// time per send with one driver, and with 1,000 and `max_drivers` connected (traffic to one
+/// of them, and spread over all of them).
+pub fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path, options: &ScaleOptions) -> Result<Scale> {
     let budget = &args.budget;
-    let max = budget.max_drivers;
-    let idle: Vec<String> = (1..max).map(|i| format!("bench.d{i:04}")).collect();
+    let max = drivers_within_fd_limit(budget.max_drivers);
+    if max < budget.max_drivers {
+        eprintln!(
+            "channeld-bench [{}] the open-file limit allows {max} drivers, not {}",
+            args.mode, budget.max_drivers
+        );
+    }
+    let idle: Vec<String> = (1..max).map(|i| format!("bench.d{i:05}")).collect();
     let hub_dir = dir.join("hub-scale");
     std::fs::create_dir_all(&hub_dir)?;
     let spec = HubSpec {
@@ -295,36 +329,80 @@ fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path) -> Result<Scale> {
 
     let mut driver =
         DriverProc::start(MAIN_INSTANCE, &hub.socket(MAIN_INSTANCE), &hub_dir.join("driver.log"))?;
-    hub.wait_connected(&[MAIN_INSTANCE], Duration::from_secs(20), any_health)?;
+    // `health`, not `status`: a status of thousands of instances outgrows a control line.
+    hub.wait_driver(MAIN_INSTANCE, Duration::from_secs(20))?;
     let main = vec![MAIN_INSTANCE.to_owned()];
     result.hub_rss_kib.push((1, crate::procs::rss_kib(hub.pid())?));
+    let fds_with_one = hub.open_fds()?;
 
-    // Resident sizes first, before any traffic grows the heap.
-
+    // Resident sizes first, before any traffic grows the heap; then the CPU rows at 1,000
+    // and at the top.
     let mut peers = Peers::spawn()?;
     let sockets: Vec<(ChannelId, PathBuf)> = idle
         .iter()
         .map(|name| Ok((ChannelId::new(name.clone())?, hub.socket(name))))
         .collect::<Result<_>>()?;
-    let (first, rest) = sockets.split_at(sockets.len().min(99));
-    peers.connect(first.to_vec())?;
-    if max > 100 {
-        result.hub_rss_kib.push((1 + peers.connected(), crate::procs::rss_kib(hub.pid())?));
+    let mut rest = sockets.as_slice();
+    for step in [100, 1000, max] {
+        let take = step.saturating_sub(1 + peers.connected()).min(rest.len());
+        if take == 0 {
+            continue;
+        }
+        let (now, later) = rest.split_at(take);
+        peers.connect(now.to_vec())?;
+        rest = later;
+        let connected = 1 + peers.connected();
+        result.hub_rss_kib.push((connected, crate::procs::rss_kib(hub.pid())?));
+        if (connected == 1000 && max > 1000) || connected == max {
+            result.cpu.push(cpu_per_message(args, rt, &hub, &main, connected, "one", None)?);
+            let all: Vec<String> = std::iter::once(MAIN_INSTANCE.to_owned())
+                .chain(idle[..connected - 1].iter().cloned())
+                .collect();
+            let perf = options.perf_out.as_deref().filter(|_| connected == max);
+            result.cpu.push(cpu_per_message(args, rt, &hub, &all, connected, "spread", perf)?);
+        }
     }
-    peers.connect(rest.to_vec())?;
     let connected = 1 + peers.connected();
-    result.hub_rss_kib.push((connected, crate::procs::rss_kib(hub.pid())?));
-    result.cpu.push(cpu_per_message(args, rt, &hub, &main, connected, "one")?);
-    let all: Vec<String> = std::iter::once(MAIN_INSTANCE.to_owned()).chain(idle).collect();
-    result.cpu.push(cpu_per_message(args, rt, &hub, &all, connected, "spread")?);
     result.hub_rss_after_traffic_kib = Some((connected, crate::procs::rss_kib(hub.pid())?));
 
     drop(peers);
-    hub.wait_connected_count(1, Duration::from_secs(30))?;
-    result.cpu.insert(0, cpu_per_message(args, rt, &hub, &main, 1, "one")?);
+    hub.wait_fds_at_most(fds_with_one, Duration::from_secs(60))?;
+    result.cpu.insert(0, cpu_per_message(args, rt, &hub, &main, 1, "one", None)?);
     driver.stop()?;
     hub.proc.stop(Duration::from_secs(15))?;
     Ok(result)
+}
+
+/// `channeld-bench scale`: the scaling rows alone, printed.
+pub fn scale_main(args: &PhaseArgs, options: &ScaleOptions) -> Result<()> {
+    let rt = runtime()?;
+    let dir = tempfile::Builder::new().prefix("channeld-bench-scale-").tempdir()?;
+    let scale = scale(args, &rt, dir.path(), options)?;
+    for (connected, kib) in &scale.hub_rss_kib {
+        eprintln!(
+            "channeld-bench [scale] hub RSS with {connected} connected: {:.1} MiB",
+            *kib as f64 / 1024.0
+        );
+    }
+    if let Some((connected, kib)) = scale.hub_rss_after_traffic_kib {
+        eprintln!(
+            "channeld-bench [scale] hub RSS with {connected} connected after the CPU rows: {:.1} MiB",
+            kib as f64 / 1024.0
+        );
+    }
+    let one = scale.cpu.first().map(|row| row.hub_cpu_us_per_message);
+    for row in &scale.cpu {
+        eprintln!(
+            "channeld-bench [scale] {} connected, {}: {:.2} µs/message ({:.2}× one driver), {:.0} sends/s",
+            row.connected,
+            row.traffic,
+            row.hub_cpu_us_per_message,
+            one.map_or(f64::NAN, |one| row.hub_cpu_us_per_message / one),
+            row.rate_per_s
+        );
+    }
+    eprintln!("channeld-bench [scale] load average {}", crate::load_average());
+    Ok(())
 }
 
 /// Sends with 16 in flight for the CPU measuring time and divides the hub's CPU time by the
@@ -336,15 +414,20 @@ fn cpu_per_message(
     instances: &[String],
     connected: usize,
     traffic: &str,
+    perf_out: Option<&Path>,
 ) -> Result<CpuRow> {
     let budget = &args.budget;
     let warm =
         Plan { window: 16, warmup: 0, measure: budget.measure.min(Duration::from_millis(300)) };
     rt.block_on(control::send_round_trips(&hub.control_socket(), instances, warm))?;
     let plan = Plan { window: 16, warmup: 0, measure: budget.cpu_measure };
+    let perf = perf_out.map(|out| Perf::record(hub.pid(), out)).transpose()?;
     let before = cpu_time(hub.pid())?;
     let sample = rt.block_on(control::send_round_trips(&hub.control_socket(), instances, plan))?;
     let spent = cpu_time(hub.pid())? - before;
+    if let Some(perf) = perf {
+        perf.finish()?;
+    }
     let messages = sample.total.max(1);
     let row = CpuRow {
         connected,
@@ -354,8 +437,45 @@ fn cpu_per_message(
         rate_per_s: sample.rate_per_s,
     };
     eprintln!(
-        "channeld-bench [{}] hub CPU with {connected} connected ({traffic}): {:.2} µs/message over {} sends",
-        args.mode, row.hub_cpu_us_per_message, row.messages
+        "channeld-bench [{}] hub CPU with {connected} connected ({traffic}): {:.2} µs/message over {} sends (load {})",
+        args.mode,
+        row.hub_cpu_us_per_message,
+        row.messages,
+        crate::load_average()
     );
     Ok(row)
+}
+
+/// `perf record -g` attached to the hub for one row; stopped with SIGINT so it writes its
+/// file.
+struct Perf {
+    proc: crate::procs::Proc,
+}
+
+impl Perf {
+    fn record(pid: i32, out: &Path) -> Result<Self> {
+        let perf = crate::procs::find_program("perf", &["/usr/bin/perf"])
+            .context("perf is not installed (linux-perf)")?;
+        let child = std::process::Command::new(perf)
+            .args(["record", "-g", "-F", "2000", "-o"])
+            .arg(out)
+            .arg("-p")
+            .arg(pid.to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("start perf record")?;
+        // perf attaches within a moment; the row runs for seconds.
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(Self { proc: crate::procs::Proc::new("perf", child, None) })
+    }
+
+    fn finish(mut self) -> Result<()> {
+        // SAFETY: a plain syscall on a child this process started and has not reaped.
+        unsafe { libc::kill(self.proc.pid(), libc::SIGINT) };
+        if self.proc.wait_exit(Duration::from_secs(30))?.is_none() {
+            self.proc.stop(Duration::from_secs(5))?;
+        }
+        Ok(())
+    }
 }

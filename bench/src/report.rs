@@ -372,7 +372,9 @@ impl Report {
             }
         }
         for phase in &self.phases {
-            if let Some((connected, kib)) = phase.scale.hub_rss_kib.iter().max_by_key(|(c, _)| *c) {
+            let top = phase.scale.hub_rss_kib.iter().map(|(c, _)| *c).max().unwrap_or(0);
+            let reported = phase.scale.hub_rss_kib.iter().filter(|(c, _)| *c == 1000 || *c == top);
+            for (connected, kib) in reported {
                 let per_driver = *kib as f64 / (*connected).max(1) as f64;
                 lines.push(if *connected <= 1000 {
                     format!(

@@ -1,7 +1,8 @@
 //! What every channeld process does at start, the hub and the drivers alike: logging (one
 //! filter variable; the journal under systemd, JSON for log shippers, else human lines on
 //! stderr), and SIGTERM/SIGINT (SIGHUP for interactive processes) turned into a
-//! cancellation.
+//! cancellation; and for a process that holds many sockets (the hub), its open-file limit
+//! raised to what it may use.
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
@@ -115,6 +116,39 @@ pub fn init_logging(default_filter: &str) {
     }
 }
 
+/// The open-file limit (`RLIMIT_NOFILE`) after [`raise_fd_limit`]: the soft limit before,
+/// the soft limit now, and the hard limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdLimit {
+    pub before: u64,
+    pub now: u64,
+    pub hard: u64,
+}
+
+/// Raises the soft open-file limit to the hard one. The soft default (1,024, also under
+/// systemd) exists for programs that use `select(2)`; nothing here does, and a hub holds
+/// two descriptors per instance (its socket and the driver's connection), so the hard limit
+/// (systemd's default 524,288, or `LimitNOFILE=`) is the real bound. Fails only when the
+/// limit cannot be read or set; the limit is then unchanged.
+pub fn raise_fd_limit() -> std::io::Result<FdLimit> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let before = limit.rlim_cur;
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+        // SAFETY: setrlimit reads the struct we own; raising the soft limit up to the hard
+        // one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        limit = raised;
+    }
+    Ok(FdLimit { before: before as u64, now: limit.rlim_cur as u64, hard: limit.rlim_max as u64 })
+}
+
 /// Cancels `token` on the first SIGTERM or SIGINT. Must be called inside a tokio runtime;
 /// the task lives as long as the process (abort the handle to stop listening). If the
 /// handlers cannot be installed the error is logged and the token is never cancelled by a
@@ -177,6 +211,17 @@ mod tests {
         assert_eq!(choose_format(Some("human"), true), Ok(LogFormat::Human));
         assert_eq!(choose_format(Some("journald"), false), Ok(LogFormat::Journald));
         assert_eq!(choose_format(Some("xml"), false), Err(LogFormat::Human));
+    }
+
+    #[test]
+    fn the_soft_fd_limit_is_raised_to_the_hard_one() {
+        let limit = raise_fd_limit().unwrap();
+        assert_eq!(limit.now, limit.hard);
+        assert!(limit.before <= limit.now);
+        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes into the struct we own.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut now) }, 0);
+        assert_eq!(now.rlim_cur as u64, limit.hard);
     }
 
     #[tokio::test]

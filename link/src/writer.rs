@@ -3,11 +3,12 @@
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use channeld_protocol::{EncodeError, Frame, encode};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 /// Largest batch written in one call.
@@ -39,11 +40,14 @@ struct Progress {
     /// Milliseconds after `base` (plus one, so 0 means "not writing") when the current
     /// write began.
     writing_since: AtomicU64,
+    /// Told when a write could not complete at once (the peer's socket buffer is full):
+    /// only then is a stall worth watching for, so an idle connection needs no timer.
+    blocked: Notify,
 }
 
 impl Progress {
     fn new() -> Self {
-        Self { base: Instant::now(), writing_since: AtomicU64::new(0) }
+        Self { base: Instant::now(), writing_since: AtomicU64::new(0), blocked: Notify::new() }
     }
 
     fn begin(&self) {
@@ -86,6 +90,13 @@ impl FrameSink {
     /// waiting: a peer that stopped reading shows here (the hub's stall timeout).
     pub fn write_blocked_for(&self) -> Option<Duration> {
         self.progress.blocked_for()
+    }
+
+    /// Resolves once a write the writer task began could not complete at once (the peer is
+    /// not taking bytes as fast as they come), counting from the last time it resolved: the
+    /// moment to start watching [`write_blocked_for`](Self::write_blocked_for). Cancel-safe.
+    pub async fn write_blocked(&self) {
+        self.progress.blocked.notified().await
     }
 
     /// Frames queued and not yet taken by the writer task.
@@ -185,7 +196,16 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             frames += drain(&mut rx, &mut batch);
         }
         progress.begin();
-        let written = writer.write_all(&batch).await;
+        let written = {
+            let mut write = std::pin::pin!(writer.write_all(&batch));
+            match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
+                Poll::Ready(done) => done,
+                Poll::Pending => {
+                    progress.blocked.notify_one();
+                    write.await
+                }
+            }
+        };
         progress.end();
         if let Err(err) = written {
             rx.close();
@@ -364,6 +384,32 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert_eq!(sink.queued(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_write_that_cannot_complete_at_once_is_announced_and_one_that_can_is_not() {
+        let (client, mut server) = tokio::io::duplex(64);
+        let (sink, _writer) = spawn_writer(client, 8);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        let line = encode(&frame).unwrap();
+        assert!(line.len() < 64);
+        sink.send(&frame).await.unwrap();
+        let mut got = vec![0u8; line.len()];
+        tokio::io::AsyncReadExt::read_exact(&mut server, &mut got).await.unwrap();
+        let mut blocked = std::pin::pin!(sink.write_blocked());
+        assert!(futures_poll(&mut blocked).is_pending(), "a write that fit was announced");
+        // Three frames do not fit in the 64-byte pipe nobody reads.
+        for _ in 0..3 {
+            sink.send(&frame).await.unwrap();
+        }
+        blocked.await;
+        assert!(sink.write_blocked_for().is_some());
+    }
+
+    fn futures_poll<F: std::future::Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        std::pin::Pin::new(future).poll(&mut cx)
     }
 
     #[tokio::test]

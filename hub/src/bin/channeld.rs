@@ -23,7 +23,7 @@ use channeld_hub::listen::HubError;
 use clap::{Parser, Subcommand};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// Default configuration file.
 const DEFAULT_CONFIG: &str = "/etc/channeld/channeld.toml";
@@ -150,6 +150,7 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    check_fd_limit(config.instances.len());
     // First the state directory's lock: a second hub must not touch the ledger (it would
     // start the first one's runs again) nor the sockets.
     let ledger = match channeld_hub::open_ledger(&config) {
@@ -189,6 +190,27 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             error!(error = %err, "hub failed");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Descriptors the hub needs besides two per instance: the control socket and its
+/// connections, the ledger, the metrics listener, agents' pipes, reloads.
+const FD_MARGIN: u64 = 256;
+
+/// Raises the soft open-file limit to the hard one (the soft default of 1,024 would end a
+/// hub at about 500 instances: each holds its socket and its driver's connection), and warns
+/// when even the hard limit is short of what the configured instances need.
+fn check_fd_limit(instances: usize) {
+    let needed = 2 * instances as u64 + FD_MARGIN;
+    match channeld_link::process::raise_fd_limit() {
+        Ok(limit) if limit.now < needed => warn!(
+            limit = limit.now,
+            instances,
+            needed,
+            "the open-file limit is too low for every instance to have its driver connected; raise LimitNOFILE="
+        ),
+        Ok(limit) => info!(before = limit.before, limit = limit.now, "open-file limit"),
+        Err(err) => warn!(error = %err, "cannot raise the open-file limit"),
     }
 }
 

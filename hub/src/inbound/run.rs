@@ -266,7 +266,8 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     };
     // A driver's reply is recorded with the outcome, and the courier delivers it (and
     // retries it); a legacy peer's goes back on its connection, once.
-    let tracked = origin.as_ref().is_none_or(|c| c.kind == PeerKind::Driver);
+    // (Without a ledger nothing is recorded: the record is not even made.)
+    let tracked = hub.ledger.is_on() && origin.as_ref().is_none_or(|c| c.kind == PeerKind::Driver);
     let reply = match &result {
         Ok(text) if tracked => {
             reply::new_reply(hub, inst, &event_id, &target, &metadata, text, stream_seq)

@@ -129,9 +129,13 @@ pub async fn run(
     if cancel.is_cancelled() {
         return Err(RunError::Aborted);
     }
+    // Boxed: inline, their state machines (kilobytes) would size every run's task, echo runs
+    // included, and spawning copies a task's whole future several times (measured: a sixth
+    // of the hub's CPU per inbound went to those copies). A box per agent process or broker
+    // round trip costs nothing next to the run itself.
     match config.kind {
         RuntimeKind::Echo => Ok(echo::run(request)),
-        RuntimeKind::Exec => exec::run(config, request, io, cancel).await,
-        RuntimeKind::Amqp => amqp::run(remote, config, request, io, cancel).await,
+        RuntimeKind::Exec => Box::pin(exec::run(config, request, io, cancel)).await,
+        RuntimeKind::Amqp => Box::pin(amqp::run(remote, config, request, io, cancel)).await,
     }
 }

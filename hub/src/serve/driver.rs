@@ -157,24 +157,42 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
     mut first: Option<Frame>,
 ) {
     let stall_timeout = hub.config.stall_timeout;
-    let mut stall_check = tokio::time::interval(stall_check_every(stall_timeout));
-    stall_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let check_every = stall_check_every(stall_timeout);
+    // Armed only while a write waits for the driver: an idle or flowing connection costs no
+    // timer (thousands of connections would otherwise wake the hub every second each).
+    let mut stall_check: Option<tokio::time::Interval> = None;
     let mut degraded = false;
+    // Made once per connection, not once per frame: each registers a waiter when first
+    // polled, and a fresh one per frame would register and drop it again for every frame.
+    let closing = closing(hub, inst);
+    let writer_gone = conn.sink.closed();
+    let write_blocked = conn.sink.write_blocked();
+    tokio::pin!(closing, writer_gone, write_blocked);
     loop {
         let item = match first.take() {
             Some(frame) => Ok(Some(Ok(frame))),
             None => tokio::select! {
                 biased;
-                () = closing(hub, inst) => {
+                () = &mut closing => {
                     // A driver that does not read would hold this send: bounded by the grace.
                     let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
                     let _ = tokio::time::timeout(STOP_GRACE, conn.sink.send(&stop)).await;
                     return;
                 }
-                item = reader.next() => item,
-                () = conn.sink.closed() => return,
-                _ = stall_check.tick() => {
-                    match stall(conn.sink.write_blocked_for(), stall_timeout) {
+                () = &mut write_blocked, if stall_check.is_none() => {
+                    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + check_every, check_every);
+                    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    stall_check = Some(check);
+                    write_blocked.set(conn.sink.write_blocked());
+                    continue;
+                }
+                _ = tick(&mut stall_check) => {
+                    let blocked = conn.sink.write_blocked_for();
+                    if blocked.is_none() {
+                        // Nothing waits for the driver now: disarmed until a write waits again.
+                        stall_check = None;
+                    }
+                    match stall(blocked, stall_timeout) {
                         Stall::Flowing if degraded => {
                             degraded = false;
                             info!(instance = %inst.config.id, conn = conn.id, "driver reads its socket again");
@@ -197,6 +215,8 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                     }
                     continue;
                 }
+                item = reader.next() => item,
+                () = &mut writer_gone => return,
             },
         };
         let frame = match item {
@@ -310,6 +330,16 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
                 let _ = conn.sink.try_send(&answer);
             }
         }
+    }
+}
+
+/// The next tick of the stall check while it is armed; never while it is not.
+async fn tick(check: &mut Option<tokio::time::Interval>) {
+    match check {
+        Some(check) => {
+            check.tick().await;
+        }
+        None => std::future::pending().await,
     }
 }
 
