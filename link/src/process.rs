@@ -146,7 +146,7 @@ pub fn raise_fd_limit() -> std::io::Result<FdLimit> {
         }
         limit = raised;
     }
-    Ok(FdLimit { before: before as u64, now: limit.rlim_cur as u64, hard: limit.rlim_max as u64 })
+    Ok(FdLimit { before, now: limit.rlim_cur, hard: limit.rlim_max })
 }
 
 /// Cancels `token` on the first SIGTERM or SIGINT. Must be called inside a tokio runtime;
@@ -221,7 +221,7 @@ mod tests {
         let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: getrlimit writes into the struct we own.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut now) }, 0);
-        assert_eq!(now.rlim_cur as u64, limit.hard);
+        assert_eq!(now.rlim_cur, limit.hard);
     }
 
     #[tokio::test]

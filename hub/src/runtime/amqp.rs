@@ -22,9 +22,8 @@ use channeld_agent_exec::AgentRun;
 use channeld_agent_exec::amqp::{
     CANCEL_TYPE, COMMAND_RESULT_TYPE, CancelRun, CommandReply, ENV_HEADER, Outcome, PublishError,
     RUN_MESSAGE_TYPE, Record, cancel_exchange_name, confirm_channel, connect_first,
-    declare_cancel_exchange,
-    declare_reply_queue, declare_run_queue, env_header, json_properties, publish_confirmed,
-    publish_confirmed_to,
+    declare_cancel_exchange, declare_reply_queue, declare_run_queue, env_header, json_properties,
+    publish_confirmed, publish_confirmed_to,
 };
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
