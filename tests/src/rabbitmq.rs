@@ -80,18 +80,20 @@ fn free_port() -> u16 {
         .expect("find a free loopback port")
 }
 
-fn wait_for_port(port: u16, limit: Duration, mut alive: impl FnMut() -> Result<(), String>) {
+fn wait_for_port(
+    port: u16,
+    limit: Duration,
+    mut alive: impl FnMut() -> Result<(), String>,
+) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         if TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok() {
-            return;
+            return Ok(());
         }
-        if let Err(why) = alive() {
-            panic!("{why}");
-        }
+        alive()?;
         std::thread::sleep(Duration::from_millis(100));
     }
-    panic!("nothing listened on 127.0.0.1:{port} within {limit:?}");
+    Err(format!("nothing listened on 127.0.0.1:{port} within {limit:?}"))
 }
 
 /// Runs `command` and waits at most `limit` for it, killing it when it overruns.
@@ -206,13 +208,44 @@ impl RabbitMq {
             .stderr(epmd_log)
             .spawn()
             .expect("start epmd");
-        wait_for_port(epmd_port, Duration::from_secs(10), || match epmd.try_wait() {
+        let epmd_up = wait_for_port(epmd_port, Duration::from_secs(10), || match epmd.try_wait() {
             Ok(Some(status)) => Err(format!("epmd exited with {status}")),
             _ => Ok(()),
         });
+        if let Err(why) = epmd_up {
+            let _ = epmd.kill();
+            let _ = epmd.wait();
+            panic!("{why}");
+        }
         let mut broker = Self { dir, node, port, dist_port, epmd_port, epmd, server: None };
-        broker.boot();
+        // Free ports are picked before the node binds them: a test starting beside this one
+        // may take one first, and the node then fails at boot. Such a boot is tried again
+        // on new ports (a node that fails for another reason fails every time).
+        for attempt in 1.. {
+            match broker.try_boot() {
+                Ok(()) => break,
+                Err(why) if attempt < 3 => {
+                    eprintln!("rabbitmq boot attempt {attempt} failed, new ports: {why}");
+                    broker.kill_server();
+                    (broker.port, broker.dist_port) = (free_port(), free_port());
+                    broker.node = format!(
+                        "channeld-test-{}-{}-{}@localhost",
+                        std::process::id(),
+                        NODES.fetch_add(1, Ordering::Relaxed),
+                        broker.port
+                    );
+                }
+                Err(why) => panic!("{why}"),
+            }
+        }
         broker
+    }
+
+    fn kill_server(&mut self) {
+        if let Some(mut server) = self.server.take() {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
     }
 
     /// The node's environment, shared by the server and `rabbitmqctl`.
@@ -238,6 +271,12 @@ impl RabbitMq {
 
     /// Starts the node and waits until it serves AMQP.
     fn boot(&mut self) {
+        if let Err(why) = self.try_boot() {
+            panic!("{why}");
+        }
+    }
+
+    fn try_boot(&mut self) -> Result<(), String> {
         let out = File::create(self.dir.path().join("server.out")).expect("server log");
         let server = self
             .command("rabbitmq-server")
@@ -250,20 +289,23 @@ impl RabbitMq {
         let port = self.port;
         let log_dir = self.dir.path().to_path_buf();
         let server = self.server.as_mut().expect("just started");
-        wait_for_port(port, READY_WITHIN, || match server.try_wait() {
+        let exited = |server: &mut Child| match server.try_wait() {
             Ok(Some(status)) => Err(format!(
                 "rabbitmq-server exited with {status} before serving AMQP; output:\n{}",
                 read_log(&log_dir.join("server.out"))
             )),
             _ => Ok(()),
-        });
+        };
+        wait_for_port(port, READY_WITHIN, || exited(server))?;
         let ready = self.ctl(&["await_startup", "--timeout", "60"]);
-        assert!(
-            ready.status.success(),
-            "rabbitmqctl await_startup failed: {}{}",
-            String::from_utf8_lossy(&ready.stderr),
-            self.log()
-        );
+        if !ready.status.success() {
+            return Err(format!(
+                "rabbitmqctl await_startup failed: {}{}",
+                String::from_utf8_lossy(&ready.stderr),
+                self.log()
+            ));
+        }
+        Ok(())
     }
 
     /// The AMQP port on 127.0.0.1.
