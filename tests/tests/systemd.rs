@@ -59,8 +59,12 @@ fn unit_files() -> Vec<PathBuf> {
     units
 }
 
+/// A driver's template unit: `channeld-<family>@.service`, except the worker's template
+/// (`channeld-worker@.service` runs agents, not a channel).
 fn is_driver_unit(path: &Path) -> bool {
-    path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with("@.service"))
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.ends_with("@.service") && n != "channeld-worker@.service")
 }
 
 /// The binary a unit starts: the first word of its `ExecStart=`.
@@ -174,14 +178,17 @@ fn driver_units_score_at_most_2_0_in_systemd_analyze_security() {
         let score = exposure(&analyze, unit);
         let name = unit.file_name().expect("name").to_string_lossy().into_owned();
         eprintln!("{name}: exposure {score:.1}");
-        scores.push((name, score, is_driver_unit(unit)));
+        // The worker's template is held to the drivers' bar too.
+        let held = is_driver_unit(unit) || name == "channeld-worker@.service";
+        scores.push((name, score, held));
     }
     let worse: Vec<_> = scores
         .iter()
         .filter(|(_, score, driver)| *driver && *score > MAX_DRIVER_EXPOSURE)
         .collect();
     assert!(worse.is_empty(), "driver units above {MAX_DRIVER_EXPOSURE}: {worse:?}");
-    assert!(scores.iter().filter(|(_, _, driver)| *driver).count() >= 6, "{scores:?}");
+    assert!(scores.iter().filter(|(_, _, driver)| *driver).count() >= 7, "{scores:?}");
+    assert!(scores.iter().any(|(name, _, _)| name == "channeld-worker@.service"), "{scores:?}");
 }
 
 #[test]
