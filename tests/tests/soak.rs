@@ -271,6 +271,15 @@ async fn soak() {
     let lost: Vec<u64> =
         (0..mqtt_sent).filter(|n| !replies.contains_key(&format!("mqtt-{n}"))).collect();
     let mqtt_lost = lost.len();
+    // Where the hub says the lost ones stand: still on their way (pending, handed,
+    // failed_retryable: late, not lost), unknown / failed / expired (reported not posted),
+    // posted (lost after the driver's receipt), or no record at all.
+    let mut lost_states: HashMap<String, u64> = HashMap::new();
+    for n in &lost {
+        let state = records.get(&format!("mqtt-{n}")).map_or("no record", |(state, _)| state);
+        *lost_states.entry(state.to_owned()).or_default() += 1;
+    }
+    println!("soak: replies without an answer by the hub's state {lost_states:?}");
     // A reply the hub itself reports not posted (unknown: the driver could not tell; failed,
     // expired) is flagged; a loss the hub counts as posted is not.
     let unflagged_lost: Vec<u64> = lost
