@@ -31,9 +31,10 @@ use lapin::options::{
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, ConnectionProperties};
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 use tracing::{debug, error, info, warn};
 
 /// `$CREDENTIALS_DIRECTORY/amqp-url`, then `CHANNELD_AMQP_URL`: the broker URL (a secret,
@@ -108,6 +109,8 @@ enum WorkerError {
     Broker(#[from] lapin::Error),
     #[error("the broker cancelled the run queue's consumer")]
     Cancelled,
+    #[error("cannot watch for SIGTERM/SIGINT: {0}")]
+    Signals(std::io::Error),
 }
 
 /// The broker URL, from the credential file or the environment; never logged.
@@ -147,7 +150,14 @@ struct Worker {
     cancelled: AtomicU64,
     /// Survives reconnects: a cancel heard before a connection was lost still counts.
     cancels: Arc<Mutex<Cancels>>,
+    /// Records published without holding a run up (started, effects), at most
+    /// [`ASIDE_RECORDS`] at once.
+    aside: TaskTracker,
+    aside_slots: Arc<Semaphore>,
 }
+
+/// Records published aside at once; beyond that one is dropped (live progress only).
+const ASIDE_RECORDS: usize = 256;
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -261,20 +271,22 @@ async fn start(args: Args) -> Result<(), WorkerError> {
         redelivered: AtomicU64::new(0),
         cancelled: AtomicU64::new(0),
         cancels: Arc::default(),
+        aside: TaskTracker::new(),
+        aside_slots: Arc::new(Semaphore::new(ASIDE_RECORDS)),
     });
     let stop = CancellationToken::new();
     let on_signal = stop.clone();
-    tokio::spawn(async move {
-        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
-        let int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
-        if let (Ok(mut term), Ok(mut int)) = (term, int) {
-            tokio::select! {
-                _ = term.recv() => info!("SIGTERM: stopping"),
-                _ = int.recv() => info!("SIGINT: stopping"),
-            }
+    // Installed before the first run is taken: a SIGTERM from then on is a graceful stop.
+    let signal = |kind| tokio::signal::unix::signal(kind).map_err(WorkerError::Signals);
+    let mut term = signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let _signals = AbortOnDropHandle::new(tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: stopping"),
+            _ = int.recv() => info!("SIGINT: stopping"),
         }
         on_signal.cancel();
-    });
+    }));
     let mut pause = RECONNECT_MIN;
     loop {
         match session(&worker, &stop).await {
@@ -561,12 +573,24 @@ impl WorkerIo<'_> {
             run_id: self.run_id.to_owned(),
             worker: self.run.worker.name.clone(),
         };
-        let body = serde_json::to_vec(&record).expect("records serialize");
+        self.publish_aside(&record, "started");
+    }
+
+    /// Publishes `record` without waiting for it: tracked, and at most [`ASIDE_RECORDS`] of
+    /// the worker's at once — one more is dropped (logged), as one lost with the connection.
+    fn publish_aside(&self, record: &Record, what: &'static str) {
+        let worker = &self.run.worker;
+        let Ok(slot) = worker.aside_slots.clone().try_acquire_owned() else {
+            debug!(run_id = %self.run_id, what, "too many records on their way; dropped");
+            return;
+        };
+        let body = serde_json::to_vec(record).expect("records serialize");
         let properties = json_properties(record.kind(), self.run_id);
         let (channel, queue) = (self.run.publish.clone(), self.reply_to.to_owned());
-        tokio::spawn(async move {
+        worker.aside.spawn(async move {
+            let _slot = slot;
             if let Err(err) = publish_confirmed(&channel, &queue, &body, properties).await {
-                debug!(error = %err, "started record not sent");
+                debug!(error = %err, what, "record not sent");
             }
         });
     }
@@ -583,14 +607,7 @@ impl RunIo for WorkerIo<'_> {
         // Live progress: sent without holding the run up; one lost with the connection is
         // not retried.
         let record = Record::Effect { run_id: self.run_id.to_owned(), effect };
-        let body = serde_json::to_vec(&record).expect("records serialize");
-        let properties = json_properties(record.kind(), self.run_id);
-        let (channel, queue) = (self.run.publish.clone(), self.reply_to.to_owned());
-        tokio::spawn(async move {
-            if let Err(err) = publish_confirmed(&channel, &queue, &body, properties).await {
-                debug!(error = %err, "effect not sent");
-            }
-        });
+        self.publish_aside(&record, "effect");
     }
 
     async fn stream(&self, item: StreamItem) {
