@@ -78,7 +78,7 @@ fn console(hub: &HubProcess, answers: Arc<Mutex<HashMap<String, usize>>>) -> Con
     Console { child, input }
 }
 
-/// Every reply record of the MQTT instance: event id → (state, attempts).
+/// Every reply record of the MQTT instance: payload id → (state, attempts).
 fn hub_replies(hub: &HubProcess) -> HashMap<String, (String, u64)> {
     let mut all = HashMap::new();
     let mut before: Option<String> = None;
@@ -91,7 +91,9 @@ fn hub_replies(hub: &HubProcess) -> HashMap<String, (String, u64)> {
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
         let page: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replies json");
         for reply in page["replies"].as_array().into_iter().flatten() {
-            let event = reply["event_id"].as_str().unwrap_or_default().to_owned();
+            // The MQTT driver's event id is `<sender>/<payload id>`: keyed by the payload id.
+            let event = reply["event_id"].as_str().unwrap_or_default();
+            let event = event.strip_prefix("alice/").unwrap_or(event).to_owned();
             let state = reply["state"].as_str().unwrap_or_default().to_owned();
             all.insert(event, (state, reply["attempts"].as_u64().unwrap_or(0)));
         }
