@@ -158,6 +158,8 @@ struct Worker {
 
 /// Records published aside at once; beyond that one is dropped (live progress only).
 const ASIDE_RECORDS: usize = 256;
+/// How long a stopping worker waits for the records still on their way.
+const ASIDE_DRAIN: Duration = Duration::from_secs(2);
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -291,6 +293,9 @@ async fn start(args: Args) -> Result<(), WorkerError> {
     loop {
         match session(&worker, &stop).await {
             Ok(()) => {
+                // The last effects and started records get a moment to reach the broker.
+                worker.aside.close();
+                let _ = tokio::time::timeout(ASIDE_DRAIN, worker.aside.wait()).await;
                 info!("worker stopped");
                 return Ok(());
             }
