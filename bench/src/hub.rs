@@ -5,12 +5,13 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::procs::{Proc, binary, wait_until};
+use crate::report::StatusListing;
 
 /// The instance every throughput row uses.
 pub const MAIN_INSTANCE: &str = "bench.main";
@@ -182,6 +183,43 @@ impl HubProc {
         wait_until(&mut self.proc, limit, "close the connections of the drivers that left", || {
             std::fs::read_dir(&dir).is_ok_and(|entries| entries.count() <= fds)
         })
+    }
+
+    /// Every instance's `status`, a page at a time as `channelctl status` fetches it; an error
+    /// unless the pages hold exactly `expected` distinct instances in id order.
+    pub fn list_status(&self, expected: usize) -> Result<StatusListing> {
+        let control = self.control_socket();
+        let started = Instant::now();
+        let (mut instances, mut connected, mut pages) = (Vec::new(), 0, 0);
+        let mut after: Option<String> = None;
+        loop {
+            let request = match &after {
+                Some(after) => serde_json::json!({"id": 1, "op": "status", "after": after}),
+                None => serde_json::json!({"id": 1, "op": "status"}),
+            };
+            let page = request_at(&control, &format!("{request}\n"))?;
+            pages += 1;
+            for row in page["instances"].as_array().map_or(&[][..], Vec::as_slice) {
+                instances.push(row["instance"].as_str().unwrap_or_default().to_owned());
+                connected += usize::from(row["connected"] == Value::Bool(true));
+            }
+            match page["next_after"].as_str() {
+                Some(next) => after = Some(next.to_owned()),
+                None => break,
+            }
+            if pages > expected {
+                bail!("status paging did not end after {pages} pages");
+            }
+        }
+        let millis = started.elapsed().as_secs_f64() * 1e3;
+        let sorted = instances.windows(2).all(|pair| pair[0] < pair[1]);
+        if instances.len() != expected || !sorted {
+            bail!(
+                "status listed {} instances (in order: {sorted}), not the {expected} configured",
+                instances.len()
+            );
+        }
+        Ok(StatusListing { instances: instances.len(), connected, pages, millis })
     }
 
     /// Polls `status` until `ready` holds for its instance rows.

@@ -353,6 +353,9 @@ pub fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path, options: &ScaleOptions)
         rest = later;
         let connected = 1 + peers.connected();
         result.hub_rss_kib.push((connected, crate::procs::rss_kib(hub.pid())?));
+        if connected == max {
+            result.status_listing = Some(hub.list_status(max)?);
+        }
         if (connected == 1000 && max > 1000) || connected == max {
             result.cpu.push(cpu_per_message(args, rt, &hub, &main, connected, "one", None)?);
             let all: Vec<String> = std::iter::once(MAIN_INSTANCE.to_owned())
@@ -388,6 +391,12 @@ pub fn scale_main(args: &PhaseArgs, options: &ScaleOptions) -> Result<()> {
         eprintln!(
             "channeld-bench [scale] hub RSS with {connected} connected after the CPU rows: {:.1} MiB",
             kib as f64 / 1024.0
+        );
+    }
+    if let Some(listing) = &scale.status_listing {
+        eprintln!(
+            "channeld-bench [scale] status over {} instances ({} connected): {} pages in {:.0} ms",
+            listing.instances, listing.connected, listing.pages, listing.millis
         );
     }
     let one = scale.cpu.first().map(|row| row.hub_cpu_us_per_message);

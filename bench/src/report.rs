@@ -75,6 +75,18 @@ pub struct Scale {
     #[serde(default)]
     pub hub_rss_after_traffic_kib: Option<(usize, u64)>,
     pub instances_configured: usize,
+    /// `status` paged through every instance with the most drivers connected.
+    #[serde(default)]
+    pub status_listing: Option<StatusListing>,
+}
+
+/// Every instance listed a `status` page at a time, as `channelctl status` does.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StatusListing {
+    pub instances: usize,
+    pub connected: usize,
+    pub pages: usize,
+    pub millis: f64,
 }
 
 /// Everything measured under one CPU setting.
@@ -268,6 +280,15 @@ impl Report {
                     phase.mode,
                     connected,
                     mib(kib)
+                );
+            }
+        }
+        for phase in &self.phases {
+            if let Some(listing) = &phase.scale.status_listing {
+                let _ = writeln!(
+                    out,
+                    "\n`status` over {} instances ({} connected, {}): {} pages in {:.0} ms.",
+                    listing.instances, listing.connected, phase.mode, listing.pages, listing.millis
                 );
             }
         }

@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use channeld_control::{Op, RemoteSend, Request, Response, code};
+use channeld_control::{Op, RemoteSend, Request, Response, StatusResult, code};
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -140,8 +140,19 @@ enum Cmd {
     },
     /// Ask an instance's driver for its health (exit 9 when it is Unavailable).
     Health { instance: String },
-    /// Every instance: connection, health, in-flight runs, counters, last error.
-    Status,
+    /// Instances in id order: connection, health, in-flight runs, counters, last error.
+    /// Every instance (fetched a page at a time) unless --limit or --after asks for one page.
+    Status {
+        /// Only this instance (`slack.primary`) or this family's instances (`slack`).
+        instance: Option<String>,
+        /// One page of at most this many instances (at most 1000).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// One page of the instances whose id sorts after this one (the id a listing
+        /// points to).
+        #[arg(long, value_name = "INSTANCE")]
+        after: Option<String>,
+    },
     /// Driver families this build knows.
     Catalog,
     /// Ask an instance's connected driver to perform an operator action (extension
@@ -285,7 +296,10 @@ fn main() -> ExitCode {
         Cmd::Health { instance } => {
             (Op::Health { instance: instance.clone() }, Duration::from_secs(60))
         }
-        Cmd::Status => (Op::Status, Duration::from_secs(10)),
+        Cmd::Status { instance, limit, after } => (
+            Op::Status { instance: instance.clone(), after: after.clone(), limit: *limit },
+            Duration::from_secs(10),
+        ),
         Cmd::Catalog => (Op::Catalog, Duration::from_secs(10)),
         Cmd::Action { instance, name, args, timeout } => {
             let args = match serde_json::from_str::<serde_json::Value>(args) {
@@ -404,7 +418,13 @@ fn main() -> ExitCode {
             runtime.block_on(send_over_amqp(broker, &cli.amqp_queue, &send, wait_budget))
         }
         None => {
-            runtime.block_on(call(&socket, Request { id: 1, op }, wait_budget)).map_err(|err| {
+            let answer = match op {
+                Op::Status { instance, after: None, limit: None } => {
+                    runtime.block_on(every_status_page(&socket, instance, wait_budget))
+                }
+                op => runtime.block_on(call(&socket, Request { id: 1, op }, wait_budget)),
+            };
+            answer.map_err(|err| {
                 eprintln!("channelctl: {err}");
                 err.exit_code()
             })
@@ -554,6 +574,43 @@ impl CallError {
             _ => EXIT_UNEXPECTED,
         }
     }
+}
+
+/// `status` page after page, merged into one answer (the instance list may change between
+/// pages: each page is the hub's state when it was asked).
+async fn every_status_page(
+    socket: &std::path::Path,
+    instance: Option<String>,
+    budget: Duration,
+) -> Result<Response, CallError> {
+    let mut after: Option<String> = None;
+    let mut merged: Option<StatusResult> = None;
+    loop {
+        let op = Op::Status { instance: instance.clone(), after: after.clone(), limit: None };
+        let response = call(socket, Request { id: 1, op }, budget).await?;
+        let page = match (&response.result, response.ok) {
+            (Some(result), true) => serde_json::from_value::<StatusResult>(result.clone())
+                .map_err(|err| CallError::Decode(err.to_string()))?,
+            _ => return Ok(response),
+        };
+        let next = page.next_after.clone();
+        match &mut merged {
+            Some(all) => all.instances.extend(page.instances),
+            None => merged = Some(page),
+        }
+        match next {
+            // The cursor only moves forward; a hub that repeats one would loop forever.
+            Some(next) if after.as_ref().is_none_or(|after| next > *after) => after = Some(next),
+            Some(next) => {
+                return Err(CallError::Decode(format!("status page cursor {next} went back")));
+            }
+            None => break,
+        }
+    }
+    let mut all = merged.ok_or(CallError::NoAnswer)?;
+    all.next_after = None;
+    let result = serde_json::to_value(&all).map_err(|err| CallError::Decode(err.to_string()))?;
+    Ok(Response { id: 1, ok: true, result: Some(result), error: None })
 }
 
 pub(crate) async fn call(

@@ -136,8 +136,17 @@ pub(crate) fn tools() -> Vec<Tool> {
         ),
         Tool::new(
             "channel_status",
-            "Every channel instance: driver connected, health, runs in flight, counters.",
-            schema(json!({"type": "object", "properties": {}, "additionalProperties": false})),
+            "Channel instances in id order: driver connected, health, runs in flight, \
+             counters. One page at a time: pass a result's next_after as after for the next.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "instance": {"type": "string", "description": "Only this instance (mqtt.lab) or family (mqtt)"},
+                    "after": {"type": "string", "description": "The next_after of the previous page"},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 1000}
+                },
+                "additionalProperties": false
+            })),
         ),
     ]
 }
@@ -202,7 +211,11 @@ pub(crate) fn op_for(name: &str, args: &Map<String, Value>) -> Result<(Op, Durat
             };
             return Ok((op, Duration::from_secs(300)));
         }
-        "channel_status" => Op::Status,
+        "channel_status" => Op::Status {
+            instance: string(args, "instance")?,
+            after: string(args, "after")?,
+            limit: number(args, "limit")?.map(|n| n as usize),
+        },
         other => return Err(bad_arguments(format!("no tool named {other}"))),
     };
     Ok((op, short))
@@ -286,6 +299,13 @@ pub(crate) fn render(name: &str, result: &Value) -> String {
                         inst.health.state.as_str(),
                         inst.in_flight,
                         inst.queued
+                    ));
+                }
+                if let Some(next) = &status.next_after {
+                    out.push_str(&format!(
+                        "({} of {} shown; the next page: after {next})\n",
+                        status.instances.len(),
+                        status.total
                     ));
                 }
                 out

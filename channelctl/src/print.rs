@@ -134,7 +134,7 @@ pub(crate) fn print_text(
                 println!("{:>8} {} {who}: {}", entry.id, entry.at_ms, one_line(&entry.text, 200));
             }
         }
-        Cmd::Status => print_status(&serde_json::from_value::<StatusResult>(result)?),
+        Cmd::Status { .. } => print_status(&serde_json::from_value::<StatusResult>(result)?),
         Cmd::Outbox { action: Some(_), .. } => {
             let entry: OutboxEntry = serde_json::from_value(result)?;
             println!("{} {} ({})", entry.id, entry.state, entry.request_id);
@@ -303,6 +303,13 @@ fn print_status(status: &StatusResult) {
         if let Some(note) = row.replies.as_ref().and_then(replies_note) {
             println!("{:<20} replies: {note}", "");
         }
+    }
+    if let Some(next) = &status.next_after {
+        println!(
+            "({} of {} shown; the next page: channelctl status --after {next})",
+            status.instances.len(),
+            status.total
+        );
     }
 }
 

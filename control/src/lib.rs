@@ -90,8 +90,20 @@ pub enum Op {
     },
     /// Probe one instance's driver.
     Health { instance: String },
-    /// Every instance's state.
-    Status,
+    /// Instances' state, in instance-id order, one page at a time.
+    Status {
+        /// Only this instance (`slack.primary`) or this family's instances (`slack`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        instance: Option<String>,
+        /// Only instances whose id sorts after this one: the `next_after` of the previous
+        /// page.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<String>,
+        /// At most this many (default and maximum [`MAX_STATUS_PAGE`]); fewer when the answer
+        /// would otherwise exceed the line limit.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<usize>,
+    },
     /// Driver families this build knows.
     Catalog,
     /// Outbox records, newest first, text and error cut to previews; one page at a time.
@@ -510,6 +522,9 @@ pub struct OutboxEntry {
 /// Most records one `outbox` page holds.
 pub const MAX_OUTBOX_PAGE: usize = 1000;
 
+/// Most instances one `status` answer holds; `next_after` points to the rest.
+pub const MAX_STATUS_PAGE: usize = 1000;
+
 /// The result of `outbox`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutboxResult {
@@ -644,6 +659,13 @@ pub struct StatusResult {
     pub pid: u32,
     pub started_ms: u64,
     pub instances: Vec<InstanceStatus>,
+    /// How many instances match the request's filter (all of them without one), on every
+    /// page.
+    #[serde(default)]
+    pub total: usize,
+    /// Set when instances are left for the next page: pass it as `after`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_after: Option<String>,
     /// `storage_full` while the hub's ledger cannot write for lack of space (new inbound is
     /// refused, sends fail); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -716,6 +738,15 @@ mod tests {
     /// Every op a client can build reads back as itself: no op field may collide with the
     /// request's own keys (`id`, `op`), which the flattened layout shares.
     #[test]
+    fn a_bare_status_request_asks_for_the_first_page_of_everything() {
+        let bare: Request = serde_json::from_str(r#"{"id":1,"op":"status"}"#).unwrap();
+        assert_eq!(bare.op, Op::Status { instance: None, after: None, limit: None });
+        assert_eq!(serde_json::to_string(&bare).unwrap(), r#"{"id":1,"op":"status"}"#);
+        let unknown = serde_json::from_str::<Request>(r#"{"id":1,"op":"status","page":2}"#);
+        assert!(unknown.is_err(), "an unknown field is refused");
+    }
+
+    #[test]
     fn every_request_round_trips_through_its_json_line() {
         let ops = [
             Op::Send {
@@ -729,7 +760,12 @@ mod tests {
                 idempotency_key: Some("k".into()),
             },
             Op::Health { instance: "a.b".into() },
-            Op::Status,
+            Op::Status { instance: None, after: None, limit: None },
+            Op::Status {
+                instance: Some("slack".into()),
+                after: Some("slack.a".into()),
+                limit: Some(2),
+            },
             Op::Catalog,
             Op::Outbox { instance: Some("a.b".into()), state: None, limit: Some(3), before: None },
             Op::OutboxRetry { outbox_id: 17 },

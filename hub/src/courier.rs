@@ -16,6 +16,7 @@
 //! Without the ledger there is no courier: replies go straight to the connection, once.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,17 @@ struct Handed {
     deadline: Instant,
 }
 
+/// One instance's turn to hand replies over, and which requests for it were served.
+#[derive(Debug, Default)]
+struct Turn {
+    lock: tokio::sync::Mutex<()>,
+    /// Requests made so far (each `deliver` takes the next number).
+    asked: AtomicU64,
+    /// Every request numbered up to this was made before a hand-over that has finished
+    /// began its claim: served.
+    served: AtomicU64,
+}
+
 /// Hands replies over and settles them. One per hub; cheap to share behind an `Arc`.
 #[derive(Debug)]
 pub struct Courier {
@@ -67,7 +79,7 @@ pub struct Courier {
     dispatching: Mutex<HashMap<String, bool>>,
     /// Per instance, the turn to hand replies over: one hand-over at a time, so replies
     /// leave in the order they were claimed. Bounded by the instances served.
-    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    turns: Mutex<HashMap<String, Arc<Turn>>>,
     /// Replies handed over and not answered yet, by instance and event id. An entry lives
     /// from the hand-over until the answer, the deadline or the connection's end.
     handed: Mutex<HashMap<(String, Id), Handed>>,
@@ -380,15 +392,26 @@ impl Courier {
     /// Hands `inst`'s due replies to its live driver now, in its turn, and returns once they
     /// are written: a run that just recorded its reply waits for this, so a hub draining its
     /// runs has written their replies before it tells the drivers `stop`.
+    ///
+    /// Callers that queue for the turn while a hand-over runs are served by the next one
+    /// together: it starts after all of them asked, so its claim sees every reply they
+    /// recorded, and the others return without a claim of their own (256 runs ending at once
+    /// cost one claim, not 256 one after another).
     pub async fn deliver(self: &Arc<Self>, inst: &Instance) {
         if !self.is_on() {
             return;
         }
         let turn = lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone();
-        let _turn = turn.lock().await;
+        let ticket = turn.asked.fetch_add(1, Ordering::SeqCst) + 1;
+        let _turn = turn.lock.lock().await;
+        if turn.served.load(Ordering::SeqCst) >= ticket {
+            return;
+        }
+        let upto = turn.asked.load(Ordering::SeqCst);
         if let Some(conn) = inst.live() {
             self.hand_over(inst, &conn).await;
         }
+        turn.served.store(upto, Ordering::SeqCst);
     }
 
     /// Claims what is due for `inst` and writes each `deliver` to `conn`, oldest first. A

@@ -169,9 +169,9 @@ impl HubProcess {
         }
     }
 
-    /// The hub's view of one instance (`channelctl status --json`).
+    /// The hub's view of one instance (`channelctl status INSTANCE --json`).
     pub fn instance_status(&self, instance: &str) -> serde_json::Value {
-        let out = self.ctl(&["status", "--json"]);
+        let out = self.ctl(&["status", instance, "--json"]);
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
         let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
         status["instances"]

@@ -1,6 +1,7 @@
 //! Smaller edges of the operator's paths, through the real binaries: a control request cut
 //! off before its newline, the deny notice's rate limit and `channeld check`'s warnings about
-//! allowlist entries that cannot be what was meant, and operator actions answered, refused
+//! allowlist entries that cannot be what was meant, `status` over thousands of instances a
+//! page at a time, and operator actions answered, refused
 //! and timed out by a raw driver. (`channelctl health`'s exit status is checked in `hub.rs`;
 //! operator actions through a real driver in `acecode.rs`.)
 
@@ -28,6 +29,90 @@ fn a_control_request_without_a_trailing_newline_is_answered_at_end_of_file() {
         serde_json::from_str(answer.trim()).unwrap_or_else(|err| panic!("{err}: {answer:?}"));
     assert_eq!(answer["id"], 7);
     assert_eq!(answer["ok"], true);
+}
+
+/// Instances configured in the paging test: their status rows take more than the 1 MiB a
+/// control answer may hold.
+const MANY: usize = 2500;
+
+#[test]
+fn status_of_thousands_of_instances_comes_a_page_at_a_time_and_channelctl_lists_them_all() {
+    let mut config = String::new();
+    for i in 0..MANY {
+        config.push_str(&format!("[instance.\"many.i{i:05}\"]\nallow = [\"alice\"]\n"));
+    }
+    config.push_str(&format!("[instance.\"{ONE}\"]\nallow = [\"alice\"]\n"));
+    let hub = HubProcess::start(&config);
+
+    // One request, no cursor: the first page, in id order, pointing to the next.
+    let first = control(&hub, r#"{"id":1,"op":"status"}"#);
+    let rows = first["result"]["instances"].as_array().unwrap();
+    assert_eq!(rows.len(), 1000, "the default page");
+    assert_eq!(rows[0]["instance"], "many.i00000");
+    assert_eq!(first["result"]["total"], MANY + 1);
+    assert_eq!(first["result"]["next_after"], "many.i00999");
+
+    // channelctl walks every page: all instances once, in order.
+    let out = hub.ctl(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<&str> = all["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["instance"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), MANY + 1);
+    assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "in id order, none twice");
+    assert_eq!(all.get("next_after"), None);
+    let out = hub.ctl(&["status"]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("many.i02499") && text.contains(ONE), "{}", &text[..300.min(text.len())]);
+
+    // One page on request, and the text says where the next starts.
+    let out = hub.ctl(&["status", "--limit", "3", "--after", "many.i00010"]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("many.i00011") && text.contains("many.i00013"), "{text}");
+    assert!(!text.contains("many.i00014"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "(3 of {} shown; the next page: channelctl status --after many.i00013)",
+            MANY + 1
+        )),
+        "{text}"
+    );
+
+    // A filter: one instance, or a family; a name that is neither is refused (exit 4).
+    let out = hub.ctl(&["status", ONE, "--json"]);
+    let one: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (one["total"].as_u64(), one["instances"][0]["instance"].as_str()),
+        (Some(1), Some(ONE))
+    );
+    let out = hub.ctl(&["status", "many", "--limit", "2", "--json"]);
+    let family: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(family["total"], MANY);
+    assert_eq!(family["next_after"], "many.i00001");
+    let out = hub.ctl(&["status", "many.i99999"]);
+    assert_eq!(out.status.code(), Some(4));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no instance or driver family named many.i99999 (unknown_instance)"),
+        "{err}"
+    );
+}
+
+/// One control request line; the whole answer.
+fn control(hub: &HubProcess, request: &str) -> serde_json::Value {
+    let mut stream = std::os::unix::net::UnixStream::connect(hub.control_socket()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream.write_all(format!("{request}\n").as_bytes()).unwrap();
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    serde_json::from_str(answer.trim()).unwrap_or_else(|err| panic!("{err}: {answer:?}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

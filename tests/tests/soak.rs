@@ -19,6 +19,8 @@ use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 
 const MQTT: &str = "mqtt.soak";
 const CONSOLE: &str = "console.soak";
+/// How often the soak prints where it stands (sent, answered, the hub's reply backlog).
+const PROGRESS_EVERY: Duration = Duration::from_secs(300);
 
 fn fds(pid: i32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
@@ -188,7 +190,20 @@ async fn soak() {
     // Sends channelctl reported receipted (exit 0): each must have been posted.
     let mut receipted: Vec<u64> = Vec::new();
     let mut faults: HashMap<&str, u64> = HashMap::new();
+    let started = Instant::now();
+    let mut next_progress = started + PROGRESS_EVERY;
     while Instant::now() < end {
+        if Instant::now() >= next_progress {
+            next_progress += PROGRESS_EVERY;
+            let got = replies.lock().unwrap().keys().filter(|k| k.starts_with("mqtt-")).count();
+            let answered = console_answers.lock().unwrap().len();
+            let counts = hub.instance_status(MQTT)["replies"].clone();
+            println!(
+                "soak +{} min: mqtt {mqtt_sent} sent, {got} answered; console {console_sent} sent, {answered} answered; hub RSS {} KiB; the hub's replies {counts}",
+                started.elapsed().as_secs() / 60,
+                rss(hub.pid()),
+            );
+        }
         for _ in 0..10 {
             let text = format!("mqtt-{mqtt_sent}");
             let payload = serde_json::json!({"text": text, "id": text}).to_string();

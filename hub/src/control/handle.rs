@@ -12,8 +12,9 @@ use std::collections::HashMap;
 
 use channeld_control::{
     ActionResult, CancelView, CatalogResult, CountersView, DriverProcess, Family, HealthResult,
-    HistoryView, InstanceStatus, MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, Op, OutboxEntry, OutboxResult,
-    REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request, StatusResult, code,
+    HistoryView, InstanceStatus, MAX_CONTROL_LINE, MAX_OUTBOX_PAGE, MAX_STATUS_PAGE, Op,
+    OutboxEntry, OutboxResult, REPLY_STATES, RepliesResult, ReplyCounts, ReplyEntry, Request,
+    StatusResult, code,
 };
 use channeld_protocol::types::OutboundMessage;
 use tracing::{debug, info};
@@ -70,7 +71,16 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 failure(id, code::UNKNOWN_INSTANCE, message, None)
             }
         },
-        Op::Status => success(id, status(hub).await),
+        Op::Status { instance, after, limit } => {
+            match status(hub, instance.as_deref(), after.as_deref(), limit).await {
+                Some(status) => success(id, status),
+                None => {
+                    let named = instance.unwrap_or_default();
+                    let message = format!("no instance or driver family named {named}");
+                    failure(id, code::UNKNOWN_INSTANCE, message, None)
+                }
+            }
+        }
         Op::Catalog => success(id, catalog(std::env::current_exe().ok().as_deref())),
         Op::Outbox { instance, state, limit, before } => {
             let state = match state.as_deref().map(|s| OutboxState::parse(s).ok_or(s)) {
@@ -337,6 +347,29 @@ fn page(entries: Vec<OutboxEntry>, more: bool, budget: usize) -> OutboxResult {
     OutboxResult { records, next_before }
 }
 
+/// The rows that fit in `limit` rows and `budget` bytes of JSON (always at least one), and
+/// the id to continue after when some were left out. Pure.
+fn status_page(
+    rows: impl Iterator<Item = InstanceStatus>,
+    limit: usize,
+    budget: usize,
+) -> (Vec<InstanceStatus>, Option<String>) {
+    let mut rows = rows.peekable();
+    let mut used = 0;
+    let mut page = Vec::new();
+    while let Some(row) = rows.peek() {
+        let size = serde_json::to_vec(row).map_or(usize::MAX, |json| json.len() + 1);
+        if page.len() == limit || (used + size > budget && !page.is_empty()) {
+            break;
+        }
+        used = used.saturating_add(size);
+        page.extend(rows.next());
+    }
+    let next_after =
+        rows.peek().is_some().then(|| page.last().map(|row| row.instance.clone())).flatten();
+    (page, next_after)
+}
+
 fn summary_entry(hub: &Hub, summary: &OutboxSummary) -> OutboxEntry {
     OutboxEntry {
         id: summary.id,
@@ -383,7 +416,20 @@ fn storage(hub: &Hub) -> Option<String> {
     hub.ledger.storage_full().then(|| code::STORAGE_FULL.to_owned())
 }
 
-async fn status(hub: &Hub) -> StatusResult {
+/// Whether the instance `id` is the one `filter` names, or of the family it names. Pure.
+fn status_matches(id: &str, family: &str, filter: Option<&str>) -> bool {
+    filter.is_none_or(|filter| filter == id || filter == family)
+}
+
+/// Instances' state in id order: those `filter` names, after `after`, at most `limit` of
+/// them (capped at [`MAX_STATUS_PAGE`]) and fewer when their rows would not fit the line;
+/// `None` when a filter names no instance.
+async fn status(
+    hub: &Hub,
+    filter: Option<&str>,
+    after: Option<&str>,
+    limit: Option<usize>,
+) -> Option<StatusResult> {
     use std::sync::atomic::Ordering::Relaxed;
     let mut replies = if hub.ledger.is_on() {
         match hub.ledger.replies_counts().await {
@@ -396,10 +442,19 @@ async fn status(hub: &Hub) -> StatusResult {
     } else {
         None
     };
-    let instances = hub
-        .instances
-        .snapshot()
+    let limit = limit.unwrap_or(MAX_STATUS_PAGE).clamp(1, MAX_STATUS_PAGE);
+    let snapshot = hub.instances.snapshot();
+    let matching: Vec<_> = snapshot
         .values()
+        .filter(|inst| status_matches(inst.config.id.as_str(), inst.config.id.family(), filter))
+        .collect();
+    let total = matching.len();
+    if total == 0 && filter.is_some() {
+        return None;
+    }
+    let rows = matching
+        .into_iter()
+        .filter(|inst| after.is_none_or(|after| inst.config.id.as_str() > after))
         .map(|inst| {
             let live = inst.live();
             let health = inst.health();
@@ -439,16 +494,18 @@ async fn status(hub: &Hub) -> StatusResult {
                     .as_mut()
                     .map(|counts| counts.remove(inst.config.id.as_str()).unwrap_or_default()),
             }
-        })
-        .collect();
-    StatusResult {
+        });
+    let (instances, next_after) = status_page(rows, limit, PAGE_BUDGET);
+    Some(StatusResult {
         hub: HUB_NAME.to_owned(),
         pid: std::process::id(),
         started_ms: unix_ms(hub.started),
         instances,
+        total,
+        next_after,
         storage: storage(hub),
         amqp_sends: hub.amqp_sends.as_ref().map(|state| state.view()),
-    }
+    })
 }
 
 /// Driver families this build knows, and whether each binary sits next to `exe`.
@@ -515,5 +572,60 @@ mod tests {
         let page = page(vec![entry(5, 5000), entry(4, 10)], false, 1000);
         assert_eq!(page.records.len(), 1);
         assert_eq!(page.next_before, Some(5));
+    }
+
+    fn row(id: &str, error_len: usize) -> InstanceStatus {
+        InstanceStatus {
+            instance: id.into(),
+            family: id.split('.').next().unwrap_or_default().into(),
+            socket: format!("/run/channeld/{id}.sock"),
+            runtime: "echo".into(),
+            connected: true,
+            connected_since_ms: None,
+            driver_pid: None,
+            health: channeld_protocol::types::Health::new(
+                channeld_protocol::types::HealthState::Ready,
+                None,
+            ),
+            health_updated_ms: 0,
+            in_flight: 0,
+            queued: 0,
+            counters: Default::default(),
+            last_error: Some("e".repeat(error_len)),
+            last_error_ms: None,
+            driver_process: None,
+            replies: None,
+        }
+    }
+
+    fn ids(rows: &[InstanceStatus]) -> Vec<&str> {
+        rows.iter().map(|row| row.instance.as_str()).collect()
+    }
+
+    #[test]
+    fn a_status_page_stops_at_its_limit_or_budget_and_names_where_to_go_on() {
+        let rows = || ["a.1", "a.2", "a.3", "b.1"].into_iter().map(|id| row(id, 400));
+        let (page, next) = status_page(rows(), 2, 1 << 20);
+        assert_eq!((ids(&page), next.as_deref()), (vec!["a.1", "a.2"], Some("a.2")));
+        let (page, next) = status_page(rows(), 10, 1 << 20);
+        assert_eq!((page.len(), next), (4, None));
+        let one = serde_json::to_vec(&row("a.1", 400)).unwrap().len() + 1;
+        let (page, next) = status_page(rows(), 10, one * 3 - 1);
+        assert_eq!((ids(&page), next.as_deref()), (vec!["a.1", "a.2"], Some("a.2")));
+        // A row larger than the budget is still answered, one per page.
+        let (page, next) = status_page(rows(), 10, 10);
+        assert_eq!((ids(&page), next.as_deref()), (vec!["a.1"], Some("a.1")));
+        // Exactly the limit left: no cursor to an empty page.
+        let (page, next) = status_page(rows(), 4, 1 << 20);
+        assert_eq!((page.len(), next), (4, None));
+    }
+
+    #[test]
+    fn a_status_filter_names_an_instance_or_a_family() {
+        assert!(status_matches("slack.primary", "slack", None));
+        assert!(status_matches("slack.primary", "slack", Some("slack")));
+        assert!(status_matches("slack.primary", "slack", Some("slack.primary")));
+        assert!(!status_matches("slack.primary", "slack", Some("slack.prim")));
+        assert!(!status_matches("slack.primary", "slack", Some("mqtt")));
     }
 }

@@ -164,6 +164,25 @@ impl From<rusqlite::Error> for OpenError {
     }
 }
 
+/// Prepared statements the connection keeps: more than the ledger's distinct statements, so
+/// none is ever prepared twice (rusqlite's default is 16; one inbound alone runs more).
+const STATEMENT_CACHE: usize = 128;
+
+/// Settings that keep the per-message cost of SQLite flat (each was measured, see
+/// BENCHMARKS.md "Fix 5"):
+/// - the query planner stability guarantee: without it a statement whose plan looked at a
+///   bound value (`LIMIT ?`, `OFFSET ?`) is marked to be planned again on every new binding,
+///   and rusqlite clears the bindings of every cached statement it hands back, so such a
+///   statement was parsed and planned again on every use;
+/// - the statement cache above;
+/// - statement journals in memory: every ledger call runs in a savepoint, and its journal
+///   spilled to a new temporary file in `/var/tmp` once it outgrew 64 KiB.
+fn tune(conn: &Connection) -> rusqlite::Result<()> {
+    conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    conn.pragma_update(None, "temp_store", "MEMORY")
+}
+
 /// Opens (or creates) the database file, checks it is whole (`quick_check`), migrates it,
 /// and returns it ready for the thread.
 pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError> {
@@ -176,6 +195,7 @@ pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError
     conn.pragma_update(None, "synchronous", sync)?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     conn.busy_timeout(Duration::from_secs(5))?;
+    tune(&conn)?;
     quick_check(&conn)?;
     migrate(&mut conn, SCHEMA_VERSION)?;
     Ok(conn)
