@@ -16,7 +16,7 @@
 //! Without the ledger there is no courier: replies go straight to the connection, once.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -75,6 +75,8 @@ pub struct Courier {
     answer_timeout: Duration,
     /// Wakes the timer task: a deadline or retry time may have come closer.
     wake: Notify,
+    /// A settle scheduled a retry: the timer reads the ledger's next wake again.
+    schedule_changed: AtomicBool,
     /// Instances with a dispatcher running, and whether it must look again when done.
     dispatching: Mutex<HashMap<String, bool>>,
     /// Per instance, the turn to hand replies over: one hand-over at a time, so replies
@@ -102,6 +104,7 @@ impl Courier {
             ttl,
             answer_timeout,
             wake: Notify::new(),
+            schedule_changed: AtomicBool::new(false),
             dispatching: Mutex::default(),
             turns: Mutex::default(),
             handed: Mutex::default(),
@@ -255,8 +258,12 @@ impl Courier {
                     }
                     _ => {}
                 }
-                // A retry may now be due sooner than the loop's timer.
-                self.wake.notify_one();
+                // A retry may now be due sooner than the loop's timer: it reads the ledger's
+                // schedule again (only then; other wakes need no ledger read).
+                if state == ReplyState::FailedRetryable {
+                    self.schedule_changed.store(true, Ordering::SeqCst);
+                    self.wake.notify_one();
+                }
                 self.kick(instance);
             }
             Ok(None) => {
@@ -283,8 +290,14 @@ impl Courier {
             return;
         }
         let mut wake = Instant::now();
+        // The ledger's next retry or expiry as last read: read again when the timer fires
+        // and when a settle scheduled a retry, not on every wake (a hand-over wakes the loop
+        // for its answer deadline, once per reply).
+        let mut due = None;
         loop {
+            let mut reread = self.schedule_changed.swap(false, Ordering::SeqCst);
             if Instant::now() >= wake {
+                reread = true;
                 match self.ledger.replies_expire(now_ms()).await {
                     Ok(0) => {}
                     Ok(count) => {
@@ -299,8 +312,11 @@ impl Courier {
             for instance in self.time_out() {
                 self.kick(&instance);
             }
+            if reread {
+                due = self.next_due().await;
+            }
             let now = Instant::now();
-            wake = [self.next_due().await, self.next_deadline()]
+            wake = [due, self.next_deadline()]
                 .into_iter()
                 .flatten()
                 .min()
@@ -437,6 +453,9 @@ impl Courier {
             if claimed.is_empty() {
                 return;
             }
+            // A short claim took everything due: a reply recorded or unblocked after it
+            // began comes with a `deliver` or kick of its own.
+            let more = claimed.len() == CLAIM_BATCH;
             let mut claimed = claimed.into_iter();
             while let Some(reply) = claimed.next() {
                 let Ok(event_id) = Id::new(reply.event_id.clone()) else {
@@ -490,6 +509,9 @@ impl Courier {
                         return;
                     }
                 }
+            }
+            if !more {
+                return;
             }
         }
     }

@@ -85,6 +85,20 @@ fn entry(row: &Row<'_>) -> rusqlite::Result<HistoryEntry> {
     })
 }
 
+/// The connection's count of entries per conversation and thread, so keeping a conversation
+/// at its cap deletes its oldest entries without walking the `cap` newest ones on every
+/// append (that walk was the ledger's largest single cost with 256 busy conversations). A
+/// TEMP table: in memory, part of every transaction and savepoint like the rows it counts,
+/// and rebuilt lazily — a conversation without a row is counted once — after a restart or a
+/// prune.
+pub const COUNTS_TABLE: &str = "CREATE TEMP TABLE IF NOT EXISTS history_counts (
+         instance TEXT NOT NULL,
+         conversation TEXT NOT NULL,
+         thread TEXT NOT NULL,
+         n INTEGER NOT NULL,
+         PRIMARY KEY (instance, conversation, thread)
+     ) WITHOUT ROWID";
+
 /// Appends `new` and drops the conversation's oldest entries beyond `cap` (at least 1).
 /// Returns the new entry's id.
 pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64, LedgerError> {
@@ -107,12 +121,45 @@ pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64
         ],
     )?;
     let id = txn.last_insert_rowid();
-    txn.exec_cached(
-        "DELETE FROM history WHERE instance = ?1 AND conversation = ?2 AND thread = ?3
-             AND id <= (SELECT id FROM history WHERE instance = ?1 AND conversation = ?2
-                 AND thread = ?3 ORDER BY id DESC LIMIT 1 OFFSET ?4)",
-        params![new.instance, new.conversation, thread, cap.max(1) as i64],
-    )?;
+    let key = params![new.instance, new.conversation, thread];
+    let counted: Option<i64> = txn
+        .query_row_cached(
+            "UPDATE temp.history_counts SET n = n + 1
+             WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 RETURNING n",
+            key,
+            |row| row.get(0),
+        )
+        .optional()?;
+    let count = match counted {
+        Some(count) => count,
+        None => {
+            let count: i64 = txn.query_row_cached(
+                "SELECT count(*) FROM history WHERE instance = ?1 AND conversation = ?2
+                     AND thread = ?3",
+                key,
+                |row| row.get(0),
+            )?;
+            txn.exec_cached(
+                "INSERT INTO temp.history_counts (instance, conversation, thread, n)
+                 VALUES (?1, ?2, ?3, ?4)",
+                params![new.instance, new.conversation, thread, count],
+            )?;
+            count
+        }
+    };
+    let cap = cap.max(1) as i64;
+    if count > cap {
+        txn.exec_cached(
+            "DELETE FROM history WHERE id IN (SELECT id FROM history
+                 WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 ORDER BY id LIMIT ?4)",
+            params![new.instance, new.conversation, thread, count - cap],
+        )?;
+        txn.exec_cached(
+            "UPDATE temp.history_counts SET n = ?4
+             WHERE instance = ?1 AND conversation = ?2 AND thread = ?3",
+            params![new.instance, new.conversation, thread, cap],
+        )?;
+    }
     Ok(id)
 }
 
@@ -195,7 +242,12 @@ pub fn get(conn: &Connection, id: i64) -> Result<Option<HistoryEntry>, LedgerErr
 
 /// Deletes entries older than `before_ms`; returns how many went.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
-    Ok(txn.execute("DELETE FROM history WHERE at_ms < ?1", params![before_ms as i64])?)
+    let pruned = txn.execute("DELETE FROM history WHERE at_ms < ?1", params![before_ms as i64])?;
+    if pruned > 0 {
+        // Counted again lazily, each conversation on its next append.
+        txn.execute("DELETE FROM temp.history_counts", [])?;
+    }
+    Ok(pruned)
 }
 
 #[cfg(test)]
@@ -257,6 +309,29 @@ mod tests {
         }
         assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["3", "4"]);
         assert_eq!(texts(&recent(&txn, "a.b", "c2", None, 10).unwrap()), ["kept"]);
+        // A lower cap (a changed setting) trims to it on the next append.
+        append(&txn, &user("c1", None, "5", 5), 1).unwrap();
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["5"]);
+        // Counts lost (a restart: the table is the connection's) are counted again.
+        txn.execute("DELETE FROM temp.history_counts", []).unwrap();
+        append(&txn, &user("c1", None, "6", 6), 3).unwrap();
+        append(&txn, &user("c1", None, "7", 7), 3).unwrap();
+        append(&txn, &user("c1", None, "8", 8), 3).unwrap();
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["6", "7", "8"]);
+    }
+
+    #[test]
+    fn a_rolled_back_append_is_not_counted() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        append(&txn, &user("c1", None, "a", 0), 2).unwrap();
+        txn.execute_batch("SAVEPOINT job").unwrap();
+        append(&txn, &user("c1", None, "lost", 1), 2).unwrap();
+        txn.execute_batch("ROLLBACK TO job; RELEASE job").unwrap();
+        append(&txn, &user("c1", None, "b", 2), 2).unwrap();
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["a", "b"]);
+        append(&txn, &user("c1", None, "c", 3), 2).unwrap();
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["b", "c"]);
     }
 
     #[test]
@@ -300,5 +375,9 @@ mod tests {
         append(&txn, &user("c1", None, "new", 30), 200).unwrap();
         assert_eq!(prune(&txn, 20).unwrap(), 1);
         assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["new"]);
+        // The count was dropped with the pruned rows: the cap still holds exactly.
+        append(&txn, &user("c1", None, "newer", 40), 2).unwrap();
+        append(&txn, &user("c1", None, "newest", 50), 2).unwrap();
+        assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["newer", "newest"]);
     }
 }

@@ -198,6 +198,7 @@ pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError
     tune(&conn)?;
     quick_check(&conn)?;
     migrate(&mut conn, SCHEMA_VERSION)?;
+    conn.execute_batch(super::history::COUNTS_TABLE)?;
     Ok(conn)
 }
 
@@ -234,6 +235,7 @@ pub fn version(conn: &Connection) -> rusqlite::Result<usize> {
 pub fn open_in_memory() -> Result<Connection, OpenError> {
     let mut conn = Connection::open_in_memory()?;
     migrate(&mut conn, SCHEMA_VERSION)?;
+    conn.execute_batch(super::history::COUNTS_TABLE)?;
     Ok(conn)
 }
 
