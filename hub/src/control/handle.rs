@@ -32,7 +32,8 @@ use crate::operator::{self, OperatorError};
 use crate::proactive::{self, Ask};
 use crate::send::SendError;
 
-/// The response line for one request.
+/// The response line for one request. Every op but `send` (the hot one) awaits its work boxed, so this future — which the
+/// server boxes per request, copying it whole — is about the size of a send.
 pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
     let id = request.id;
     match request.op {
@@ -63,7 +64,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         }
         Op::Health { instance } => match hub.instance(&instance) {
             Some(inst) => {
-                let health = crate::health::probe(hub, &inst).await;
+                let health = Box::pin(crate::health::probe(hub, &inst)).await;
                 success(id, HealthResult { instance, health, storage: storage(hub) })
             }
             None => {
@@ -72,7 +73,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             }
         },
         Op::Status { instance, after, limit } => {
-            match status(hub, instance.as_deref(), after.as_deref(), limit).await {
+            match Box::pin(status(hub, instance.as_deref(), after.as_deref(), limit)).await {
                 Some(status) => success(id, status),
                 None => {
                     let named = instance.unwrap_or_default();
@@ -94,7 +95,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             };
             let limit = limit.unwrap_or(100).clamp(1, MAX_OUTBOX_PAGE);
             // One more than asked for tells whether another page follows.
-            match hub.ledger.outbox_list(instance, state, before, limit + 1).await {
+            match Box::pin(hub.ledger.outbox_list(instance, state, before, limit + 1)).await {
                 Ok(summaries) => {
                     let more = summaries.len() > limit;
                     let entries =
@@ -104,12 +105,12 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
             }
         }
-        Op::OutboxGet { outbox_id } => match hub.ledger.outbox_get(outbox_id).await {
+        Op::OutboxGet { outbox_id } => match Box::pin(hub.ledger.outbox_get(outbox_id)).await {
             Ok(Some(record)) => success(id, entry(hub, &record)),
             Ok(None) => failure(id, code::NOT_FOUND, format!("no outbox record {outbox_id}"), None),
             Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
         },
-        Op::OutboxRetry { outbox_id: record } => match hub.outbox.retry(record).await {
+        Op::OutboxRetry { outbox_id: record } => match Box::pin(hub.outbox.retry(record)).await {
             Ok(record) => success(id, entry(hub, &record)),
             Err(SendError::Ledger(LedgerError::NoSuchRecord(_))) => {
                 failure(id, code::NOT_FOUND, format!("no outbox record {record}"), None)
@@ -129,7 +130,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 }
             };
             let limit = limit.unwrap_or(100).clamp(1, MAX_OUTBOX_PAGE);
-            match hub.ledger.replies_list(instance, state, before, limit + 1).await {
+            match Box::pin(hub.ledger.replies_list(instance, state, before, limit + 1)).await {
                 Ok(records) => {
                     let more = records.len() > limit;
                     let replies: Vec<ReplyEntry> =
@@ -139,7 +140,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 Err(err) => failure(id, ledger_code(&err), err.to_string(), None),
             }
         }
-        Op::RepliesRetry { reply_id } => match hub.courier.retry(reply_id).await {
+        Op::RepliesRetry { reply_id } => match Box::pin(hub.courier.retry(reply_id)).await {
             Ok(record) => success(id, reply_entry(&record)),
             Err(LedgerError::NoSuchReply(_)) => {
                 failure(id, code::NOT_FOUND, format!("no reply {reply_id}"), None)
@@ -151,7 +152,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         },
         Op::Action { instance, name, args, timeout_ms } => {
             let timeout = timeout_ms.map_or(hub.config.command_timeout, Duration::from_millis);
-            action(hub, id, instance, name, args, timeout).await
+            Box::pin(action(hub, id, instance, name, args, timeout)).await
         }
         Op::Cancel { instance, event_id } => {
             let Some(inst) = hub.instance(&instance) else {
@@ -161,7 +162,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             let Ok(event) = channeld_protocol::Id::new(event_id.clone()) else {
                 return failure(id, code::INVALID_REQUEST, "event_id is not an id".into(), None);
             };
-            match cancel::cancel(hub, &inst, event).await {
+            match Box::pin(cancel::cancel(hub, &inst, event)).await {
                 Ok(done) => {
                     let cancelled = done.cancelled.iter().map(ToString::to_string).collect();
                     success(id, CancelView { instance, event_id, cancelled, state: done.state })
@@ -174,7 +175,9 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 let message = format!("no instance named {instance}");
                 return failure(id, code::UNKNOWN_INSTANCE, message, None);
             };
-            match history::read(hub, &inst, conversation.clone(), thread.clone(), limit).await {
+            match Box::pin(history::read(hub, &inst, conversation.clone(), thread.clone(), limit))
+                .await
+            {
                 Ok(entries) => {
                     let (entries, truncated) = history::fit(entries, MAX_CONTROL_LINE);
                     let view = HistoryView { instance, conversation, thread, entries, truncated };
@@ -185,14 +188,16 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
         }
         Op::Inbox { instance, unhandled, limit, before } => {
             let limit = limit.unwrap_or(50).clamp(1, MAX_OUTBOX_PAGE);
-            answer(id, agent::inbox(hub, instance, unhandled, limit, before).await)
+            answer(id, Box::pin(agent::inbox(hub, instance, unhandled, limit, before)).await)
         }
         Op::Read { locator, limit } => {
             let limit = limit.unwrap_or(agent::DEFAULT_READ_CONTEXT);
-            answer(id, agent::read(hub, &locator, limit).await)
+            answer(id, Box::pin(agent::read(hub, &locator, limit)).await)
         }
-        Op::Respond { locator, text } => answer(id, agent::respond(hub, &locator, text).await),
-        Op::Complete { locator } => answer(id, agent::complete(hub, &locator).await),
+        Op::Respond { locator, text } => {
+            answer(id, Box::pin(agent::respond(hub, &locator, text)).await)
+        }
+        Op::Complete { locator } => answer(id, Box::pin(agent::complete(hub, &locator)).await),
     }
 }
 
