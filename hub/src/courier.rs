@@ -292,8 +292,10 @@ impl Courier {
         let mut wake = Instant::now();
         // The ledger's next retry or expiry as last read: read again when the timer fires
         // and when a settle scheduled a retry, not on every wake (a hand-over wakes the loop
-        // for its answer deadline, once per reply).
+        // for its answer deadline, once per reply). A reply recorded since expires no sooner
+        // than one TTL after that read, so the loop reads again by then at the latest.
         let mut due = None;
+        let mut read_at = Instant::now();
         loop {
             let mut reread = self.schedule_changed.swap(false, Ordering::SeqCst);
             if Instant::now() >= wake {
@@ -313,10 +315,11 @@ impl Courier {
                 self.kick(&instance);
             }
             if reread {
+                read_at = Instant::now();
                 due = self.next_due().await;
             }
             let now = Instant::now();
-            wake = [due, self.next_deadline()]
+            wake = [due, self.next_deadline(), Some(read_at + self.ttl)]
                 .into_iter()
                 .flatten()
                 .min()

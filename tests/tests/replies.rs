@@ -10,7 +10,8 @@
 //!
 //! With a raw driver speaking the protocol (`RawPeer`): a final refusal is not retried (until
 //! an operator asks with `channelctl replies retry`), an `unknown` outcome (said by the
-//! driver, or no answer within the receipt timeout) is not retried, and a retryable failure is.
+//! driver, or no answer within the receipt timeout) is not retried, and a retryable failure is;
+//! replies owed to a driver that left expire when their TTL passes.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
@@ -509,4 +510,31 @@ async fn replies_of_one_conversation_wait_for_the_one_before_them() {
     peer.send(receipt_for(ONE, &again.request_id, "c1", "p-1")).await;
     let second = expect_deliver(peer.frame_within(WITHIN).await.expect("the second reply"));
     assert_eq!(second.request_id.as_str(), "e-2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_owed_to_a_driver_that_left_expire_when_their_ttl_passes() {
+    const ONE: &str = "raw.one";
+    let hub = HubProcess::start(&format!(
+        "[hub]\nreply_ttl_secs = 2\n[instance.\"{ONE}\"]\nallow = [\"alice\"]\n"
+    ));
+    let mut peer = raw_driver(&hub, ONE).await;
+    // e-1 is handed over and never answered; e-2 waits behind it in c1.
+    let _first = expect_deliver(ask(&mut peer, ONE, "e-1", "c1").await);
+    peer.inbound(ONE, "e-2", "alice", "c1", "hi e-2").await;
+    match peer.frame().await {
+        Frame::Accepted(_) => {}
+        other => panic!("expected accepted, got {other:?}"),
+    }
+    wait_status(&hub, ONE, "the second reply recorded", WITHIN, |s| replies(s, "pending") == 1)
+        .await;
+    // The driver leaves: both wait for the next one, which never comes, and expire after
+    // their TTL (2 s) — not at the hub's next idle wake a minute later.
+    drop(peer);
+    let left = Instant::now();
+    wait_status(&hub, ONE, "both replies expired", Duration::from_secs(20), |s| {
+        replies(s, "expired") == 2
+    })
+    .await;
+    println!("expired {:?} after the driver left", left.elapsed());
 }
