@@ -5,9 +5,10 @@
 //! the start and the end it prints the resident memory and open file descriptors of every
 //! process, and at the end the loss and duplicate counts: MQTT messages without a reply,
 //! replies seen more than once (a kill between a platform post and its receipt may repeat
-//! one, with the same payload id), sends without a post, console lines without an answer.
+//! one, with the same payload id; a broker restart may redeliver one to the subscriber, with
+//! MQTT's DUP flag), sends without a post, console lines without an answer.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -136,6 +137,8 @@ async fn soak() {
     // The observer keeps a persistent session, so nothing published while it reconnects
     // (after a broker restart) is missed.
     let replies: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    // Replies the broker delivered again with MQTT's DUP flag.
+    let redelivered: Arc<Mutex<HashSet<String>>> = Arc::default();
     let mut options = MqttOptions::new("soak-observer", "127.0.0.1", broker.port());
     options.set_clean_session(false);
     options.set_keep_alive(Duration::from_secs(30));
@@ -144,6 +147,7 @@ async fn soak() {
     let out_filter = format!("channeld/{MQTT}/out/+");
     {
         let replies = replies.clone();
+        let redelivered = redelivered.clone();
         let observer = observer.clone();
         tokio::spawn(async move {
             loop {
@@ -155,7 +159,12 @@ async fn soak() {
                         let payload: serde_json::Value =
                             serde_json::from_slice(&publish.payload).unwrap_or_default();
                         let key = payload["text"].as_str().unwrap_or_default().to_owned();
-                        *replies.lock().unwrap().entry(key).or_default() += 1;
+                        *replies.lock().unwrap().entry(key.clone()).or_default() += 1;
+                        // The broker's own redelivery to this subscriber (its PUBACK was
+                        // lost to a broker restart) is flagged DUP by MQTT itself.
+                        if publish.dup {
+                            redelivered.lock().unwrap().insert(key);
+                        }
                     }
                     Ok(_) => {}
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
@@ -332,13 +341,18 @@ async fn soak() {
     let console_dup: usize = answers.values().map(|n| n - 1).sum();
     println!("soak: {minutes} min, faults {faults:?}");
     // A repeat of a reply the hub handed over more than once (a kill or an outage between
-    // its post and the receipt) is flagged; any other is not.
+    // its post and the receipt) is flagged, and so is one the broker delivered again with
+    // MQTT's DUP flag (QoS 1 between broker and subscriber); any other is not.
+    let redelivered = redelivered.lock().unwrap().clone();
+    let broker_dup =
+        repeated.iter().filter(|n| redelivered.contains(&format!("mqtt-{n}"))).count();
     let unflagged_dup = repeated
         .iter()
+        .filter(|n| !redelivered.contains(&format!("mqtt-{n}")))
         .filter(|n| records.get(&format!("mqtt-{n}")).is_none_or(|(_, attempts)| *attempts < 2))
         .count();
     println!(
-        "soak: mqtt {mqtt_sent} sent, {mqtt_lost} without reply ({} of them posted by the hub's record), {mqtt_dup} duplicate replies ({unflagged_dup} of a reply handed over once)",
+        "soak: mqtt {mqtt_sent} sent, {mqtt_lost} without reply ({} of them posted by the hub's record), {mqtt_dup} duplicate replies ({broker_dup} redelivered by the broker with DUP, {unflagged_dup} of a reply handed over once and not flagged DUP)",
         unflagged_lost.len()
     );
     println!(
