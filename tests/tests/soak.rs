@@ -344,8 +344,7 @@ async fn soak() {
     // its post and the receipt) is flagged, and so is one the broker delivered again with
     // MQTT's DUP flag (QoS 1 between broker and subscriber); any other is not.
     let redelivered = redelivered.lock().unwrap().clone();
-    let broker_dup =
-        repeated.iter().filter(|n| redelivered.contains(&format!("mqtt-{n}"))).count();
+    let broker_dup = repeated.iter().filter(|n| redelivered.contains(&format!("mqtt-{n}"))).count();
     let unflagged_dup = repeated
         .iter()
         .filter(|n| !redelivered.contains(&format!("mqtt-{n}")))
