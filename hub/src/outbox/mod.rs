@@ -27,6 +27,10 @@ use crate::ledger::{Added, Commit, Ledger, LedgerError, NewSend, OutboxRecord, O
 use crate::metrics::SendOutcome as SendMetric;
 use crate::send::{self, SendError, SendOutcome, SendState};
 
+/// The error code of a driver that refuses an `outbound` because it is shutting down (the
+/// SDK's, before anything is posted): not a failure of the send.
+const DRAINING: &str = "draining";
+
 /// Metadata key carrying the caller's idempotency key to the driver (as the reference does).
 pub const IDEMPOTENCY_METADATA: &str = "idempotency_key";
 
@@ -300,6 +304,12 @@ impl Outbox {
             let outcome = send::await_receipt(&inst, &conn, request_id, waiter, timeout).await;
             let (state, receipt, error) = match outcome {
                 Ok(receipt) => (OutboxState::Receipted, Some(receipt), None),
+                // A driver shutting down refuses before posting: the send waits for the
+                // next driver, as one the hub could not hand over at all.
+                Err(SendError::Failed { code, .. }) if code == DRAINING => {
+                    debug!(instance = %inst.config.id, id, "driver draining; the send is queued for the next one");
+                    (OutboxState::Queued, None, None)
+                }
                 Err(SendError::Failed { code, message, .. }) => {
                     (OutboxState::Failed, None, Some(format!("{code}: {message}")))
                 }
@@ -310,6 +320,14 @@ impl Outbox {
                 warn!(instance = %inst.config.id, id, error = ?error, "send outcome unknown; it will not be resent automatically");
             }
             outbox.record_outcome(id, state, receipt, error).await;
+            // A newer driver that connected while this one drained has already taken the
+            // queue as it was then: it takes this send too.
+            if state == OutboxState::Queued
+                && let Some(live) = inst.live()
+                && live.id != conn.id
+            {
+                outbox.dispatch_queued(&inst, &live).await;
+            }
         });
     }
 
