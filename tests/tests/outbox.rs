@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use channeld_protocol::Frame;
 use channeld_tests::control::ControlClient;
 use channeld_tests::peer::{caps, expect_deliver, expect_outbound, receipt_for};
 use channeld_tests::{HubProcess, RawPeer};
@@ -169,4 +170,46 @@ async fn the_outbox_listing_leaves_out_bodies_pages_and_shows_one_record_in_full
     let full = json_of(&hub.ctl(&["outbox", "--full", &ids[3].to_string(), "--json"]));
     assert_eq!(full["text"].as_str().unwrap().len(), 200_000);
     assert!(full["text"].as_str().unwrap().starts_with('3'));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_refused_by_a_draining_driver_goes_to_the_next_driver_once() {
+    let hub = hub("");
+    let mut leaving = driver(&hub).await;
+    let send = hub.ctl_async(&[
+        "send",
+        ONE,
+        "--conversation",
+        "c1",
+        "--key",
+        "k-drain",
+        "--timeout",
+        "20",
+        "after restart",
+    ]);
+    let refused = expect_outbound(leaving.frame().await);
+    // The SDK's answer while it shuts down: nothing was posted.
+    let draining = "driver is shutting down".to_owned();
+    leaving.send(Frame::error(Some(refused.request_id.clone()), "draining", draining, true)).await;
+    drop(leaving);
+
+    // The next driver gets the same send, once, and its receipt answers the waiting caller.
+    let mut next = RawPeer::connect(&hub.socket(ONE)).await;
+    next.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    let again = loop {
+        match next.frame_within(Duration::from_secs(20)).await.expect("the queued send") {
+            Frame::Outbound(delivery) => break delivery,
+            Frame::HelloAck(_) | Frame::Health(_) => {}
+            other => panic!("expected the queued outbound, got {other:?}"),
+        }
+    };
+    assert_eq!(again.request_id, refused.request_id, "the same request");
+    assert_eq!(again.message.body.text_str(), "after restart");
+    next.send(receipt_for(ONE, &again.request_id, "c1", "posted-after-drain")).await;
+    let out = send.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "stdout {} stderr {}", stdout(&out), stderr(&out));
+    let listed = json_of(&hub.ctl(&["outbox", "--state", "receipted", "--json"]));
+    assert_eq!(listed["records"][0]["receipt"]["message_id"], "posted-after-drain");
+    assert_eq!(listed["records"][0]["attempts"], 2, "{listed}");
+    assert!(next.frame_within(Duration::from_millis(300)).await.is_none(), "sent only once more");
 }

@@ -489,6 +489,18 @@ async fn a_final_refusal_and_an_unknown_outcome_are_not_retried_but_a_retryable_
     }
 }
 
+/// Sends `e-2` in `c1` while `e-1`'s reply there is unanswered: its reply is recorded and
+/// waits (`pending`) behind the first.
+async fn queue_second_reply(hub: &HubProcess, peer: &mut RawPeer, instance: &str) {
+    peer.inbound(instance, "e-2", "alice", "c1", "hi e-2").await;
+    match peer.frame().await {
+        Frame::Accepted(_) => {}
+        other => panic!("expected accepted, got {other:?}"),
+    }
+    wait_status(hub, instance, "the second reply recorded", WITHIN, |s| replies(s, "pending") == 1)
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replies_of_one_conversation_wait_for_the_one_before_them() {
     const ONE: &str = "raw.one";
@@ -496,13 +508,7 @@ async fn replies_of_one_conversation_wait_for_the_one_before_them() {
     let mut peer = raw_driver(&hub, ONE).await;
     let first = expect_deliver(ask(&mut peer, ONE, "e-1", "c1").await);
     // The second reply of c1 is recorded, but not handed over while the first is unanswered.
-    peer.inbound(ONE, "e-2", "alice", "c1", "hi e-2").await;
-    match peer.frame().await {
-        Frame::Accepted(_) => {}
-        other => panic!("expected accepted, got {other:?}"),
-    }
-    wait_status(&hub, ONE, "the second reply recorded", WITHIN, |s| replies(s, "pending") == 1)
-        .await;
+    queue_second_reply(&hub, &mut peer, ONE).await;
     peer.send(error("e-1", "send_failed", true)).await;
     // The first one comes back first, after its backoff; only its receipt lets the second go.
     let again = expect_deliver(peer.frame_within(WITHIN).await.expect("the retry"));
@@ -521,13 +527,7 @@ async fn replies_owed_to_a_driver_that_left_expire_when_their_ttl_passes() {
     let mut peer = raw_driver(&hub, ONE).await;
     // e-1 is handed over and never answered; e-2 waits behind it in c1.
     let _first = expect_deliver(ask(&mut peer, ONE, "e-1", "c1").await);
-    peer.inbound(ONE, "e-2", "alice", "c1", "hi e-2").await;
-    match peer.frame().await {
-        Frame::Accepted(_) => {}
-        other => panic!("expected accepted, got {other:?}"),
-    }
-    wait_status(&hub, ONE, "the second reply recorded", WITHIN, |s| replies(s, "pending") == 1)
-        .await;
+    queue_second_reply(&hub, &mut peer, ONE).await;
     // The driver leaves: both wait for the next one, which never comes, and expire after
     // their TTL (2 s) — not at the hub's next idle wake a minute later.
     drop(peer);
