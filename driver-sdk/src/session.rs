@@ -38,6 +38,10 @@ pub(crate) const MAX_CONCURRENT_HANDLERS: usize = 64;
 pub(crate) const MAX_QUEUED_REQUESTS: usize = 4096;
 /// Outgoing frame queue per connection.
 const SEND_QUEUE: usize = 512;
+/// After a write to the hub failed, how long the session still reads what the hub sent
+/// before it went away (an `accepted` among it must not be lost, or the inbound it resolves
+/// would be sent again after the reconnect).
+const READ_AFTER_WRITE_FAILURE: Duration = Duration::from_millis(250);
 /// Posts remembered so a redelivered `deliver`/`outbound` is answered without posting twice.
 const RECENT_POSTS: usize = 4096;
 
@@ -175,7 +179,10 @@ impl<D: Driver> Session<D> {
                         self.shared.expire(launch.reply_timeout);
                         continue;
                     }
-                    () = sink.closed() => break SessionEnd::Lost("write to the hub failed".into()),
+                    () = sink.closed() => {
+                        self.read_what_is_left(&mut reader, &sink, negotiated, &hello_id).await;
+                        break SessionEnd::Lost("write to the hub failed".into());
+                    }
                 },
             };
             match item {
@@ -196,6 +203,27 @@ impl<D: Driver> Session<D> {
         drop(sink);
         let _ = tokio::time::timeout(Duration::from_secs(2), writer.close()).await;
         end
+    }
+
+    /// Dispatches the frames the hub sent before the connection broke, until the end of the
+    /// stream or [`READ_AFTER_WRITE_FAILURE`]. A failed write can be noticed before the
+    /// runtime has seen that the socket is readable, so frames written just before the hub
+    /// closed (an `accepted`, a `deliver`) may still be unread.
+    async fn read_what_is_left(
+        &self,
+        reader: &mut FrameReader<OwnedReadHalf>,
+        sink: &FrameSink,
+        negotiated: Extensions,
+        hello_id: &Id,
+    ) {
+        let deadline = tokio::time::Instant::now() + READ_AFTER_WRITE_FAILURE;
+        while let Ok(Ok(Some(item))) = tokio::time::timeout_at(deadline, reader.next()).await {
+            if let Ok(frame) = item
+                && self.dispatch(frame, sink, negotiated, hello_id).await.is_some()
+            {
+                return;
+            }
+        }
     }
 
     /// Waits briefly for the hub's `hello_ack`. A reference hub sends none; whatever it sends
