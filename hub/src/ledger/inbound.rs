@@ -10,6 +10,10 @@ use super::replies::{self, NewReply};
 use super::state::{self, INBOUND_STATES, InboundState, RecordDecision, Recovery};
 use super::store::Cached;
 
+/// The predicate of the partial index `inbound_open` (schema migration 6), spelled as the
+/// migration spells it: a query uses that index only when its `WHERE` repeats this term.
+pub(super) const OPEN_INBOUND: &str = "state IN ('running', 'replied')";
+
 /// A new inbound to record.
 #[derive(Debug, Clone)]
 pub struct NewInbound {
@@ -278,12 +282,7 @@ pub fn mark_delivered(
 /// Finished runs whose reply is owed but has no delivery record: written by a hub from before
 /// replies were tracked (schema 2), oldest first. The hub records each as a pending reply.
 pub fn untracked_replies(txn: &Transaction<'_>) -> Result<Vec<PendingReply>, LedgerError> {
-    let mut stmt = txn.prepare_cached(
-        "SELECT i.instance, i.event_id, i.frame, i.reply FROM inbound AS i
-         WHERE i.state = ?1 AND i.reply IS NOT NULL AND NOT EXISTS (
-             SELECT 1 FROM replies AS r WHERE r.instance = i.instance AND r.event_id = i.event_id)
-         ORDER BY i.updated_ms, i.event_id",
-    )?;
+    let mut stmt = txn.prepare_cached(&untracked_sql())?;
     let rows = stmt.query_map(params![InboundState::Replied.as_str()], |row| {
         Ok(PendingReply {
             instance: row.get(0)?,
@@ -293,6 +292,15 @@ pub fn untracked_replies(txn: &Transaction<'_>) -> Result<Vec<PendingReply>, Led
         })
     })?;
     Ok(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+fn untracked_sql() -> String {
+    format!(
+        "SELECT i.instance, i.event_id, i.frame, i.reply FROM inbound AS i
+         WHERE {OPEN_INBOUND} AND i.state = ?1 AND i.reply IS NOT NULL AND NOT EXISTS (
+             SELECT 1 FROM replies AS r WHERE r.instance = i.instance AND r.event_id = i.event_id)
+         ORDER BY i.updated_ms, i.event_id"
+    )
 }
 
 /// Counts a run's start as an attempt (see [`NewInbound::started`]). False when the entry
@@ -315,10 +323,7 @@ pub fn start(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Result<bo
 /// come from one boot, so a shorter `<n>` is an earlier one.
 pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, LedgerError> {
     let running: Vec<(String, String, String, Vec<u8>, u32)> = {
-        let mut stmt = txn.prepare(
-            "SELECT instance, event_id, run_id, frame, attempts FROM inbound
-             WHERE state = ?1 ORDER BY received_ms, length(run_id), run_id",
-        )?;
+        let mut stmt = txn.prepare(&recover_sql())?;
         let rows = stmt.query_map(params![InboundState::Running.as_str()], |row| {
             Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?))
         })?;
@@ -342,13 +347,29 @@ pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, 
     Ok(rerun)
 }
 
+fn recover_sql() -> String {
+    format!(
+        "SELECT instance, event_id, run_id, frame, attempts FROM inbound
+         WHERE {OPEN_INBOUND} AND state = ?1 ORDER BY received_ms, length(run_id), run_id"
+    )
+}
+
 /// Deletes settled entries last touched before `before_ms`; returns how many went.
+///
+/// An entry is touched after it arrived, so only entries that arrived before `before_ms`
+/// can qualify: the scan walks the arrival index (written once per entry) up to there. After
+/// a wall-clock jump backwards an entry may look touched before it arrived; it goes once it
+/// also arrived before the cut-off.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+    Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
+}
+
+fn prune_sql() -> String {
     let settled = state::sql_list(&INBOUND_STATES, InboundState::is_settled, InboundState::as_str);
-    Ok(txn.execute(
-        &format!("DELETE FROM inbound WHERE state IN ({settled}) AND updated_ms < ?1"),
-        params![before_ms as i64],
-    )?)
+    format!(
+        "DELETE FROM inbound INDEXED BY inbound_by_received
+         WHERE received_ms < ?1 AND state IN ({settled}) AND updated_ms < ?1"
+    )
 }
 
 fn parse_state(value: &str) -> Result<InboundState, LedgerError> {
@@ -357,7 +378,7 @@ fn parse_state(value: &str) -> Result<InboundState, LedgerError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use rusqlite::Connection;
 
     use super::*;
@@ -386,6 +407,24 @@ mod tests {
     /// The "current fingerprint" of a stored frame in these tests: its one byte, repeated.
     fn rehash(frame: &[u8]) -> Option<[u8; 32]> {
         frame.first().map(|b| [*b; 32])
+    }
+
+    /// The plan SQLite picks for `sql`, one line per step.
+    pub(crate) fn plan(conn: &Connection, sql: &str) -> String {
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let rows = stmt.query_map([], |row| row.get::<_, String>(3)).unwrap();
+        rows.map(Result::unwrap).collect::<Vec<_>>().join("\n")
+    }
+
+    #[test]
+    fn recovery_and_pruning_read_the_small_indexes_not_the_table() {
+        let conn = db();
+        let recover = plan(&conn, &recover_sql().replace("?1", "'running'"));
+        assert!(recover.contains("USING INDEX inbound_open"), "{recover}");
+        let untracked = plan(&conn, &untracked_sql().replace("?1", "'replied'"));
+        assert!(untracked.contains("USING INDEX inbound_open"), "{untracked}");
+        let prune = plan(&conn, &prune_sql().replace("?1", "1000"));
+        assert!(prune.contains("USING INDEX inbound_by_received"), "{prune}");
     }
 
     #[test]

@@ -109,7 +109,10 @@ pub const EXPIRED: &str = "its TTL passed before it could be posted";
 /// Characters of text and error a listing shows.
 pub const PREVIEW_CHARS: usize = 100;
 
-fn holding() -> String {
+/// The states that hold a conversation, as an SQL list. Spelled as the predicate of the
+/// partial index `replies_holding` (schema migration 6), which a query uses only when its
+/// `WHERE` repeats `state IN (<this>)`.
+pub(super) fn holding() -> String {
     sql_list(&REPLY_STATES, ReplyState::holds_conversation, ReplyState::as_str)
 }
 
@@ -147,19 +150,8 @@ pub fn claim_due(
     now_ms: u64,
     limit: usize,
 ) -> Result<Vec<HandedReply>, LedgerError> {
-    let holding = holding();
     let due: Vec<(i64, String, Vec<u8>, u32, String)> = {
-        let mut stmt = txn.prepare_cached(&format!(
-            "SELECT id, event_id, message, attempts, state FROM replies AS r
-             WHERE instance = ?1 AND state IN ('{}', '{}') AND next_ms <= ?2
-                 AND NOT EXISTS (
-                     SELECT 1 FROM replies AS e
-                     WHERE e.instance = r.instance AND e.conversation = r.conversation
-                         AND e.state IN ({holding}) AND e.id < r.id)
-             ORDER BY id LIMIT ?3",
-            ReplyState::Pending.as_str(),
-            ReplyState::FailedRetryable.as_str(),
-        ))?;
+        let mut stmt = txn.prepare_cached(&claim_sql())?;
         let rows = stmt.query_map(params![instance, now_ms as i64, limit as i64], |row| {
             Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?))
         })?;
@@ -177,6 +169,21 @@ pub fn claim_due(
         handed.push(HandedReply { id, event_id, message, attempts: attempts + 1 });
     }
     Ok(handed)
+}
+
+fn claim_sql() -> String {
+    let holding = holding();
+    format!(
+        "SELECT id, event_id, message, attempts, state FROM replies AS r
+         WHERE instance = ?1 AND state IN ('{}', '{}') AND next_ms <= ?2
+             AND NOT EXISTS (
+                 SELECT 1 FROM replies AS e
+                 WHERE e.instance = r.instance AND e.conversation = r.conversation
+                     AND e.state IN ({holding}) AND e.id < r.id)
+         ORDER BY id LIMIT ?3",
+        ReplyState::Pending.as_str(),
+        ReplyState::FailedRetryable.as_str(),
+    )
 }
 
 /// Applies a driver's answer (or its silence) to the reply of `event_id`; see
@@ -466,6 +473,14 @@ mod tests {
 
     fn db() -> Connection {
         schema::open_in_memory().unwrap()
+    }
+
+    #[test]
+    fn a_claim_finds_what_holds_a_conversation_in_the_small_index() {
+        let conn = db();
+        let sql = claim_sql().replace("?1", "'a.b'").replace("?2", "5").replace("?3", "10");
+        let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
+        assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
     }
 
     fn message(conversation: &str, text: &str) -> Vec<u8> {

@@ -113,6 +113,22 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX items_by_conversation ON items (instance, conversation, thread, id);
      CREATE INDEX items_unhandled ON items (instance, handled_ms, id);
      CREATE INDEX items_by_age ON items (updated_ms);",
+    // 6 (issue 18): indexes a message's state changes move less. Every state change of an
+    // inbound entry moved its entries in `inbound_by_state` and `inbound_by_age` (both keyed
+    // on columns each change rewrites), and every change of a reply moved its entry in
+    // `replies_by_conversation`. Now only entries still open are indexed by state (a settled
+    // one leaves the small index once), the age index is on the arrival time (written once),
+    // and a reply's conversation index holds only the replies that hold their conversation.
+    // The predicates are spelled exactly as the queries spell them (`OPEN_INBOUND`,
+    // `replies::holding`): SQLite uses a partial index only for a query that repeats it.
+    "DROP INDEX inbound_by_state;
+     DROP INDEX inbound_by_age;
+     CREATE INDEX inbound_open ON inbound (state, instance)
+         WHERE state IN ('running', 'replied');
+     CREATE INDEX inbound_by_received ON inbound (received_ms);
+     DROP INDEX replies_by_conversation;
+     CREATE INDEX replies_holding ON replies (instance, conversation, id)
+         WHERE state IN ('pending', 'handed', 'failed_retryable');",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
