@@ -24,6 +24,7 @@ mod schema;
 pub mod sessions;
 pub mod state;
 mod store;
+mod syncer;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

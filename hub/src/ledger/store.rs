@@ -5,8 +5,10 @@
 //! A job is [`Commit::Durable`] (its batch is fsynced before anyone hears of it) or
 //! [`Commit::Deferred`] (its batch is committed to the WAL without an fsync: it survives a
 //! crash of the hub at once, and power loss once the next durable commit, or the flush
-//! [`FLUSH_DELAY`] after the ledger went quiet, synced the WAL). Under
-//! [`Durability::Strict`] every batch is fsynced, under [`Durability::Normal`] none is.
+//! [`FLUSH_DELAY`] after the ledger went quiet, synced the WAL). A batch holding both kinds
+//! is committed without the fsync, its deferred jobs are answered, and only then is the WAL
+//! synced for the durable ones: a deferred caller never waits for an fsync ([`batch_plan`]).
+//! Under [`Durability::Strict`] every batch is fsynced, under [`Durability::Normal`] none is.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,6 +22,7 @@ use tracing::{error, info};
 
 use super::LedgerError;
 use super::schema::Durability;
+use super::syncer::Syncer;
 
 /// Most jobs applied in one transaction.
 const MAX_BATCH: usize = 1024;
@@ -118,20 +121,43 @@ pub fn spawn(
     // flush is due.
     let timer = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
     let thread = std::thread::Builder::new().name("channeld-ledger".into()).spawn(move || {
-        let mut thread =
-            LedgerThread { conn, durability, storage, synchronous: None, unsynced: false };
+        let wal = wal_path(&conn);
+        let mut thread = LedgerThread {
+            conn,
+            durability,
+            storage,
+            synchronous: None,
+            unsynced: false,
+            wal,
+            syncer: None,
+        };
         thread.run(rx, &timer, &metrics);
     })?;
     Ok((tx, thread))
 }
 
-/// What one batch asks of the disk: the pure decision of the group commit.
-pub fn batch_sync(durability: Durability, any_durable: bool) -> &'static str {
-    match durability {
-        Durability::Strict => "FULL",
-        Durability::Full if any_durable => "FULL",
-        Durability::Full | Durability::Normal => "NORMAL",
-    }
+/// How one batch reaches the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// The `synchronous` setting of the batch's commit (`FULL`: fsynced).
+    pub commit: &'static str,
+    /// The durable jobs hear of the commit once the log syncer synced the WAL; the others
+    /// at once.
+    pub sync_after: bool,
+}
+
+/// The pure decision of the group commit: how a batch reaches the disk under `durability`,
+/// given whether it holds a durable job and whether a log syncer runs (the ledger is in a
+/// file). With a syncer, no commit waits for an fsync: the ledger thread goes on with the
+/// next batch while the syncer makes this one durable.
+pub fn batch_plan(durability: Durability, any_durable: bool, syncer: bool) -> BatchPlan {
+    let (commit, sync_after) = match durability {
+        Durability::Strict => ("FULL", false),
+        Durability::Full if any_durable && syncer => ("NORMAL", true),
+        Durability::Full if any_durable => ("FULL", false),
+        Durability::Full | Durability::Normal => ("NORMAL", false),
+    };
+    BatchPlan { commit, sync_after }
 }
 
 struct LedgerThread {
@@ -142,6 +168,15 @@ struct LedgerThread {
     synchronous: Option<&'static str>,
     /// A deferred commit is in the WAL without an fsync since.
     unsynced: bool,
+    /// The write-ahead log's file (none in memory), and the thread that syncs it, started
+    /// with the first durable batch.
+    wal: Option<std::path::PathBuf>,
+    syncer: Option<Syncer>,
+}
+
+/// Where SQLite keeps `conn`'s write-ahead log; `None` for a database in memory.
+fn wal_path(conn: &Connection) -> Option<std::path::PathBuf> {
+    conn.path().filter(|path| !path.is_empty()).map(|path| format!("{path}-wal").into())
 }
 
 impl LedgerThread {
@@ -151,15 +186,16 @@ impl LedgerThread {
         timer: &tokio::runtime::Runtime,
         metrics: &LedgerMetrics,
     ) {
-        let mut batch: Vec<Job> = Vec::with_capacity(64);
+        let mut batch: Vec<(Job, Commit)> = Vec::with_capacity(64);
         let mut stopping = false;
         while !stopping {
-            let mut any_durable = false;
             let first = if self.unsynced {
                 match timer.block_on(async { tokio::time::timeout(FLUSH_DELAY, rx.recv()).await }) {
                     Ok(message) => message,
                     Err(_) => {
-                        self.flush();
+                        if let Err(err) = self.flush() {
+                            error!(error = %err, "ledger flush failed");
+                        }
                         continue;
                     }
                 }
@@ -167,28 +203,25 @@ impl LedgerThread {
                 rx.blocking_recv()
             };
             match first {
-                Some(Message::Job(job, commit)) => {
-                    any_durable |= commit == Commit::Durable;
-                    batch.push(job);
-                }
+                Some(Message::Job(job, commit)) => batch.push((job, commit)),
                 Some(Message::Stop) | None => stopping = true,
             }
             while !stopping && batch.len() < MAX_BATCH {
                 match rx.try_recv() {
-                    Ok(Message::Job(job, commit)) => {
-                        any_durable |= commit == Commit::Durable;
-                        batch.push(job);
-                    }
+                    Ok(Message::Job(job, commit)) => batch.push((job, commit)),
                     Ok(Message::Stop) => stopping = true,
                     Err(_) => break,
                 }
             }
             if !batch.is_empty() {
-                self.apply(&mut batch, any_durable, metrics);
+                self.apply(&mut batch, metrics);
             }
         }
         // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
         rx.close();
+        if let Some(syncer) = self.syncer.take() {
+            syncer.finish();
+        }
         // The checkpoint syncs the WAL and the database file.
         let _ = self.conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
     }
@@ -206,37 +239,74 @@ impl LedgerThread {
 
     /// Syncs the WAL the deferred commits are in: a one-row durable commit (its fsync covers
     /// every frame before it).
-    fn flush(&mut self) {
+    fn flush(&mut self) -> Result<(), LedgerError> {
         self.set_sync("FULL");
         let flushed = self.conn.prepare_cached(
             "INSERT INTO meta (key, value) VALUES ('flushed', '1')
              ON CONFLICT (key) DO UPDATE SET value = CAST(value AS INTEGER) + 1",
         );
         match flushed.and_then(|mut statement| statement.execute([])) {
-            Ok(_) => self.unsynced = false,
-            Err(err) => error!(error = %err, "ledger flush failed"),
+            Ok(_) => {
+                self.unsynced = false;
+                Ok(())
+            }
+            Err(err) if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) => {
+                self.storage.note(&LedgerError::StorageFull);
+                Err(LedgerError::StorageFull)
+            }
+            Err(err) => {
+                error!(error = %err, "ledger flush failed");
+                Err(LedgerError::Commit)
+            }
         }
     }
 
-    fn apply(&mut self, batch: &mut Vec<Job>, any_durable: bool, metrics: &LedgerMetrics) {
-        let level = batch_sync(self.durability, any_durable);
-        self.set_sync(level);
-        let committed = apply(&mut self.conn, batch, metrics, &self.storage);
-        match (committed, self.durability, level) {
+    /// Applies a batch as [`batch_plan`] says and answers its jobs. When the sync after a
+    /// batch fails, its durable jobs hear that error: their writes are committed (a hub crash
+    /// keeps them) but not known to be on the disk.
+    fn apply(&mut self, batch: &mut Vec<(Job, Commit)>, metrics: &LedgerMetrics) {
+        let any_durable = batch.iter().any(|(_, commit)| *commit == Commit::Durable);
+        if any_durable && self.durability == Durability::Full && self.syncer.is_none() {
+            self.syncer =
+                self.wal.as_deref().and_then(|wal| Syncer::start(wal, self.storage.clone()));
+        }
+        let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
+        self.set_sync(plan.commit);
+        let (outcome, finishers) = apply(&mut self.conn, batch, metrics, &self.storage);
+        match (outcome.is_ok(), self.durability, plan.commit) {
             (true, Durability::Full, "NORMAL") => self.unsynced = true,
             (true, _, "FULL") => self.unsynced = false,
             _ => {}
         }
+        if outcome.is_err() || !plan.sync_after {
+            for (finish, _) in finishers {
+                finish(outcome.clone());
+            }
+            return;
+        }
+        let mut durable = Vec::with_capacity(finishers.len());
+        for (finish, commit) in finishers {
+            match commit {
+                Commit::Deferred => finish(Ok(())),
+                Commit::Durable => durable.push(finish),
+            }
+        }
+        if let Some(syncer) = &self.syncer {
+            syncer.after_sync(durable);
+            // The sync it asked for covers the deferred commits before it.
+            self.unsynced = false;
+        }
     }
 }
 
-/// Applies `batch` in one transaction; returns whether it committed.
+/// Applies `batch` in one transaction; returns whether it committed, and each job's finisher
+/// (with its commit kind) to be told so.
 fn apply(
     conn: &mut Connection,
-    batch: &mut Vec<Job>,
+    batch: &mut Vec<(Job, Commit)>,
     metrics: &LedgerMetrics,
     storage: &StorageFlag,
-) -> bool {
+) -> (Result<(), LedgerError>, Vec<(Finish, Commit)>) {
     let began = Instant::now();
     let jobs = batch.len();
     let changes_before = conn.total_changes();
@@ -244,13 +314,14 @@ fn apply(
         Ok(tx) => tx,
         Err(err) => {
             error!(error = %err, "ledger cannot begin a transaction");
+            // The jobs are dropped unrun: their callers hear `Unavailable`.
             batch.clear();
-            return false;
+            return (Err(LedgerError::Commit), Vec::new());
         }
     };
     let mut finishers = Vec::with_capacity(batch.len());
-    for job in batch.drain(..) {
-        finishers.push(job(&tx));
+    for (job, commit) in batch.drain(..) {
+        finishers.push((job(&tx), commit));
     }
     let outcome = match tx.commit() {
         Ok(()) => {
@@ -272,11 +343,7 @@ fn apply(
             }
         }
     };
-    let committed = outcome.is_ok();
-    for finish in finishers {
-        finish(outcome.clone());
-    }
-    committed
+    (outcome, finishers)
 }
 
 /// Runs `f` in a savepoint so a failing job leaves no partial writes in its batch.
@@ -330,11 +397,84 @@ mod tests {
 
     #[test]
     fn only_a_batch_with_a_durable_job_is_fsynced_under_full() {
-        assert_eq!(batch_sync(Durability::Full, true), "FULL");
-        assert_eq!(batch_sync(Durability::Full, false), "NORMAL");
-        assert_eq!(batch_sync(Durability::Strict, false), "FULL");
-        assert_eq!(batch_sync(Durability::Strict, true), "FULL");
-        assert_eq!(batch_sync(Durability::Normal, true), "NORMAL");
+        let plan = |commit, sync_after| BatchPlan { commit, sync_after };
+        assert_eq!(batch_plan(Durability::Full, true, false), plan("FULL", false));
+        assert_eq!(batch_plan(Durability::Full, false, true), plan("NORMAL", false));
+        assert_eq!(batch_plan(Durability::Strict, false, true), plan("FULL", false));
+        assert_eq!(batch_plan(Durability::Strict, true, true), plan("FULL", false));
+        assert_eq!(batch_plan(Durability::Normal, true, true), plan("NORMAL", false));
+        // With a log syncer no commit waits for the disk: durable jobs hear after its sync.
+        assert_eq!(batch_plan(Durability::Full, true, true), plan("NORMAL", true));
+        assert_eq!(batch_plan(Durability::Full, false, true), plan("NORMAL", false));
+    }
+
+    fn thread(conn: Connection) -> LedgerThread {
+        LedgerThread {
+            wal: wal_path(&conn),
+            conn,
+            durability: Durability::Full,
+            storage: StorageFlag::default(),
+            synchronous: None,
+            unsynced: false,
+            syncer: None,
+        }
+    }
+
+    #[test]
+    fn a_mixed_batch_is_committed_then_its_deferred_jobs_hear_then_the_wal_is_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.sqlite3");
+        let on_disk = crate::ledger::schema::open(&path, Durability::Full).unwrap();
+        assert_eq!(wal_path(&on_disk), Some(dir.path().join("ledger.sqlite3-wal")));
+        let in_memory = crate::ledger::schema::open_in_memory().unwrap();
+        assert_eq!(wal_path(&in_memory), None);
+        mixed_batch(thread(on_disk), true);
+        mixed_batch(thread(in_memory), false);
+    }
+
+    /// A mixed batch, then a durable-only one. With a log file the syncer answers the durable
+    /// jobs after the deferred ones; without one (in memory) the commit itself is synced and
+    /// everyone hears together, in batch order.
+    fn mixed_batch(mut thread: LedgerThread, on_disk: bool) {
+        use std::sync::Mutex;
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let job = |name: &'static str| -> Job {
+            let heard = heard.clone();
+            Box::new(move |txn: &Transaction<'_>| -> Finish {
+                txn.execute("INSERT INTO meta (key, value) VALUES (?1, 'x')", [name]).unwrap();
+                Box::new(move |outcome| heard.lock().unwrap().push((name, outcome.is_ok())))
+            })
+        };
+        let flushes = |conn: &Connection| -> i64 {
+            conn.query_row(
+                "SELECT COALESCE((SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'flushed'), 0)",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        let metrics = LedgerMetrics::default();
+
+        let mut batch =
+            vec![(job("durable"), Commit::Durable), (job("deferred"), Commit::Deferred)];
+        thread.apply(&mut batch, &metrics);
+        let mut batch = vec![(job("only durable"), Commit::Durable)];
+        thread.apply(&mut batch, &metrics);
+        assert!(!thread.unsynced, "each durable job is synced");
+        assert_eq!(thread.syncer.is_some(), on_disk);
+        if let Some(syncer) = thread.syncer.take() {
+            syncer.finish();
+        }
+        let heard = heard.lock().unwrap().clone();
+        if on_disk {
+            assert_eq!(heard[0], ("deferred", true), "{heard:?}");
+            assert_eq!(heard[1..].len(), 2);
+            assert!(heard[1..].contains(&("durable", true)), "{heard:?}");
+            assert!(heard[1..].contains(&("only durable", true)), "{heard:?}");
+        } else {
+            assert_eq!(heard, [("durable", true), ("deferred", true), ("only durable", true)]);
+        }
+        assert_eq!(flushes(&thread.conn), 0, "no extra commit to sync");
     }
 
     fn inbound(event_id: &str) -> NewInbound {
