@@ -136,6 +136,37 @@ impl From<rusqlite::Error> for LedgerError {
     }
 }
 
+/// A ledger call queued for the ledger thread: its function, what its last run returned,
+/// and where its caller waits.
+struct Call<T, F> {
+    f: F,
+    result: Option<Result<T, LedgerError>>,
+    done: oneshot::Sender<Result<T, LedgerError>>,
+    storage: StorageFlag,
+}
+
+impl<T, F> store::Work for Call<T, F>
+where
+    T: Send,
+    F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
+{
+    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+        let result = if savepoint { store::savepoint(txn, &self.f) } else { (self.f)(txn) };
+        if let Err(err) = &result {
+            self.storage.note(err);
+        }
+        let ran = result.is_ok();
+        self.result = Some(result);
+        ran
+    }
+
+    fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
+        // A job never run (its batch could not begin) is answered as its commit was.
+        let result = self.result.unwrap_or(Err(LedgerError::Commit));
+        let _ = self.done.send(outcome.and(result));
+    }
+}
+
 /// A handle to the ledger thread. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Ledger {
@@ -260,29 +291,22 @@ impl Ledger {
     async fn call<T, F>(&self, f: F) -> Result<T, LedgerError>
     where
         T: Send + 'static,
-        F: FnOnce(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
         self.call_with(Commit::Durable, f).await
     }
 
     /// Runs `f` inside the next batch; resolves once that batch committed as `commit` asks.
+    /// `f` may run twice (the batch is redone when another call in it failed), so it only
+    /// reads and writes the database.
     async fn call_with<T, F>(&self, commit: Commit, f: F) -> Result<T, LedgerError>
     where
         T: Send + 'static,
-        F: FnOnce(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
         let tx = self.tx.as_ref().ok_or(LedgerError::Off)?;
         let (done, answer) = oneshot::channel();
-        let storage = self.storage.clone();
-        let job: store::Job = Box::new(move |txn| {
-            let result = store::savepoint(txn, f);
-            if let Err(err) = &result {
-                storage.note(err);
-            }
-            Box::new(move |outcome: Result<(), LedgerError>| {
-                let _ = done.send(outcome.and(result));
-            })
-        });
+        let job = Box::new(Call { f, result: None, done, storage: self.storage.clone() });
         tx.send(store::Message::Job(job, commit)).await.map_err(|_| LedgerError::Unavailable)?;
         answer.await.map_err(|_| LedgerError::Unavailable)?
     }
@@ -319,8 +343,8 @@ impl Ledger {
     ) -> Result<Recorded, LedgerError> {
         self.call(move |txn| {
             let recorded = inbound::record(txn, &new, rehash)?;
-            if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, history) {
-                history::append(txn, &entry, cap)?;
+            if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, &history) {
+                history::append(txn, entry, *cap)?;
             }
             Ok(recorded)
         })

@@ -67,12 +67,19 @@ impl Default for LedgerMetrics {
     }
 }
 
-/// A unit of work. It runs inside the batch transaction and returns what to do once the
-/// batch's commit is known (`Ok`: committed; else why not).
-pub type Job = Box<dyn FnOnce(&Transaction<'_>) -> Finish + Send>;
+/// A unit of work: a ledger call, run inside its batch's transaction, then told whether the
+/// batch committed.
+pub trait Work: Send {
+    /// Runs the call in `txn`, in a savepoint of its own when `savepoint`; false when it
+    /// failed. Run again (in a new transaction) when the batch is redone, so it must not
+    /// act outside the database.
+    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool;
+    /// Tells the caller, once the batch's commit is known (`Ok`: committed; else why not).
+    fn finish(self: Box<Self>, outcome: Result<(), LedgerError>);
+}
 
-/// What a job does once its batch's commit is known.
-pub type Finish = Box<dyn FnOnce(Result<(), LedgerError>) + Send>;
+/// A queued unit of work.
+pub type Job = Box<dyn Work>;
 
 /// Whether the ledger's last write failed for lack of space. Set by the thread (or a job)
 /// that met `SQLITE_FULL`, cleared by the next batch that committed a change.
@@ -272,23 +279,23 @@ impl LedgerThread {
         }
         let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
         self.set_sync(plan.commit);
-        let (outcome, finishers) = apply(&mut self.conn, batch, metrics, &self.storage);
+        let outcome = apply(&mut self.conn, batch, metrics, &self.storage);
         match (outcome.is_ok(), self.durability, plan.commit) {
             (true, Durability::Full, "NORMAL") => self.unsynced = true,
             (true, _, "FULL") => self.unsynced = false,
             _ => {}
         }
         if outcome.is_err() || !plan.sync_after {
-            for (finish, _) in finishers {
-                finish(outcome.clone());
+            for (job, _) in batch.drain(..) {
+                job.finish(outcome.clone());
             }
             return;
         }
-        let mut durable = Vec::with_capacity(finishers.len());
-        for (finish, commit) in finishers {
+        let mut durable = Vec::with_capacity(batch.len());
+        for (job, commit) in batch.drain(..) {
             match commit {
-                Commit::Deferred => finish(Ok(())),
-                Commit::Durable => durable.push(finish),
+                Commit::Deferred => job.finish(Ok(())),
+                Commit::Durable => durable.push(job),
             }
         }
         if let Some(syncer) = &self.syncer {
@@ -299,36 +306,63 @@ impl LedgerThread {
     }
 }
 
-/// Applies `batch` in one transaction; returns whether it committed, and each job's finisher
-/// (with its commit kind) to be told so.
+/// Applies `batch` in one transaction; returns whether it committed (the jobs stay in `batch`
+/// to be told so).
+///
+/// The jobs run one after another without savepoints: a savepoint copies every page a job
+/// touches into its journal first, and jobs rarely fail. When one fails, the transaction is
+/// rolled back and the batch redone with a savepoint per job, so the failed job leaves
+/// nothing behind and the others their writes.
 fn apply(
     conn: &mut Connection,
     batch: &mut Vec<(Job, Commit)>,
     metrics: &LedgerMetrics,
     storage: &StorageFlag,
-) -> (Result<(), LedgerError>, Vec<(Finish, Commit)>) {
+) -> Result<(), LedgerError> {
     let began = Instant::now();
     let jobs = batch.len();
     let changes_before = conn.total_changes();
-    let tx = match conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate) {
-        Ok(tx) => tx,
-        Err(err) => {
-            error!(error = %err, "ledger cannot begin a transaction");
-            // The jobs are dropped unrun: their callers hear `Unavailable`.
-            batch.clear();
-            return (Err(LedgerError::Commit), Vec::new());
-        }
-    };
-    let mut finishers = Vec::with_capacity(batch.len());
-    for (job, commit) in batch.drain(..) {
-        finishers.push((job(&tx), commit));
+    let tx = begin(conn, batch)?;
+    if batch.iter_mut().all(|(job, _)| job.run(&tx, false)) {
+        return commit(tx, changes_before, began, jobs, metrics, storage);
     }
-    let outcome = match tx.commit() {
+    drop(tx);
+    let tx = begin(conn, batch)?;
+    for (job, _) in batch.iter_mut() {
+        job.run(&tx, true);
+    }
+    commit(tx, changes_before, began, jobs, metrics, storage)
+}
+
+/// Begins a batch's transaction. When it cannot, the batch's jobs are dropped unrun: their
+/// callers hear `Unavailable`.
+fn begin<'c>(
+    conn: &'c mut Connection,
+    batch: &mut Vec<(Job, Commit)>,
+) -> Result<Transaction<'c>, LedgerError> {
+    conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(|err| {
+        error!(error = %err, "ledger cannot begin a transaction");
+        batch.clear();
+        LedgerError::Commit
+    })
+}
+
+/// Commits a batch's transaction and observes it.
+fn commit(
+    tx: Transaction<'_>,
+    changes_before: u64,
+    began: Instant,
+    jobs: usize,
+    metrics: &LedgerMetrics,
+    storage: &StorageFlag,
+) -> Result<(), LedgerError> {
+    // Only a batch that wrote proves there is room again (an empty one writes nothing).
+    let wrote = tx.total_changes() > changes_before;
+    match tx.commit() {
         Ok(()) => {
             metrics.commit_seconds.observe(began.elapsed().as_secs_f64());
             metrics.batch_jobs.observe(jobs as f64);
-            // Only a batch that wrote proves there is room again (an empty one writes nothing).
-            if conn.total_changes() > changes_before {
+            if wrote {
                 storage.clear();
             }
             Ok(())
@@ -342,8 +376,7 @@ fn apply(
                 Err(LedgerError::Commit)
             }
         }
-    };
-    (outcome, finishers)
+    }
 }
 
 /// Runs `f` in a savepoint so a failing job leaves no partial writes in its batch.
@@ -436,15 +469,8 @@ mod tests {
     /// jobs after the deferred ones; without one (in memory) the commit itself is synced and
     /// everyone hears together, in batch order.
     fn mixed_batch(mut thread: LedgerThread, on_disk: bool) {
-        use std::sync::Mutex;
-        let heard = Arc::new(Mutex::new(Vec::new()));
-        let job = |name: &'static str| -> Job {
-            let heard = heard.clone();
-            Box::new(move |txn: &Transaction<'_>| -> Finish {
-                txn.execute("INSERT INTO meta (key, value) VALUES (?1, 'x')", [name]).unwrap();
-                Box::new(move |outcome| heard.lock().unwrap().push((name, outcome.is_ok())))
-            })
-        };
+        let heard = Heard::default();
+        let job = |name: &'static str| TestJob::boxed(name, false, &heard);
         let flushes = |conn: &Connection| -> i64 {
             conn.query_row(
                 "SELECT COALESCE((SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'flushed'), 0)",
@@ -465,7 +491,7 @@ mod tests {
         if let Some(syncer) = thread.syncer.take() {
             syncer.finish();
         }
-        let heard = heard.lock().unwrap().clone();
+        let heard = heard.0.lock().unwrap().clone();
         if on_disk {
             assert_eq!(heard[0], ("deferred", true), "{heard:?}");
             assert_eq!(heard[1..].len(), 2);
@@ -475,6 +501,97 @@ mod tests {
             assert_eq!(heard, [("durable", true), ("deferred", true), ("only durable", true)]);
         }
         assert_eq!(flushes(&thread.conn), 0, "no extra commit to sync");
+    }
+
+    /// What the test jobs' callers heard: (job, whether its call and commit succeeded).
+    #[derive(Default, Clone)]
+    struct Heard(Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>);
+
+    /// A job that writes a `meta` row named after it, and then fails when `fails`.
+    struct TestJob {
+        name: &'static str,
+        fails: bool,
+        runs: Arc<std::sync::atomic::AtomicUsize>,
+        ran: Option<bool>,
+        heard: Heard,
+    }
+
+    impl TestJob {
+        fn boxed(name: &'static str, fails: bool, heard: &Heard) -> Job {
+            Self::counted(name, fails, heard).0
+        }
+
+        fn counted(
+            name: &'static str,
+            fails: bool,
+            heard: &Heard,
+        ) -> (Job, Arc<std::sync::atomic::AtomicUsize>) {
+            let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let job = Self { name, fails, runs: runs.clone(), ran: None, heard: heard.clone() };
+            (Box::new(job), runs)
+        }
+    }
+
+    impl Work for TestJob {
+        fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            let work = |txn: &Transaction<'_>| {
+                txn.execute("INSERT INTO meta (key, value) VALUES (?1, 'x')", [self.name])?;
+                if self.fails { Err(LedgerError::Sql("refused".into())) } else { Ok(()) }
+            };
+            let result = if savepoint { super::savepoint(txn, work) } else { work(txn) };
+            self.ran = Some(result.is_ok());
+            result.is_ok()
+        }
+
+        fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
+            let ok = outcome.is_ok() && self.ran == Some(true);
+            self.heard.0.lock().unwrap().push((self.name, ok));
+        }
+    }
+
+    #[test]
+    fn jobs_run_once_without_savepoints_and_a_failure_redoes_the_batch_with_them() {
+        let conn = crate::ledger::schema::open_in_memory().unwrap();
+        let mut thread = thread(conn);
+        let metrics = LedgerMetrics::default();
+        let heard = Heard::default();
+        let (first, first_runs) = TestJob::counted("first", false, &heard);
+        let (second, second_runs) = TestJob::counted("second", false, &heard);
+        let mut batch = vec![(first, Commit::Deferred), (second, Commit::Deferred)];
+        thread.apply(&mut batch, &metrics);
+        assert_eq!(first_runs.load(Ordering::SeqCst), 1);
+        assert_eq!(second_runs.load(Ordering::SeqCst), 1);
+
+        let (before, before_runs) = TestJob::counted("before", false, &heard);
+        let (failing, failing_runs) = TestJob::counted("failing", true, &heard);
+        let (after, after_runs) = TestJob::counted("after", false, &heard);
+        let mut batch = vec![
+            (before, Commit::Deferred),
+            (failing, Commit::Deferred),
+            (after, Commit::Deferred),
+        ];
+        thread.apply(&mut batch, &metrics);
+        // The fast pass stopped at the failure; the redo ran each once more in a savepoint.
+        assert_eq!(before_runs.load(Ordering::SeqCst), 2);
+        assert_eq!(failing_runs.load(Ordering::SeqCst), 2);
+        assert_eq!(after_runs.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            *heard.0.lock().unwrap(),
+            [
+                ("first", true),
+                ("second", true),
+                ("before", true),
+                ("failing", false),
+                ("after", true)
+            ]
+        );
+        let names: Vec<String> = {
+            let mut statement =
+                thread.conn.prepare("SELECT key FROM meta WHERE value = 'x' ORDER BY key").unwrap();
+            statement.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
+        };
+        assert_eq!(names, ["after", "before", "first", "second"], "the failed job left nothing");
     }
 
     fn inbound(event_id: &str) -> NewInbound {

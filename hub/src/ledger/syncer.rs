@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use tracing::error;
 
 use super::LedgerError;
-use super::store::{Finish, StorageFlag};
+use super::store::{Job, StorageFlag};
 
 /// Committed batches whose durable jobs wait for a sync; the ledger thread waits beyond this.
 const WAITING_BATCHES: usize = 1024;
@@ -19,7 +19,7 @@ const WAITING_BATCHES: usize = 1024;
 /// The handle the ledger thread keeps. Dropping it lets the thread answer what it holds and
 /// end; [`Syncer::finish`] also waits for that.
 pub struct Syncer {
-    tx: Option<SyncSender<Vec<Finish>>>,
+    tx: Option<SyncSender<Vec<Job>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -38,7 +38,7 @@ impl Syncer {
 
     /// Answers `durable` once the log holding their committed batch is on the disk. Their
     /// frames were written before this call, so the next sync to begin covers them.
-    pub fn after_sync(&self, durable: Vec<Finish>) {
+    pub fn after_sync(&self, durable: Vec<Job>) {
         let Some(tx) = &self.tx else { return };
         match tx.try_send(durable) {
             Ok(()) => {}
@@ -60,15 +60,15 @@ impl Syncer {
     }
 }
 
-fn run(file: &File, rx: &Receiver<Vec<Finish>>, storage: &StorageFlag) {
+fn run(file: &File, rx: &Receiver<Vec<Job>>, storage: &StorageFlag) {
     while let Ok(first) = rx.recv() {
         let mut waiting = vec![first];
         while let Ok(more) = rx.try_recv() {
             waiting.push(more);
         }
         let synced = sync(file, storage);
-        for finish in waiting.into_iter().flatten() {
-            finish(synced.clone());
+        for job in waiting.into_iter().flatten() {
+            job.finish(synced.clone());
         }
     }
 }
