@@ -1,14 +1,16 @@
 //! The ledger thread: one thread owns the SQLite connection and applies queued jobs in
-//! batches, one transaction (and at most one fsync) per batch — group commit. A caller's
-//! answer is released only after its batch committed.
+//! batches, one transaction per batch — group commit. A caller's answer is released only
+//! after its batch committed. A batch's jobs run without a savepoint each; when one fails the
+//! batch is rolled back and redone with a savepoint per job, so the failed one leaves nothing.
 //!
-//! A job is [`Commit::Durable`] (its batch is fsynced before anyone hears of it) or
-//! [`Commit::Deferred`] (its batch is committed to the WAL without an fsync: it survives a
-//! crash of the hub at once, and power loss once the next durable commit, or the flush
-//! [`FLUSH_DELAY`] after the ledger went quiet, synced the WAL). A batch holding both kinds
-//! is committed without the fsync, its deferred jobs are answered, and only then is the WAL
-//! synced for the durable ones: a deferred caller never waits for an fsync ([`batch_plan`]).
-//! Under [`Durability::Strict`] every batch is fsynced, under [`Durability::Normal`] none is.
+//! A job is [`Commit::Durable`] (the caller hears only once the batch is on the disk) or
+//! [`Commit::Deferred`] (the caller hears once the batch is in the WAL: it survives a crash of
+//! the hub at once, and power loss once the next durable sync, or the flush [`FLUSH_DELAY`]
+//! after the ledger went quiet, synced the WAL). Under [`Durability::Full`] no commit waits
+//! for the disk: the durable jobs of a batch go to the log syncer (`syncer.rs`), which answers
+//! them after an `fdatasync` of the WAL, while this thread commits the next batch
+//! ([`batch_plan`]). Under [`Durability::Strict`] every batch is committed with an fsync,
+//! under [`Durability::Normal`] none is.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
