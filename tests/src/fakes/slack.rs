@@ -447,11 +447,24 @@ impl FakeSlack {
         }
     }
 
-    /// Every live socket goes half-open: no reads, no writes, no pongs, no close.
+    /// Every live socket goes half-open: no reads, no writes, no pongs, no close. Waits for
+    /// a socket that said hello first (a driver may report Ready to the hub before its socket
+    /// is up, and silencing nothing would test nothing), and returns once every socket it
+    /// silenced is recorded silent.
     pub async fn go_silent(&self) {
-        for commands in self.shared.sockets() {
+        let within = Duration::from_secs(10);
+        self.wait_for("a live socket to silence", within, |r| {
+            r.sockets.iter().any(|s| s.is_live()).then_some(())
+        })
+        .await;
+        let sockets = self.shared.sockets();
+        for commands in &sockets {
             let _ = commands.send(SocketCommand::Silent).await;
         }
+        self.wait_for("the sockets silent", within, |r| {
+            (r.sockets.iter().filter(|s| s.silent).count() >= sockets.len()).then_some(())
+        })
+        .await;
     }
 
     /// Applies `fault` to the next `times` calls of `method` (every call when `None`).
