@@ -192,6 +192,10 @@ async fn a_send_refused_by_a_draining_driver_goes_to_the_next_driver_once() {
     let draining = "driver is shutting down".to_owned();
     leaving.send(Frame::error(Some(refused.request_id.clone()), "draining", draining, true)).await;
     drop(leaving);
+    // The hub takes a new driver once it has seen this one go (else `already_connected`).
+    let gone = |status: &Value| status["connected"] == false;
+    hub.wait_status(ONE, "the leaving driver gone", Duration::from_secs(10), gone, String::new)
+        .await;
 
     // The next driver gets the same send, once, and its receipt answers the waiting caller.
     let mut next = RawPeer::connect(&hub.socket(ONE)).await;
