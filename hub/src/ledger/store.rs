@@ -202,9 +202,7 @@ impl LedgerThread {
                 match timer.block_on(async { tokio::time::timeout(FLUSH_DELAY, rx.recv()).await }) {
                     Ok(message) => message,
                     Err(_) => {
-                        if let Err(err) = self.flush() {
-                            error!(error = %err, "ledger flush failed");
-                        }
+                        self.flush();
                         continue;
                     }
                 }
@@ -248,25 +246,15 @@ impl LedgerThread {
 
     /// Syncs the WAL the deferred commits are in: a one-row durable commit (its fsync covers
     /// every frame before it).
-    fn flush(&mut self) -> Result<(), LedgerError> {
+    fn flush(&mut self) {
         self.set_sync("FULL");
         let flushed = self.conn.prepare_cached(
             "INSERT INTO meta (key, value) VALUES ('flushed', '1')
              ON CONFLICT (key) DO UPDATE SET value = CAST(value AS INTEGER) + 1",
         );
         match flushed.and_then(|mut statement| statement.execute([])) {
-            Ok(_) => {
-                self.unsynced = false;
-                Ok(())
-            }
-            Err(err) if err.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) => {
-                self.storage.note(&LedgerError::StorageFull);
-                Err(LedgerError::StorageFull)
-            }
-            Err(err) => {
-                error!(error = %err, "ledger flush failed");
-                Err(LedgerError::Commit)
-            }
+            Ok(_) => self.unsynced = false,
+            Err(err) => error!(error = %err, "ledger flush failed"),
         }
     }
 
@@ -287,12 +275,15 @@ impl LedgerThread {
             (true, _, "FULL") => self.unsynced = false,
             _ => {}
         }
-        if outcome.is_err() || !plan.sync_after {
-            for (job, _) in batch.drain(..) {
-                job.finish(outcome.clone());
+        let syncer = match (&self.syncer, plan.sync_after, &outcome) {
+            (Some(syncer), true, Ok(())) => syncer,
+            _ => {
+                for (job, _) in batch.drain(..) {
+                    job.finish(outcome.clone());
+                }
+                return;
             }
-            return;
-        }
+        };
         let mut durable = Vec::with_capacity(batch.len());
         for (job, commit) in batch.drain(..) {
             match commit {
@@ -300,11 +291,9 @@ impl LedgerThread {
                 Commit::Durable => durable.push(job),
             }
         }
-        if let Some(syncer) = &self.syncer {
-            syncer.after_sync(durable);
-            // The sync it asked for covers the deferred commits before it.
-            self.unsynced = false;
-        }
+        syncer.after_sync(durable);
+        // The sync it asked for covers the deferred commits before it.
+        self.unsynced = false;
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::path::Path;
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
 use tracing::error;
@@ -19,8 +19,8 @@ const WAITING_BATCHES: usize = 1024;
 /// The handle the ledger thread keeps. Dropping it lets the thread answer what it holds and
 /// end; [`Syncer::finish`] also waits for that.
 pub struct Syncer {
-    tx: Option<SyncSender<Vec<Job>>>,
-    thread: Option<JoinHandle<()>>,
+    tx: SyncSender<Vec<Job>>,
+    thread: JoinHandle<()>,
 }
 
 impl Syncer {
@@ -33,30 +33,22 @@ impl Syncer {
             .name("channeld-ledger-sync".into())
             .spawn(move || run(&file, &rx, &storage))
             .ok()?;
-        Some(Self { tx: Some(tx), thread: Some(thread) })
+        Some(Self { tx, thread })
     }
 
     /// Answers `durable` once the log holding their committed batch is on the disk. Their
     /// frames were written before this call, so the next sync to begin covers them.
+    /// With [`WAITING_BATCHES`] waiting, the ledger thread waits for the disk (backpressure);
+    /// if the syncer is gone, the jobs are dropped and their callers hear `Unavailable`.
     pub fn after_sync(&self, durable: Vec<Job>) {
-        let Some(tx) = &self.tx else { return };
-        match tx.try_send(durable) {
-            Ok(()) => {}
-            // Backpressure: the ledger thread waits for the disk.
-            Err(TrySendError::Full(durable)) => {
-                let _ = tx.send(durable);
-            }
-            // Gone: its finishers are dropped and their callers hear `Unavailable`.
-            Err(TrySendError::Disconnected(_)) => {}
-        }
+        let _ = self.tx.send(durable);
     }
 
     /// Lets the thread answer what it holds, and waits for it to end.
-    pub fn finish(mut self) {
-        drop(self.tx.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+    pub fn finish(self) {
+        let Self { tx, thread } = self;
+        drop(tx);
+        let _ = thread.join();
     }
 }
 
