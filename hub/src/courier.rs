@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 use crate::connection::{Connection, lock};
 use crate::instance::{Counters, Instance, Registry};
 use crate::ledger::{
-    Answer, Ledger, LedgerError, ReplyAnswer, ReplyRecord, ReplyState, StoredReply,
+    Answer, Ledger, LedgerError, Pending, ReplyAnswer, ReplyRecord, ReplyState, StoredReply,
 };
 
 /// The loop wakes at least this often (expiry, and retries recorded by another path).
@@ -51,6 +51,14 @@ fn now_ms() -> u64 {
 struct Handed {
     conn: u64,
     deadline: Instant,
+}
+
+/// An answer queued on the ledger: what the driver said, and the record's pending result.
+#[derive(Debug)]
+struct Queued {
+    answer: Answer,
+    error: Option<String>,
+    pending: Result<Pending<Option<ReplyState>>, LedgerError>,
 }
 
 /// One instance's turn to hand replies over, and which requests for it were served.
@@ -180,19 +188,24 @@ impl Courier {
 
     /// A `receipt` no outbound waited for: with `reply_receipt` it says the reply to the event
     /// it names was posted.
-    pub fn on_receipt(self: &Arc<Self>, inst: &Instance, conn: &Connection, receipt: Receipt) {
+    pub async fn on_receipt(
+        self: &Arc<Self>,
+        inst: &Instance,
+        conn: &Connection,
+        receipt: Receipt,
+    ) {
         if !(conn.declaration.extensions.reply_receipt && self.is_on()) {
             debug!(instance = %inst.config.id, request_id = %receipt.request_id, "receipt nobody waits for");
             return;
         }
         let Receipt { request_id, receipt } = receipt;
         let encoded = serde_json::to_vec(&receipt).ok();
-        self.answered(inst, request_id, Answer::Posted, encoded, None);
+        self.answered(inst, request_id, Answer::Posted, encoded, None).await;
     }
 
     /// An `error` frame no outbound waited for: with `reply_receipt`, the failure of the reply
     /// it names — retryable or final as the driver says, unknown for `send_unknown`.
-    pub fn on_error(self: &Arc<Self>, inst: &Instance, conn: &Connection, err: ErrorFrame) {
+    pub async fn on_error(self: &Arc<Self>, inst: &Instance, conn: &Connection, err: ErrorFrame) {
         if !(conn.declaration.extensions.reply_receipt && self.is_on()) {
             return;
         }
@@ -203,10 +216,13 @@ impl Courier {
             Answer::Failed { retryable: err.retryable }
         };
         let error = format!("{}: {}", err.code, err.message);
-        self.answered(inst, request_id, answer, None, Some(error));
+        self.answered(inst, request_id, answer, None, Some(error)).await;
     }
 
-    fn answered(
+    /// A driver's answer, on its reader: queued on the ledger before the frames behind it
+    /// (a posted reply's history entry goes before the next message's), settled off the
+    /// reader.
+    async fn answered(
         self: &Arc<Self>,
         inst: &Instance,
         event_id: Id,
@@ -216,9 +232,10 @@ impl Courier {
     ) {
         let instance = inst.config.id.to_string();
         lock(&self.handed).remove(&(instance.clone(), event_id.clone()));
+        let queued = self.queue_answer(&instance, event_id.as_str(), answer, receipt, error).await;
         let courier = self.clone();
         self.tasks.spawn(async move {
-            courier.settle(&instance, event_id.as_str(), answer, receipt, error).await;
+            courier.settled(&instance, event_id.as_str(), queued).await;
         });
     }
 
@@ -232,6 +249,19 @@ impl Courier {
         receipt: Option<Vec<u8>>,
         error: Option<String>,
     ) {
+        let queued = self.queue_answer(instance, event_id, answer, receipt, error).await;
+        self.settled(instance, event_id, queued).await;
+    }
+
+    /// Queues an answer's record on the ledger.
+    async fn queue_answer(
+        &self,
+        instance: &str,
+        event_id: &str,
+        answer: Answer,
+        receipt: Option<Vec<u8>>,
+        error: Option<String>,
+    ) -> Queued {
         let history = self.instances.get(instance).and_then(|inst| inst.policy().history);
         let answer = ReplyAnswer {
             instance: instance.to_owned(),
@@ -241,17 +271,28 @@ impl Courier {
             error,
             history,
         };
-        match self.ledger.reply_answer(answer.clone(), now_ms(), fastrand::f64()).await {
+        let pending = self.ledger.reply_answer(answer.clone(), now_ms(), fastrand::f64()).await;
+        Queued { answer: answer.answer, error: answer.error, pending }
+    }
+
+    /// Waits for a queued answer's record and acts on the reply's new state.
+    async fn settled(self: &Arc<Self>, instance: &str, event_id: &str, queued: Queued) {
+        let Queued { answer, error, pending } = queued;
+        let state = match pending {
+            Ok(pending) => pending.answer().await,
+            Err(err) => Err(err),
+        };
+        match state {
             Ok(Some(state)) => {
                 match state {
                     ReplyState::FailedRetryable => {
-                        info!(%instance, %event_id, error = ?answer.error, "reply not posted; it will be retried")
+                        info!(%instance, %event_id, ?error, "reply not posted; it will be retried")
                     }
                     ReplyState::Failed => {
-                        warn!(%instance, %event_id, error = ?answer.error, "reply refused by the platform; not retried")
+                        warn!(%instance, %event_id, ?error, "reply refused by the platform; not retried")
                     }
                     ReplyState::Unknown => {
-                        warn!(%instance, %event_id, reason = ?answer.error, "reply outcome unknown; it will not be resent automatically")
+                        warn!(%instance, %event_id, reason = ?error, "reply outcome unknown; it will not be resent automatically")
                     }
                     ReplyState::Expired => {
                         warn!(%instance, %event_id, "reply expired before it could be posted")
@@ -267,7 +308,7 @@ impl Courier {
                 self.kick(instance);
             }
             Ok(None) => {
-                debug!(%instance, %event_id, answer = ?answer.answer, "answer for no reply waiting for one")
+                debug!(%instance, %event_id, ?answer, "answer for no reply waiting for one")
             }
             Err(err) => warn!(%instance, %event_id, error = %err, "reply answer not recorded"),
         }

@@ -1,8 +1,8 @@
 //! Conversation history (extension `history`) through the real `channeld` and a raw driver:
-//! the admitted inbound texts and posted replies of a conversation, newest `limit` oldest
-//! first, kept across a hub restart, capped by `history_max`, off with `history = false`,
-//! and the same through `channelctl history`. A driver that did not negotiate the extension
-//! cannot ask.
+//! the admitted inbound texts and posted replies of a conversation in the order the driver
+//! sent them, newest `limit` oldest first, kept across a hub restart, capped by
+//! `history_max`, off with `history = false`, and the same through `channelctl history`. A
+//! driver that did not negotiate the extension cannot ask.
 
 use std::time::{Duration, Instant};
 
@@ -138,6 +138,26 @@ async fn history_holds_each_exchange_in_order_and_survives_a_restart() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(text.lines().count(), 1, "{text}");
     assert!(text.contains("assistant: q3"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_and_the_next_message_sent_back_to_back_keep_their_order() {
+    // The platform showed the reply before the person wrote again: the driver writes the
+    // receipt and then the next message, with no pause between them. The hub records them
+    // in that order, however its ledger groups them.
+    let hub = HubProcess::start(&config());
+    let mut driver = connect(&hub, ONE, &["accepted", "reply_receipt", "history"]).await;
+    let rounds = 40;
+    for n in 1..=rounds {
+        exchange(&mut driver, ONE, &format!("b{n}"), "busy", &format!("q{n}")).await;
+    }
+    let entries = posted(&mut driver, "busy", &format!("b{rounds}")).await;
+    let expected: Vec<(HistoryRole, String)> = (1..=rounds)
+        .flat_map(|n| {
+            [(HistoryRole::User, format!("q{n}")), (HistoryRole::Assistant, format!("q{n}"))]
+        })
+        .collect();
+    assert_eq!(summary(&entries), expected);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

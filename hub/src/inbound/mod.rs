@@ -30,7 +30,7 @@ use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun};
-use crate::ledger::{NewHistory, NewInbound, NewItem, Recorded};
+use crate::ledger::{LedgerError, NewHistory, NewInbound, NewItem, Pending, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
 use crate::runtime::RunInput;
@@ -152,12 +152,17 @@ async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admi
     };
     match (action, place) {
         (Action::Record, Some(place)) => {
-            // Recording waits for a commit: do it off the reader, so the frames behind this
-            // one are read (and group-committed together) meanwhile.
+            // Queued on the reader, so the ledger records a driver's frames in the order it
+            // sent them (an earlier receipt's history entry before this message's). The
+            // commit is waited for off the reader, so the frames behind this one are read
+            // (and group-committed together) meanwhile.
+            let Some(queued) = queue_record(hub, inst, conn, &admitted, &place).await else {
+                return;
+            };
             let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
             hub.clone()
                 .runs
-                .spawn(async move { record(&hub, &inst, &conn, admitted, place).await });
+                .spawn(async move { recorded(&hub, &inst, &conn, admitted, place, queued).await });
         }
         (action, place) => carry_out(hub, inst, conn, admitted, action, place).await,
     }
@@ -169,28 +174,29 @@ fn leave_queue(inst: &Instance, event_id: &Id) {
     start(starts);
 }
 
-/// Records the inbound in the ledger and carries out the second decision.
-async fn record(
+/// Queues the inbound's record on the ledger. `None` when it cannot be recorded (refused
+/// and out of the queue already).
+async fn queue_record(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
-    admitted: Admitted,
-    mut place: Place,
-) {
-    let event_id = admitted.event_id.clone();
+    admitted: &Admitted,
+    place: &Place,
+) -> Option<Result<Pending<Recorded>, LedgerError>> {
+    let event_id = &admitted.event_id;
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
         (Ok(line), Some(hash)) => (line, hash),
         (Err(err), _) => {
             inst.metrics.inbound(InboundOutcome::Error);
-            leave_queue(inst, &event_id);
-            refuse(conn, &event_id, "invalid_frame", err.to_string(), false).await;
-            return;
+            leave_queue(inst, event_id);
+            refuse(conn, event_id, "invalid_frame", err.to_string(), false).await;
+            return None;
         }
         (Ok(_), None) => {
             inst.metrics.inbound(InboundOutcome::Error);
-            leave_queue(inst, &event_id);
-            refuse(conn, &event_id, "invalid_frame", "not an inbound frame".into(), false).await;
-            return;
+            leave_queue(inst, event_id);
+            refuse(conn, event_id, "invalid_frame", "not an inbound frame".into(), false).await;
+            return None;
         }
     };
     let new = NewInbound {
@@ -209,8 +215,24 @@ async fn record(
             sender: admitted.sender.as_ref().map(|p| p.id.to_string()),
         }),
     };
-    let history = history_entry(inst, &admitted, &place).zip(inst.policy().history);
-    let recorded = hub.ledger.record_inbound(new, fingerprint::rehash, history).await;
+    let history = history_entry(inst, admitted, place).zip(inst.policy().history);
+    Some(hub.ledger.record_inbound(new, fingerprint::rehash, history).await)
+}
+
+/// Takes the ledger's answer to the inbound's record and carries out the second decision.
+async fn recorded(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    conn: &Arc<Connection>,
+    admitted: Admitted,
+    mut place: Place,
+    queued: Result<Pending<Recorded>, LedgerError>,
+) {
+    let event_id = admitted.event_id.clone();
+    let recorded = match queued {
+        Ok(queued) => queued.answer().await,
+        Err(err) => Err(err),
+    };
     let lookup = match &recorded {
         Ok(Recorded::New { entry }) => {
             place.entry = *entry;
@@ -288,7 +310,10 @@ async fn carry_out(
         }
         Action::Record => {
             let place = place.expect("a recorded inbound has its place");
-            Box::pin(record(hub, inst, conn, admitted, place)).await;
+            let Some(queued) = queue_record(hub, inst, conn, &admitted, &place).await else {
+                return;
+            };
+            Box::pin(recorded(hub, inst, conn, admitted, place, queued)).await;
         }
         Action::Replay(replay) => {
             inst.metrics.inbound(InboundOutcome::Duplicate);

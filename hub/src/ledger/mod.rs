@@ -167,6 +167,18 @@ where
     }
 }
 
+/// A call queued on the ledger thread; [`Pending::answer`] waits until its batch committed
+/// as the call asked.
+#[derive(Debug)]
+#[must_use = "a queued call runs anyway; its answer says whether it was committed"]
+pub struct Pending<T>(oneshot::Receiver<Result<T, LedgerError>>);
+
+impl<T> Pending<T> {
+    pub async fn answer(self) -> Result<T, LedgerError> {
+        self.0.await.map_err(|_| LedgerError::Unavailable)?
+    }
+}
+
 /// A handle to the ledger thread. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Ledger {
@@ -304,11 +316,22 @@ impl Ledger {
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
+        self.queue_with(commit, f).await?.answer().await
+    }
+
+    /// Queues `f` for the ledger thread, waiting only for room in its queue: calls run in
+    /// the order they were queued, so a caller that must keep an order (a driver's frames)
+    /// queues in that order and waits for the answers elsewhere.
+    async fn queue_with<T, F>(&self, commit: Commit, f: F) -> Result<Pending<T>, LedgerError>
+    where
+        T: Send + 'static,
+        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+    {
         let tx = self.tx.as_ref().ok_or(LedgerError::Off)?;
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { f, result: None, done, storage: self.storage.clone() });
         tx.send(store::Message::Job(job, commit)).await.map_err(|_| LedgerError::Unavailable)?;
-        answer.await.map_err(|_| LedgerError::Unavailable)?
+        Ok(Pending(answer))
     }
 
     /// Answers once the ledger thread committed a batch queued now: the thread is alive and
@@ -334,14 +357,15 @@ impl Ledger {
     }
 
     /// Records an inbound unless its event id is known; see [`Recorded`]. A new one's
-    /// `history` entry (with the conversation's cap) is appended in the same step.
+    /// `history` entry (with the conversation's cap) is appended in the same step. Queued
+    /// only: the caller keeps the order of the driver's frames.
     pub async fn record_inbound(
         &self,
         new: NewInbound,
         rehash: Rehash,
         history: Option<(NewHistory, usize)>,
-    ) -> Result<Recorded, LedgerError> {
-        self.call(move |txn| {
+    ) -> Result<Pending<Recorded>, LedgerError> {
+        self.queue_with(Commit::Durable, move |txn| {
             let recorded = inbound::record(txn, &new, rehash)?;
             if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, &history) {
                 history::append(txn, entry, *cap)?;
@@ -436,13 +460,15 @@ impl Ledger {
     }
 
     /// Applies a driver's answer (or silence); see [`replies::answer`].
+    /// Queued only: the caller keeps the order of the driver's frames.
     pub async fn reply_answer(
         &self,
         answer: ReplyAnswer,
         now_ms: u64,
         jitter: f64,
-    ) -> Result<Option<ReplyState>, LedgerError> {
-        self.call(move |txn| replies::answer(txn, &answer, now_ms, jitter)).await
+    ) -> Result<Pending<Option<ReplyState>>, LedgerError> {
+        self.queue_with(Commit::Durable, move |txn| replies::answer(txn, &answer, now_ms, jitter))
+            .await
     }
 
     /// The state of the reply to `event_id`, if its run produced one.
@@ -701,7 +727,13 @@ mod tests {
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
             assert_eq!(
-                ledger.record_inbound(inbound("e1"), same, None).await.unwrap(),
+                ledger
+                    .record_inbound(inbound("e1"), same, None)
+                    .await
+                    .unwrap()
+                    .answer()
+                    .await
+                    .unwrap(),
                 Recorded::New { entry: None }
             );
             ledger.close().await;
@@ -719,11 +751,14 @@ mod tests {
         ledger.close().await;
         assert_eq!(ledger.ping().await, Err(LedgerError::Unavailable));
         assert_eq!(
-            ledger.record_inbound(inbound("e"), same, None).await,
-            Err(LedgerError::Unavailable)
+            ledger.record_inbound(inbound("e"), same, None).await.err(),
+            Some(LedgerError::Unavailable)
         );
         let off = Ledger::off();
-        assert_eq!(off.record_inbound(inbound("e"), same, None).await, Err(LedgerError::Off));
+        assert_eq!(
+            off.record_inbound(inbound("e"), same, None).await.err(),
+            Some(LedgerError::Off)
+        );
         off.ping().await.unwrap();
     }
 
@@ -734,7 +769,11 @@ mod tests {
             .map(|n| {
                 let ledger = ledger.clone();
                 tokio::spawn(async move {
-                    ledger.record_inbound(inbound(&format!("e{n}")), same, None).await
+                    ledger
+                        .record_inbound(inbound(&format!("e{n}")), same, None)
+                        .await?
+                        .answer()
+                        .await
                 })
             })
             .collect();
@@ -742,7 +781,7 @@ mod tests {
             assert_eq!(call.await.unwrap().unwrap(), Recorded::New { entry: None });
         }
         assert!(matches!(
-            ledger.record_inbound(inbound("e7"), same, None).await,
+            ledger.record_inbound(inbound("e7"), same, None).await.unwrap().answer().await,
             Ok(Recorded::Replay(_))
         ));
     }

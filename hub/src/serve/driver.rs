@@ -244,12 +244,12 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
             Frame::InboundEvent(event) => inbound::on_event(hub, inst, conn, event).await,
             Frame::Receipt(receipt) => {
                 if let Some(receipt) = receipts::on_receipt(inst, conn, receipt) {
-                    hub.courier.on_receipt(inst, conn, receipt);
+                    hub.courier.on_receipt(inst, conn, receipt).await;
                 }
             }
             Frame::Error(err) => {
                 if let Some(err) = receipts::on_error(inst, conn, err) {
-                    hub.courier.on_error(inst, conn, err);
+                    hub.courier.on_error(inst, conn, err).await;
                 }
             }
             Frame::CommandResult(result) => {
