@@ -413,8 +413,10 @@ impl Ledger {
     }
 
     /// Counts the start of a run that waited (or was recovered); see [`inbound::start`].
+    /// Deferred: it is in the log before the run starts, so a crash of the hub counts it;
+    /// power loss can forget it, which allows the run one more attempt.
     pub async fn start_run(&self, instance: String, event_id: String) -> Result<bool, LedgerError> {
-        self.call(move |txn| inbound::start(txn, &instance, &event_id)).await
+        self.call_with(Commit::Deferred, move |txn| inbound::start(txn, &instance, &event_id)).await
     }
 
     /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record
@@ -460,14 +462,17 @@ impl Ledger {
     }
 
     /// Applies a driver's answer (or silence); see [`replies::answer`].
-    /// Queued only: the caller keeps the order of the driver's frames.
+    /// Queued only: the caller keeps the order of the driver's frames. Deferred: nobody is
+    /// told a reply's state, and the next durable commit (the next inbound's record, at the
+    /// latest the flush) carries it to the disk; on power loss before that the reply is
+    /// handed over again, as a run's end is.
     pub async fn reply_answer(
         &self,
         answer: ReplyAnswer,
         now_ms: u64,
         jitter: f64,
     ) -> Result<Pending<Option<ReplyState>>, LedgerError> {
-        self.queue_with(Commit::Durable, move |txn| replies::answer(txn, &answer, now_ms, jitter))
+        self.queue_with(Commit::Deferred, move |txn| replies::answer(txn, &answer, now_ms, jitter))
             .await
     }
 

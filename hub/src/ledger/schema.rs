@@ -140,9 +140,10 @@ pub enum Durability {
     /// Every commit survives power loss (`synchronous = FULL` for every batch).
     Strict,
     /// What a caller or platform was told survives power loss (those batches are fsynced);
-    /// the intermediate records (a send's record before its driver answers, a run's end, a
-    /// reply's claim) survive a hub crash at once and power loss with the next fsync, at the
-    /// latest [`FLUSH_DELAY`](super::store::FLUSH_DELAY) after the ledger went quiet.
+    /// the intermediate records (a send's record before its driver answers, a run's start and
+    /// end, a reply's claim and its driver's answer) survive a hub crash at once and power
+    /// loss with the next fsync, at the latest [`FLUSH_DELAY`](super::store::FLUSH_DELAY)
+    /// after the ledger went quiet.
     Full,
     /// `synchronous = NORMAL` in WAL mode: a commit survives a crash of the hub, but the last
     /// commits can be lost on power loss or kernel crash.
