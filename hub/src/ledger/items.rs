@@ -216,9 +216,15 @@ pub fn mark_handled(
 }
 
 /// Deletes items last touched before `before_ms` (with the inbound entries they describe).
+/// It walks the items received before then, oldest first (ids grow with arrival), and stops
+/// at the first one received since: no index on the time is written with every item for it.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
-    Ok(txn.exec_cached("DELETE FROM items WHERE updated_ms < ?1", params![before_ms as i64])?)
+    Ok(txn.exec_cached(PRUNE, params![before_ms as i64])?)
 }
+
+const PRUNE: &str = "DELETE FROM items WHERE updated_ms < ?1 AND id < coalesce(
+         (SELECT id FROM items WHERE received_ms >= ?1 ORDER BY id LIMIT 1),
+         (SELECT max(id) + 1 FROM items), 0)";
 
 #[cfg(test)]
 mod tests {
@@ -273,5 +279,32 @@ mod tests {
         assert_eq!(unhandled.iter().map(|i| i.event_id.as_str()).collect::<Vec<_>>(), ["e2"]);
         assert_eq!(list(&txn, None, false, None, 10).unwrap().len(), 2);
         assert_eq!(list(&txn, None, false, Some(e1.id + 1), 10).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn pruning_walks_the_oldest_items_by_id() {
+        let conn = schema::open_in_memory().unwrap();
+        let plan = crate::ledger::inbound::tests::plan(&conn, &PRUNE.replace("?1", "1000"));
+        assert!(plan.starts_with("SEARCH items USING INTEGER PRIMARY KEY (rowid<?)"), "{plan}");
+        assert!(!plan.contains("INDEX"), "{plan}");
+    }
+
+    #[test]
+    fn pruning_drops_the_items_untouched_since_the_cutoff_and_keeps_the_rest() {
+        let mut conn = schema::open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        assert_eq!(prune(&txn, 100).unwrap(), 0, "no items");
+        add(&txn, "a.b", "old", &new("c1", None), 10).unwrap();
+        add(&txn, "a.b", "old-touched", &new("c1", None), 11).unwrap();
+        add(&txn, "a.b", "old-too", &new("c2", None), 12).unwrap();
+        add(&txn, "a.b", "new", &new("c1", None), 30).unwrap();
+        assert!(mark_handled(&txn, "a.b", "old-touched", "respond", 40).unwrap());
+        assert_eq!(prune(&txn, 5).unwrap(), 0, "nothing that old");
+        assert_eq!(prune(&txn, 20).unwrap(), 2);
+        let left: Vec<_> =
+            list(&txn, None, false, None, 10).unwrap().into_iter().map(|i| i.event_id).collect();
+        assert_eq!(left, ["new", "old-touched"], "touched since the cutoff: kept");
+        assert_eq!(prune(&txn, 50).unwrap(), 2, "everything older");
+        assert!(list(&txn, None, false, None, 10).unwrap().is_empty());
     }
 }

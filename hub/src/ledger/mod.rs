@@ -389,20 +389,6 @@ impl Ledger {
         .await
     }
 
-    /// The history entries of one inbound event (its text, the reply posted for it).
-    pub async fn history_of_event(
-        &self,
-        instance: String,
-        event_id: String,
-    ) -> Result<Vec<HistoryEntry>, LedgerError> {
-        self.call(move |txn| history::by_event(txn, &instance, &event_id)).await
-    }
-
-    /// One history entry by its id.
-    pub async fn history_get(&self, id: i64) -> Result<Option<HistoryEntry>, LedgerError> {
-        self.call(move |txn| history::get(txn, id)).await
-    }
-
     /// The state of `event_id`'s entry and its error code (`aborted` for a cancelled run).
     pub async fn inbound_outcome(
         &self,
