@@ -5,13 +5,15 @@
 //! one conversation go out one at a time, in order. The decisions are the ledger's
 //! (`ledger/reply_state.rs`); this module only times them and moves frames.
 //!
-//! A run that recorded its reply hands it over itself ([`Courier::deliver`]); a kick (an
-//! answer, a driver connected or Ready again, an operator's retry, a timer) starts a
-//! dispatcher for the instance if its driver is connected, at most one per instance at a
-//! time (tracked with the hub's background tasks). Either way an instance's hand-overs take
-//! turns, so replies leave in claim order and a driver slow to read holds up only its own. One timer task (`run`,
-//! until connections close) wakes for the next retry, the next answer deadline and expiry, at
-//! most [`IDLE_WAKE`] apart.
+//! A run that recorded its reply hands it over itself: claimed in the same transaction as
+//! the run's end when nothing holds its conversation ([`Courier::deliver_claimed`]), else
+//! with a claim of its own ([`Courier::deliver`]). A kick (an answer, a driver connected or
+//! Ready again, an operator's retry, a timer) starts a dispatcher for the instance if its
+//! driver is connected, at most one per instance at a time (tracked with the hub's
+//! background tasks). Either way an instance's hand-overs take turns, and a driver slow to
+//! read holds up only its own; a conversation has one reply on its way at a time, so its
+//! replies leave in order. One timer task (`run`, until connections close) wakes for the
+//! next retry, the next answer deadline and expiry, at most [`IDLE_WAKE`] apart.
 //!
 //! Without the ledger there is no courier: replies go straight to the connection, once.
 
@@ -30,7 +32,8 @@ use tracing::{debug, info, warn};
 use crate::connection::{Connection, lock};
 use crate::instance::{Counters, Instance, Registry};
 use crate::ledger::{
-    Answer, Ledger, LedgerError, Pending, ReplyAnswer, ReplyRecord, ReplyState, StoredReply,
+    Answer, HandedReply, Ledger, LedgerError, Pending, ReplyAnswer, ReplyRecord, ReplyState,
+    StoredReply,
 };
 
 /// The loop wakes at least this often (expiry, and retries recorded by another path).
@@ -474,14 +477,88 @@ impl Courier {
         turn.served.store(upto, Ordering::SeqCst);
     }
 
+    /// Hands over a reply its run claimed as it recorded it ([`Ledger::finish_run`]), in the
+    /// instance's turn, and returns once it is written; with no driver to take it, it waits
+    /// (`pending`) for the next.
+    pub async fn deliver_claimed(self: &Arc<Self>, inst: &Instance, reply: HandedReply) {
+        let turn = lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone();
+        let _turn = turn.lock.lock().await;
+        let unsent = match inst.live() {
+            Some(conn) => self.hand_one(inst, &conn, reply).await.err(),
+            None => Some(reply.event_id),
+        };
+        if let Some(event_id) = unsent {
+            let instance = inst.config.id.to_string();
+            self.settle(&instance, &event_id, Answer::Lost, None, None).await;
+        }
+    }
+
+    /// Writes one claimed reply's `deliver` to `conn` (a reply that can never be a frame is
+    /// failed instead). `Err` with its event id when the connection is gone: the caller
+    /// gives it back.
+    async fn hand_one(
+        self: &Arc<Self>,
+        inst: &Instance,
+        conn: &Connection,
+        reply: HandedReply,
+    ) -> Result<(), String> {
+        let instance = inst.config.id.to_string();
+        let answers = conn.declaration.extensions.reply_receipt;
+        let Ok(event_id) = Id::new(reply.event_id.clone()) else {
+            let error = Some("the event id is not a valid id".to_owned());
+            let answer = Answer::Failed { retryable: false };
+            self.settle(&instance, &reply.event_id, answer, None, error).await;
+            return Ok(());
+        };
+        let line = match deliver_line(&event_id, &reply.message, conn.declaration.extensions.stream)
+        {
+            Ok(line) => line,
+            Err(error) => {
+                warn!(%instance, %event_id, %error, "reply can never be a frame; failed");
+                let answer = Answer::Failed { retryable: false };
+                self.settle(&instance, &reply.event_id, answer, None, Some(error)).await;
+                return Ok(());
+            }
+        };
+        if reply.attempts > 1 {
+            debug!(%instance, %event_id, attempt = reply.attempts, "handing a reply over again");
+        }
+        let key = (instance.clone(), event_id.clone());
+        if answers {
+            let deadline = Instant::now() + self.answer_timeout;
+            lock(&self.handed).insert(key.clone(), Handed { conn: conn.id, deadline });
+            // The loop's timer must see the new deadline.
+            self.wake.notify_one();
+        }
+        let sent = match conn.sink.send_encoded(line).await {
+            // Written just as the connection closed: its end may have been handled already,
+            // so the reply is given back here (a second `Lost` is a no-op).
+            Ok(()) if conn.closed.is_cancelled() => Err("the connection closed".to_owned()),
+            Ok(()) => Ok(()),
+            Err(err) => Err(err.to_string()),
+        };
+        match sent {
+            Ok(()) => {
+                Counters::bump(&inst.counters.replies);
+                if !answers {
+                    self.settle(&instance, event_id.as_str(), Answer::Posted, None, None).await;
+                }
+                Ok(())
+            }
+            Err(err) => {
+                lock(&self.handed).remove(&key);
+                debug!(%instance, %event_id, error = %err, "driver left during hand-over; replies wait for the next one");
+                Err(reply.event_id)
+            }
+        }
+    }
+
     /// Claims what is due for `inst` and writes each `deliver` to `conn`, oldest first. A
     /// driver without `reply_receipt` never answers: written is all the hub can know, so
     /// written counts as posted. When the connection is gone, what was claimed and not
     /// written goes back to `pending`.
     async fn hand_over(self: &Arc<Self>, inst: &Instance, conn: &Connection) {
         let instance = inst.config.id.to_string();
-        let answers = conn.declaration.extensions.reply_receipt;
-        let stream = conn.declaration.extensions.stream;
         loop {
             if conn.closed.is_cancelled() {
                 return;
@@ -502,56 +579,12 @@ impl Courier {
             let more = claimed.len() == CLAIM_BATCH;
             let mut claimed = claimed.into_iter();
             while let Some(reply) = claimed.next() {
-                let Ok(event_id) = Id::new(reply.event_id.clone()) else {
-                    let error = Some("the event id is not a valid id".to_owned());
-                    let answer = Answer::Failed { retryable: false };
-                    self.settle(&instance, &reply.event_id, answer, None, error).await;
-                    continue;
-                };
-                let line = match deliver_line(&event_id, &reply.message, stream) {
-                    Ok(line) => line,
-                    Err(error) => {
-                        warn!(%instance, %event_id, %error, "reply can never be a frame; failed");
-                        let answer = Answer::Failed { retryable: false };
-                        self.settle(&instance, &reply.event_id, answer, None, Some(error)).await;
-                        continue;
+                if let Err(unsent) = self.hand_one(inst, conn, reply).await {
+                    let unsent = std::iter::once(unsent).chain(claimed.map(|r| r.event_id));
+                    for event_id in unsent {
+                        self.settle(&instance, &event_id, Answer::Lost, None, None).await;
                     }
-                };
-                if reply.attempts > 1 {
-                    debug!(%instance, %event_id, attempt = reply.attempts, "handing a reply over again");
-                }
-                let key = (instance.clone(), event_id.clone());
-                if answers {
-                    let deadline = Instant::now() + self.answer_timeout;
-                    lock(&self.handed).insert(key.clone(), Handed { conn: conn.id, deadline });
-                    // The loop's timer must see the new deadline.
-                    self.wake.notify_one();
-                }
-                let sent = match conn.sink.send_encoded(line).await {
-                    // Written just as the connection closed: its end may have been handled
-                    // already, so the reply is given back here (a second `Lost` is a no-op).
-                    Ok(()) if conn.closed.is_cancelled() => Err("the connection closed".to_owned()),
-                    Ok(()) => Ok(()),
-                    Err(err) => Err(err.to_string()),
-                };
-                match sent {
-                    Ok(()) => {
-                        Counters::bump(&inst.counters.replies);
-                        if !answers {
-                            self.settle(&instance, event_id.as_str(), Answer::Posted, None, None)
-                                .await;
-                        }
-                    }
-                    Err(err) => {
-                        lock(&self.handed).remove(&key);
-                        debug!(%instance, %event_id, error = %err, "driver left during hand-over; replies wait for the next one");
-                        let unsent =
-                            std::iter::once(reply.event_id).chain(claimed.map(|r| r.event_id));
-                        for event_id in unsent {
-                            self.settle(&instance, &event_id, Answer::Lost, None, None).await;
-                        }
-                        return;
-                    }
+                    return;
                 }
             }
             if !more {

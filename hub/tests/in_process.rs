@@ -376,7 +376,8 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         None,
     );
     let stranded = RunEnd::Reply(text);
-    assert!(hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, reply, 2).await.unwrap());
+    let finished = hub.ledger.finish_run(ONE.into(), "big-1".into(), stranded, reply, false, 2);
+    assert!(finished.await.unwrap().ended);
 
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;

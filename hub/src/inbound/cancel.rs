@@ -129,7 +129,7 @@ pub async fn end_aborted(
         let now = crate::clock::now_ms();
         let recorded = hub
             .ledger
-            .finish_run(inst.config.id.to_string(), event_id.to_string(), end, None, now)
+            .finish_run(inst.config.id.to_string(), event_id.to_string(), end, None, false, now)
             .await;
         if let Err(err) = recorded {
             inst.record_error(format!("ledger: {err}"));

@@ -278,15 +278,20 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         _ => None,
     };
     let mut recorded = false;
+    let mut claimed = None;
     if hub.ledger.is_on() {
         let now = crate::clock::now_ms();
         let with_reply = reply.is_some();
-        let finished = hub
-            .ledger
-            .finish_run(inst.config.id.to_string(), event_id.to_string(), end.clone(), reply, now)
-            .await;
+        // With a driver to take it, the reply is claimed as it is recorded (one transaction,
+        // not two) unless an earlier reply holds its conversation.
+        let claim = with_reply && inst.live().is_some();
+        let (instance, event) = (inst.config.id.to_string(), event_id.to_string());
+        let finished = hub.ledger.finish_run(instance, event, end.clone(), reply, claim, now).await;
         match finished {
-            Ok(done) => recorded = done && with_reply,
+            Ok(done) => {
+                recorded = done.ended && with_reply;
+                claimed = done.handed;
+            }
             Err(err) => {
                 inst.record_error(format!("ledger: {err}"));
                 warn!(instance = %inst.config.id, %event_id, error = %err, "run outcome not recorded");
@@ -309,7 +314,10 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     };
     match (result, conn) {
         (Ok(_), _) if recorded => {
-            hub.courier.deliver(inst).await;
+            match claimed {
+                Some(reply) => hub.courier.deliver_claimed(inst, reply).await,
+                None => hub.courier.deliver(inst).await,
+            }
             inst.metrics.reply_delivered(ended.elapsed());
         }
         (Ok(text), Some(conn)) => {

@@ -6,7 +6,6 @@ use rusqlite::{OptionalExtension, Transaction, params};
 
 use super::LedgerError;
 use super::items::{self, NewItem};
-use super::replies::{self, NewReply};
 use super::state::{self, INBOUND_STATES, InboundState, RecordDecision, Recovery};
 use super::store::Cached;
 
@@ -227,14 +226,13 @@ pub fn outcome(
     row.map(|(state, code)| Ok((parse_state(&state)?, code))).transpose()
 }
 
-/// Records how a run ended (see [`RunEnd::state`]), and its reply, to be delivered, in the
-/// same step. False when the entry is not running.
+/// Records how a run ended (see [`RunEnd::state`]); its reply's delivery record is the
+/// caller's, in the same transaction. False when the entry is not running.
 pub fn finish(
     txn: &Transaction<'_>,
     instance: &str,
     event_id: &str,
     end: &RunEnd,
-    reply: Option<&NewReply>,
     now_ms: u64,
 ) -> Result<bool, LedgerError> {
     let next = end.state();
@@ -253,9 +251,6 @@ pub fn finish(
          WHERE instance = ?1 AND event_id = ?2",
         params![instance, event_id, next.as_str(), reply_text, code, message, now_ms as i64],
     )?;
-    if let (RunEnd::Reply(_), Some(reply)) = (end, reply) {
-        replies::add(txn, reply, now_ms)?;
-    }
     Ok(true)
 }
 
@@ -340,7 +335,7 @@ pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, 
                     code: "interrupted".into(),
                     message: "run was interrupted twice by a hub restart".into(),
                 };
-                finish(txn, &instance, &event_id, &end, None, now_ms)?;
+                finish(txn, &instance, &event_id, &end, now_ms)?;
             }
         }
     }
@@ -432,7 +427,7 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         assert_eq!(record(&txn, &inbound("e1", 1), rehash).unwrap(), Recorded::New { entry: None });
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), None, 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Replied);
@@ -454,10 +449,10 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash).unwrap();
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, None, 2).unwrap());
-        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), None, 3).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, 2).unwrap());
+        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
         assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
-        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, None, 3).unwrap());
+        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Delivered);
@@ -473,7 +468,7 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash).unwrap();
         let end = RunEnd::Failed { code: "agent_failed".into(), message: "exit 3".into() };
-        assert!(finish(&txn, "a.b", "e1", &end, None, 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &end, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Failed);
@@ -537,12 +532,12 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("old-done", 1), rehash).unwrap();
-        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, None, 10).unwrap();
+        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, 10).unwrap();
         record(&txn, &inbound("old-running", 1), rehash).unwrap();
         record(&txn, &inbound("old-replied", 1), rehash).unwrap();
-        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), None, 10).unwrap();
+        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), 10).unwrap();
         record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash).unwrap();
-        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, None, 500).unwrap();
+        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, 500).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         // The pruned id is forgotten; the others still dedupe.
         assert_eq!(
@@ -564,7 +559,7 @@ pub(crate) mod tests {
         // Written by an older hub: version 1, a hash this build cannot reproduce.
         let old = NewInbound { content_hash: [0xee; 32], hash_version: 1, ..inbound("e1", 7) };
         record(&txn, &old, rehash).unwrap();
-        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), None, 2).unwrap();
+        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap();
         // The same message redelivered after the upgrade replays; it does not conflict.
         assert!(matches!(record(&txn, &inbound("e1", 7), rehash).unwrap(), Recorded::Replay(_)));
         let (hash, version): (Vec<u8>, u32) = txn

@@ -167,6 +167,14 @@ where
     }
 }
 
+/// What [`Ledger::finish_run`] recorded: whether the run's end was (false: the entry was not
+/// running), and its reply when it was claimed for hand-over at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub ended: bool,
+    pub handed: Option<HandedReply>,
+}
+
 /// A call queued on the ledger thread; [`Pending::answer`] waits until its batch committed
 /// as the call asked.
 #[derive(Debug)]
@@ -405,19 +413,33 @@ impl Ledger {
         self.call_with(Commit::Deferred, move |txn| inbound::start(txn, &instance, &event_id)).await
     }
 
-    /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record
-    /// (`pending`), in one step. Deferred: it survives a hub crash at once, power loss with
-    /// the next fsync (a run whose end was lost that way runs again, flagged `redelivered`).
+    /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record,
+    /// in one step: with `claim`, claimed for hand-over at once when nothing holds its
+    /// conversation ([`replies::add_claimed`]), else `pending`. Deferred: it survives a hub
+    /// crash at once, power loss with the next fsync (a run whose end was lost that way runs
+    /// again, flagged `redelivered`).
     pub async fn finish_run(
         &self,
         instance: String,
         event_id: String,
         end: RunEnd,
         reply: Option<NewReply>,
+        claim: bool,
         now_ms: u64,
-    ) -> Result<bool, LedgerError> {
+    ) -> Result<Finished, LedgerError> {
         self.call_with(Commit::Deferred, move |txn| {
-            inbound::finish(txn, &instance, &event_id, &end, reply.as_ref(), now_ms)
+            let ended = inbound::finish(txn, &instance, &event_id, &end, now_ms)?;
+            let handed = match (&reply, &end) {
+                (Some(reply), RunEnd::Reply(_)) if ended && claim => {
+                    replies::add_claimed(txn, reply, now_ms)?
+                }
+                (Some(reply), RunEnd::Reply(_)) if ended => {
+                    replies::add(txn, reply, now_ms)?;
+                    None
+                }
+                _ => None,
+            };
+            Ok(Finished { ended, handed })
         })
         .await
     }

@@ -141,6 +141,57 @@ pub fn add(txn: &Transaction<'_>, reply: &NewReply, now_ms: u64) -> Result<i64, 
     )?)
 }
 
+/// Records a new reply claimed at once for hand-over (`handed`, its first attempt) when
+/// nothing holds its conversation, so a run that ends hands its reply over without a claim
+/// of its own; else as [`add`] does, `pending`, claimed in its turn. `None` when it was not
+/// claimed (also when the event has a reply already: a run's outcome is recorded once).
+pub fn add_claimed(
+    txn: &Transaction<'_>,
+    reply: &NewReply,
+    now_ms: u64,
+) -> Result<Option<HandedReply>, LedgerError> {
+    let held = txn
+        .query_row_cached(
+            &format!(
+                "SELECT 1 FROM replies WHERE instance = ?1 AND conversation = ?2
+                     AND state IN ({}) LIMIT 1",
+                holding()
+            ),
+            params![reply.instance, reply.conversation],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some();
+    if held {
+        add(txn, reply, now_ms)?;
+        return Ok(None);
+    }
+    let added = txn.exec_cached(
+        "INSERT INTO replies (instance, event_id, conversation, message, state, attempts,
+             next_ms, expires_ms, created_ms, updated_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?7, ?6, ?6)
+         ON CONFLICT (instance, event_id) DO NOTHING",
+        params![
+            reply.instance,
+            reply.event_id,
+            reply.conversation,
+            reply.message,
+            ReplyState::Handed.as_str(),
+            now_ms as i64,
+            reply.expires_ms as i64
+        ],
+    )?;
+    if added == 0 {
+        return Ok(None);
+    }
+    Ok(Some(HandedReply {
+        id: txn.last_insert_rowid(),
+        event_id: reply.event_id.clone(),
+        message: reply.message.clone(),
+        attempts: 1,
+    }))
+}
+
 /// Claims the replies of `instance` that may be handed over now, oldest first: in each
 /// conversation only the oldest reply still on its way, and only once it is due. They become
 /// `handed` with one more attempt counted.
@@ -513,7 +564,8 @@ mod tests {
             expires_ms: now + TTL,
         };
         let end = RunEnd::Reply(format!("re {event_id}"));
-        assert!(inbound::finish(txn, "a.b", event_id, &end, Some(&reply), now).unwrap());
+        assert!(inbound::finish(txn, "a.b", event_id, &end, now).unwrap());
+        add(txn, &reply, now).unwrap();
         get_by_event(txn, event_id).id
     }
 
@@ -562,6 +614,36 @@ mod tests {
         let e2 = get_by_event(&txn, "e2");
         assert_eq!((e2.state, e2.attempts), (ReplyState::Handed, 1));
         assert_eq!(e2.text, "re e2");
+    }
+
+    fn new_reply(event_id: &str, conversation: &str, now: u64) -> NewReply {
+        NewReply {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            conversation: conversation.into(),
+            message: message(conversation, &format!("re {event_id}")),
+            expires_ms: now + TTL,
+        }
+    }
+
+    #[test]
+    fn a_reply_is_claimed_as_it_is_recorded_unless_its_conversation_is_held() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        let first = add_claimed(&txn, &new_reply("e1", "c1", 10), 10).unwrap().unwrap();
+        assert_eq!((first.event_id.as_str(), first.attempts), ("e1", 1));
+        assert_eq!(first.message, message("c1", "re e1"));
+        let e1 = get_by_event(&txn, "e1");
+        assert_eq!((e1.id, e1.state, e1.attempts), (first.id, ReplyState::Handed, 1));
+        // e1 holds c1: e2 waits, pending, and is claimed in its turn once e1 settled.
+        assert_eq!(add_claimed(&txn, &new_reply("e2", "c1", 11), 11).unwrap(), None);
+        assert_eq!(get_by_event(&txn, "e2").state, ReplyState::Pending);
+        assert!(add_claimed(&txn, &new_reply("e3", "c2", 12), 12).unwrap().is_some());
+        assert_eq!(claimed(&txn, 20), Vec::<String>::new(), "nothing claimed twice");
+        assert_eq!(add_claimed(&txn, &new_reply("e1", "c9", 13), 13).unwrap(), None, "once");
+        assert_eq!(get_by_event(&txn, "e1").conversation, "c1");
+        answer(&txn, &say("e1", Answer::Posted), 21, 0.0).unwrap();
+        assert_eq!(claimed(&txn, 22), ["e2"]);
     }
 
     #[test]

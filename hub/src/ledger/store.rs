@@ -616,10 +616,10 @@ mod tests {
                 Recorded::New { entry: None }
             );
             let ended = ledger
-                .finish_run("a.b".into(), "e1".into(), RunEnd::Reply("hi".into()), None, 2)
+                .finish_run("a.b".into(), "e1".into(), RunEnd::Reply("hi".into()), None, false, 2)
                 .await
                 .unwrap();
-            assert!(ended);
+            assert!(ended.ended);
             // Quiet for longer than the flush delay: the thread synced the WAL by itself.
             tokio::time::sleep(FLUSH_DELAY * 3).await;
             let conn = Connection::open(dir.path().join(crate::ledger::DB_FILE)).unwrap();
