@@ -274,8 +274,9 @@ impl Courier {
             error,
             history,
         };
-        let pending = self.ledger.reply_answer(answer.clone(), now_ms(), fastrand::f64()).await;
-        Queued { answer: answer.answer, error: answer.error, pending }
+        let (kind, said) = (answer.answer, answer.error.clone());
+        let pending = self.ledger.reply_answer(answer, now_ms(), fastrand::f64()).await;
+        Queued { answer: kind, error: said, pending }
     }
 
     /// Waits for a queued answer's record and acts on the reply's new state.

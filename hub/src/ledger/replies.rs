@@ -151,15 +151,7 @@ pub fn add_claimed(
     now_ms: u64,
 ) -> Result<Option<HandedReply>, LedgerError> {
     let held = txn
-        .query_row_cached(
-            &format!(
-                "SELECT 1 FROM replies WHERE instance = ?1 AND conversation = ?2
-                     AND state IN ({}) LIMIT 1",
-                holding()
-            ),
-            params![reply.instance, reply.conversation],
-            |_| Ok(()),
-        )
+        .query_row_cached(&held_sql(), params![reply.instance, reply.conversation], |_| Ok(()))
         .optional()?
         .is_some();
     if held {
@@ -190,6 +182,15 @@ pub fn add_claimed(
         message: reply.message.clone(),
         attempts: 1,
     }))
+}
+
+/// Whether a reply holds a conversation (read from the small index of such replies).
+fn held_sql() -> String {
+    format!(
+        "SELECT 1 FROM replies WHERE instance = ?1 AND conversation = ?2 AND state IN ({})
+         LIMIT 1",
+        holding()
+    )
 }
 
 /// Claims the replies of `instance` that may be handed over now, oldest first: in each
@@ -530,6 +531,9 @@ mod tests {
     fn a_claim_finds_what_holds_a_conversation_in_the_small_index() {
         let conn = db();
         let sql = claim_sql().replace("?1", "'a.b'").replace("?2", "5").replace("?3", "10");
+        let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
+        assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
+        let sql = held_sql().replace("?1", "'a.b'").replace("?2", "'c1'");
         let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
         assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
     }
