@@ -51,11 +51,14 @@ pub const QUEUE_CAPACITY: usize = 8192;
 /// the hub, so it owns these handles and the registry only reads them).
 #[derive(Debug, Clone)]
 pub struct LedgerMetrics {
-    /// Seconds from beginning a batch's transaction to its commit (one fsync with
-    /// `durability = "full"`).
+    /// Seconds from beginning a batch's transaction to its commit (with the log syncer, the
+    /// fsync is not inside: see `sync_seconds`).
     pub commit_seconds: Histogram,
     /// Jobs (ledger calls) per committed batch.
     pub batch_jobs: Histogram,
+    /// Seconds each `fdatasync` of the write-ahead log by the log syncer took, one sample per
+    /// sync (`durability = "full"`).
+    pub sync_seconds: Histogram,
 }
 
 impl Default for LedgerMetrics {
@@ -65,6 +68,8 @@ impl Default for LedgerMetrics {
             commit_seconds: Histogram::new(exponential_buckets(0.0001, 2.5, 14)),
             // 1 to 1024 jobs (the most one batch takes).
             batch_jobs: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
+            // 0.05 ms to about 4 s.
+            sync_seconds: Histogram::new(exponential_buckets(0.00005, 2.5, 13)),
         }
     }
 }
@@ -264,8 +269,8 @@ impl LedgerThread {
     fn apply(&mut self, batch: &mut Vec<(Job, Commit)>, metrics: &LedgerMetrics) {
         let any_durable = batch.iter().any(|(_, commit)| *commit == Commit::Durable);
         if any_durable && self.durability == Durability::Full && self.syncer.is_none() {
-            self.syncer =
-                self.wal.as_deref().and_then(|wal| Syncer::start(wal, self.storage.clone()));
+            let (storage, seconds) = (self.storage.clone(), metrics.sync_seconds.clone());
+            self.syncer = self.wal.as_deref().and_then(|wal| Syncer::start(wal, storage, seconds));
         }
         let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
         self.set_sync(plan.commit);
@@ -460,7 +465,8 @@ mod tests {
     /// jobs after the deferred ones; without one (in memory) the commit itself is synced and
     /// everyone hears together, in batch order.
     fn mixed_batch(mut thread: LedgerThread, on_disk: bool) {
-        let heard = Heard::default();
+        let metrics = LedgerMetrics::default();
+        let heard = Heard::watching(&metrics.sync_seconds);
         let job = |name: &'static str| TestJob::boxed(name, false, &heard);
         let flushes = |conn: &Connection| -> i64 {
             conn.query_row(
@@ -470,7 +476,6 @@ mod tests {
             )
             .unwrap()
         };
-        let metrics = LedgerMetrics::default();
 
         let mut batch =
             vec![(job("durable"), Commit::Durable), (job("deferred"), Commit::Deferred)];
@@ -482,21 +487,43 @@ mod tests {
         if let Some(syncer) = thread.syncer.take() {
             syncer.finish();
         }
-        let heard = heard.0.lock().unwrap().clone();
+        let syncs = heard.syncs_seen();
+        let heard = heard.calls.lock().unwrap().clone();
         if on_disk {
             assert_eq!(heard[0], ("deferred", true), "{heard:?}");
             assert_eq!(heard[1..].len(), 2);
             assert!(heard[1..].contains(&("durable", true)), "{heard:?}");
             assert!(heard[1..].contains(&("only durable", true)), "{heard:?}");
+            // The syncer's fdatasync ran (and was counted) before a durable job heard.
+            assert_eq!(syncs[0], ("deferred", 0), "{syncs:?}");
+            assert!(syncs[1..].iter().all(|(_, seen)| *seen >= 1), "{syncs:?}");
         } else {
             assert_eq!(heard, [("durable", true), ("deferred", true), ("only durable", true)]);
+            assert!(syncs.iter().all(|(_, seen)| *seen == 0), "the commit synced: {syncs:?}");
         }
         assert_eq!(flushes(&thread.conn), 0, "no extra commit to sync");
     }
 
-    /// What the test jobs' callers heard: (job, whether its call and commit succeeded).
+    /// What the test jobs' callers heard: (job, whether its call and commit succeeded), and,
+    /// when watching, how many syncs the log syncer had made when each heard.
     #[derive(Default, Clone)]
-    struct Heard(Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>);
+    struct Heard {
+        calls: Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>,
+        syncs: Option<(Histogram, SyncsSeen)>,
+    }
+
+    /// Per job that heard, the log syncer's syncs by then.
+    type SyncsSeen = Arc<std::sync::Mutex<Vec<(&'static str, u64)>>>;
+
+    impl Heard {
+        fn watching(syncs: &Histogram) -> Self {
+            Self { calls: Arc::default(), syncs: Some((syncs.clone(), Arc::default())) }
+        }
+
+        fn syncs_seen(&self) -> Vec<(&'static str, u64)> {
+            self.syncs.as_ref().map(|(_, seen)| seen.lock().unwrap().clone()).unwrap_or_default()
+        }
+    }
 
     /// A job that writes a `meta` row named after it, and then fails when `fails`.
     struct TestJob {
@@ -537,7 +564,10 @@ mod tests {
 
         fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
             let ok = outcome.is_ok() && self.ran == Some(true);
-            self.heard.0.lock().unwrap().push((self.name, ok));
+            self.heard.calls.lock().unwrap().push((self.name, ok));
+            if let Some((syncs, seen)) = &self.heard.syncs {
+                seen.lock().unwrap().push((self.name, syncs.count()));
+            }
         }
     }
 
@@ -568,7 +598,7 @@ mod tests {
         assert_eq!(failing_runs.load(Ordering::SeqCst), 2);
         assert_eq!(after_runs.load(Ordering::SeqCst), 1);
         assert_eq!(
-            *heard.0.lock().unwrap(),
+            *heard.calls.lock().unwrap(),
             [
                 ("first", true),
                 ("second", true),

@@ -7,7 +7,9 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
+use prometheus_client::metrics::histogram::Histogram;
 use tracing::error;
 
 use super::LedgerError;
@@ -25,13 +27,13 @@ pub struct Syncer {
 
 impl Syncer {
     /// Starts the syncer for the log file at `wal`; `None` when the file cannot be opened
-    /// (the ledger then syncs with its commits).
-    pub fn start(wal: &Path, storage: StorageFlag) -> Option<Self> {
+    /// (the ledger then syncs with its commits). Each sync's duration goes to `seconds`.
+    pub fn start(wal: &Path, storage: StorageFlag, seconds: Histogram) -> Option<Self> {
         let file = File::open(wal).ok()?;
         let (tx, rx) = sync_channel(WAITING_BATCHES);
         let thread = std::thread::Builder::new()
             .name("channeld-ledger-sync".into())
-            .spawn(move || run(&file, &rx, &storage))
+            .spawn(move || run(&file, &rx, &storage, &seconds))
             .ok()?;
         Some(Self { tx, thread })
     }
@@ -52,13 +54,15 @@ impl Syncer {
     }
 }
 
-fn run(file: &File, rx: &Receiver<Vec<Job>>, storage: &StorageFlag) {
+fn run(file: &File, rx: &Receiver<Vec<Job>>, storage: &StorageFlag, seconds: &Histogram) {
     while let Ok(first) = rx.recv() {
         let mut waiting = vec![first];
         while let Ok(more) = rx.try_recv() {
             waiting.push(more);
         }
+        let began = Instant::now();
         let synced = sync(file, storage);
+        seconds.observe(began.elapsed().as_secs_f64());
         for job in waiting.into_iter().flatten() {
             job.finish(synced.clone());
         }

@@ -363,6 +363,12 @@ impl Metrics {
             "Ledger calls committed per batch (group commit)",
             ledger.batch_jobs.clone(),
         );
+        registry.register_with_unit(
+            "channeld_ledger_sync_duration",
+            "fdatasync of the ledger's write-ahead log by the log syncer",
+            Unit::Seconds,
+            ledger.sync_seconds.clone(),
+        );
         let amqp_sends = Family::default();
         registry.register(
             "channeld_amqp_sends",
