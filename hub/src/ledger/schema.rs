@@ -129,13 +129,15 @@ const MIGRATIONS: &[&str] = &[
      DROP INDEX replies_by_conversation;
      CREATE INDEX replies_holding ON replies (instance, conversation, id)
          WHERE state IN ('pending', 'handed', 'failed_retryable');",
-    // 7 (issue 18): three indexes fewer to write per message. `history_by_event` had no
-    // reader; `history_by_age` and `items_by_age` served only the retention prune, which now
-    // walks each table from its oldest row (ids grow with arrival) and stops at the first row
-    // inside the retention window.
+    // 7 (issue 18): four indexes fewer to write per message. `history_by_event` had no
+    // reader, and `items_unhandled` none the planner picked (the listing reads the items
+    // newest first by id); `history_by_age` and `items_by_age` served only the retention
+    // prune, which now walks each table from its oldest row (ids grow with arrival) and stops
+    // at the first row inside the retention window.
     "DROP INDEX history_by_event;
      DROP INDEX history_by_age;
-     DROP INDEX items_by_age;",
+     DROP INDEX items_by_age;
+     DROP INDEX items_unhandled;",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
