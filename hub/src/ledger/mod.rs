@@ -383,6 +383,17 @@ impl Ledger {
         .await
     }
 
+    /// [`Ledger::record_inbound`] and its answer, for tests that need no order kept.
+    #[cfg(test)]
+    pub(crate) async fn record_inbound_now(
+        &self,
+        new: NewInbound,
+        rehash: Rehash,
+        history: Option<(NewHistory, usize)>,
+    ) -> Result<Recorded, LedgerError> {
+        self.record_inbound(new, rehash, history).await?.answer().await
+    }
+
     /// The newest `limit` history entries of a conversation (and thread), oldest first.
     pub async fn history_recent(
         &self,
@@ -740,13 +751,7 @@ mod tests {
         {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
             assert_eq!(
-                ledger
-                    .record_inbound(inbound("e1"), same, None)
-                    .await
-                    .unwrap()
-                    .answer()
-                    .await
-                    .unwrap(),
+                ledger.record_inbound_now(inbound("e1"), same, None).await.unwrap(),
                 Recorded::New { entry: None }
             );
             ledger.close().await;
@@ -782,11 +787,7 @@ mod tests {
             .map(|n| {
                 let ledger = ledger.clone();
                 tokio::spawn(async move {
-                    ledger
-                        .record_inbound(inbound(&format!("e{n}")), same, None)
-                        .await?
-                        .answer()
-                        .await
+                    ledger.record_inbound_now(inbound(&format!("e{n}")), same, None).await
                 })
             })
             .collect();
@@ -794,7 +795,7 @@ mod tests {
             assert_eq!(call.await.unwrap().unwrap(), Recorded::New { entry: None });
         }
         assert!(matches!(
-            ledger.record_inbound(inbound("e7"), same, None).await.unwrap().answer().await,
+            ledger.record_inbound_now(inbound("e7"), same, None).await,
             Ok(Recorded::Replay(_))
         ));
     }

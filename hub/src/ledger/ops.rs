@@ -207,8 +207,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
         for n in 0..50 {
-            let recorded = ledger.record_inbound(inbound(&format!("e{n}")), |_| None, None).await;
-            assert_eq!(recorded.unwrap().answer().await.unwrap(), Recorded::New { entry: None });
+            let recorded = ledger.record_inbound_now(inbound(&format!("e{n}")), |_| None, None);
+            assert_eq!(recorded.await.unwrap(), Recorded::New { entry: None });
         }
         let dest = dir.path().join("copy.sqlite3");
         let report = backup(dir.path(), &dest).unwrap();
@@ -228,13 +228,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
         for n in 0..200 {
-            ledger
-                .record_inbound(inbound(&format!("e{n}")), |_| None, None)
-                .await
-                .unwrap()
-                .answer()
-                .await
-                .unwrap();
+            ledger.record_inbound_now(inbound(&format!("e{n}")), |_| None, None).await.unwrap();
         }
         ledger.prune(u64::MAX).await.unwrap();
         assert!(matches!(vacuum(dir.path()), Err(LedgerError::InUse { .. })));

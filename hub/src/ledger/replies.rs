@@ -119,21 +119,7 @@ pub(super) fn holding() -> String {
 /// Records a reply as `pending`, due now. A second reply for the same event is ignored (a
 /// run's outcome is recorded once). Returns its id.
 pub fn add(txn: &Transaction<'_>, reply: &NewReply, now_ms: u64) -> Result<i64, LedgerError> {
-    txn.exec_cached(
-        "INSERT INTO replies (instance, event_id, conversation, message, state, attempts,
-             next_ms, expires_ms, created_ms, updated_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, 0, ?6, ?7, ?6, ?6)
-         ON CONFLICT (instance, event_id) DO NOTHING",
-        params![
-            reply.instance,
-            reply.event_id,
-            reply.conversation,
-            reply.message,
-            ReplyState::Pending.as_str(),
-            now_ms as i64,
-            reply.expires_ms as i64
-        ],
-    )?;
+    insert(txn, reply, ReplyState::Pending, now_ms)?;
     Ok(txn.query_row_cached(
         "SELECT id FROM replies WHERE instance = ?1 AND event_id = ?2",
         params![reply.instance, reply.event_id],
@@ -158,22 +144,7 @@ pub fn add_claimed(
         add(txn, reply, now_ms)?;
         return Ok(None);
     }
-    let added = txn.exec_cached(
-        "INSERT INTO replies (instance, event_id, conversation, message, state, attempts,
-             next_ms, expires_ms, created_ms, updated_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?7, ?6, ?6)
-         ON CONFLICT (instance, event_id) DO NOTHING",
-        params![
-            reply.instance,
-            reply.event_id,
-            reply.conversation,
-            reply.message,
-            ReplyState::Handed.as_str(),
-            now_ms as i64,
-            reply.expires_ms as i64
-        ],
-    )?;
-    if added == 0 {
+    if insert(txn, reply, ReplyState::Handed, now_ms)? == 0 {
         return Ok(None);
     }
     Ok(Some(HandedReply {
@@ -182,6 +153,33 @@ pub fn add_claimed(
         message: reply.message.clone(),
         attempts: 1,
     }))
+}
+
+/// Inserts a new reply, due now, `pending` (no attempt yet) or `handed` (its first); nothing
+/// when the event has one. Returns how many rows it added.
+fn insert(
+    txn: &Transaction<'_>,
+    reply: &NewReply,
+    state: ReplyState,
+    now_ms: u64,
+) -> Result<usize, LedgerError> {
+    let attempts = u32::from(state == ReplyState::Handed);
+    Ok(txn.exec_cached(
+        "INSERT INTO replies (instance, event_id, conversation, message, state, attempts,
+             next_ms, expires_ms, created_ms, updated_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?7, ?7)
+         ON CONFLICT (instance, event_id) DO NOTHING",
+        params![
+            reply.instance,
+            reply.event_id,
+            reply.conversation,
+            reply.message,
+            state.as_str(),
+            attempts,
+            now_ms as i64,
+            reply.expires_ms as i64
+        ],
+    )?)
 }
 
 /// Whether a reply holds a conversation (read from the small index of such replies).

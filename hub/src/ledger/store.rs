@@ -636,13 +636,7 @@ mod tests {
             let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
             let same = |frame: &[u8]| frame.first().map(|b| [*b; 32]);
             assert_eq!(
-                ledger
-                    .record_inbound(inbound("e1"), same, None)
-                    .await
-                    .unwrap()
-                    .answer()
-                    .await
-                    .unwrap(),
+                ledger.record_inbound_now(inbound("e1"), same, None).await.unwrap(),
                 Recorded::New { entry: None }
             );
             let ended = ledger
