@@ -61,7 +61,7 @@ struct Handed {
 struct Queued {
     answer: Answer,
     error: Option<String>,
-    pending: Result<Pending<Option<ReplyState>>, LedgerError>,
+    pending: Pending<Option<ReplyState>>,
 }
 
 /// One instance's turn to hand replies over, and which requests for it were served.
@@ -282,11 +282,7 @@ impl Courier {
     /// Waits for a queued answer's record and acts on the reply's new state.
     async fn settled(self: &Arc<Self>, instance: &str, event_id: &str, queued: Queued) {
         let Queued { answer, error, pending } = queued;
-        let state = match pending {
-            Ok(pending) => pending.answer().await,
-            Err(err) => Err(err),
-        };
-        match state {
+        match pending.answer().await {
             Ok(Some(state)) => {
                 match state {
                     ReplyState::FailedRetryable => {
@@ -465,7 +461,7 @@ impl Courier {
         if !self.is_on() {
             return;
         }
-        let turn = lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone();
+        let turn = self.turn(inst);
         let ticket = turn.asked.fetch_add(1, Ordering::SeqCst) + 1;
         let _turn = turn.lock.lock().await;
         if turn.served.load(Ordering::SeqCst) >= ticket {
@@ -478,11 +474,16 @@ impl Courier {
         turn.served.store(upto, Ordering::SeqCst);
     }
 
+    /// The instance's turn to hand replies over.
+    fn turn(&self, inst: &Instance) -> Arc<Turn> {
+        lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone()
+    }
+
     /// Hands over a reply its run claimed as it recorded it ([`Ledger::finish_run`]), in the
     /// instance's turn, and returns once it is written; with no driver to take it, it waits
     /// (`pending`) for the next.
     pub async fn deliver_claimed(self: &Arc<Self>, inst: &Instance, reply: HandedReply) {
-        let turn = lock(&self.turns).entry(inst.config.id.to_string()).or_default().clone();
+        let turn = self.turn(inst);
         let _turn = turn.lock.lock().await;
         let unsent = match inst.live() {
             Some(conn) => self.hand_one(inst, &conn, reply).await.err(),

@@ -30,7 +30,7 @@ use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun};
-use crate::ledger::{LedgerError, NewHistory, NewInbound, NewItem, Pending, Recorded};
+use crate::ledger::{NewHistory, NewInbound, NewItem, Pending, Recorded};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
 use crate::runtime::RunInput;
@@ -182,7 +182,7 @@ async fn queue_record(
     conn: &Arc<Connection>,
     admitted: &Admitted,
     place: &Place,
-) -> Option<Result<Pending<Recorded>, LedgerError>> {
+) -> Option<Pending<Recorded>> {
     let event_id = &admitted.event_id;
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
         (Ok(line), Some(hash)) => (line, hash),
@@ -226,13 +226,10 @@ async fn recorded(
     conn: &Arc<Connection>,
     admitted: Admitted,
     mut place: Place,
-    queued: Result<Pending<Recorded>, LedgerError>,
+    queued: Pending<Recorded>,
 ) {
     let event_id = admitted.event_id.clone();
-    let recorded = match queued {
-        Ok(queued) => queued.answer().await,
-        Err(err) => Err(err),
-    };
+    let recorded = queued.answer().await;
     let lookup = match &recorded {
         Ok(Recorded::New { entry }) => {
             place.entry = *entry;

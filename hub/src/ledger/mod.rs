@@ -175,15 +175,15 @@ pub struct Finished {
     pub handed: Option<HandedReply>,
 }
 
-/// A call queued on the ledger thread; [`Pending::answer`] waits until its batch committed
-/// as the call asked.
+/// A call queued on the ledger thread (or refused: the ledger is off or gone);
+/// [`Pending::answer`] waits until its batch committed as the call asked.
 #[derive(Debug)]
 #[must_use = "a queued call runs anyway; its answer says whether it was committed"]
-pub struct Pending<T>(oneshot::Receiver<Result<T, LedgerError>>);
+pub struct Pending<T>(Result<oneshot::Receiver<Result<T, LedgerError>>, LedgerError>);
 
 impl<T> Pending<T> {
     pub async fn answer(self) -> Result<T, LedgerError> {
-        self.0.await.map_err(|_| LedgerError::Unavailable)?
+        self.0?.await.map_err(|_| LedgerError::Unavailable)?
     }
 }
 
@@ -324,22 +324,22 @@ impl Ledger {
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
-        self.queue_with(commit, f).await?.answer().await
+        self.queue_with(commit, f).await.answer().await
     }
 
     /// Queues `f` for the ledger thread, waiting only for room in its queue: calls run in
     /// the order they were queued, so a caller that must keep an order (a driver's frames)
     /// queues in that order and waits for the answers elsewhere.
-    async fn queue_with<T, F>(&self, commit: Commit, f: F) -> Result<Pending<T>, LedgerError>
+    async fn queue_with<T, F>(&self, commit: Commit, f: F) -> Pending<T>
     where
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
-        let tx = self.tx.as_ref().ok_or(LedgerError::Off)?;
+        let Some(tx) = self.tx.as_ref() else { return Pending(Err(LedgerError::Off)) };
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { f, result: None, done, storage: self.storage.clone() });
-        tx.send(store::Message::Job(job, commit)).await.map_err(|_| LedgerError::Unavailable)?;
-        Ok(Pending(answer))
+        let queued = tx.send(store::Message::Job(job, commit)).await;
+        Pending(queued.map(|()| answer).map_err(|_| LedgerError::Unavailable))
     }
 
     /// Answers once the ledger thread committed a batch queued now: the thread is alive and
@@ -372,7 +372,7 @@ impl Ledger {
         new: NewInbound,
         rehash: Rehash,
         history: Option<(NewHistory, usize)>,
-    ) -> Result<Pending<Recorded>, LedgerError> {
+    ) -> Pending<Recorded> {
         self.queue_with(Commit::Durable, move |txn| {
             let recorded = inbound::record(txn, &new, rehash)?;
             if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, &history) {
@@ -391,7 +391,7 @@ impl Ledger {
         rehash: Rehash,
         history: Option<(NewHistory, usize)>,
     ) -> Result<Recorded, LedgerError> {
-        self.record_inbound(new, rehash, history).await?.answer().await
+        self.record_inbound(new, rehash, history).await.answer().await
     }
 
     /// The newest `limit` history entries of a conversation (and thread), oldest first.
@@ -490,7 +490,7 @@ impl Ledger {
         answer: ReplyAnswer,
         now_ms: u64,
         jitter: f64,
-    ) -> Result<Pending<Option<ReplyState>>, LedgerError> {
+    ) -> Pending<Option<ReplyState>> {
         self.queue_with(Commit::Deferred, move |txn| replies::answer(txn, &answer, now_ms, jitter))
             .await
     }
@@ -769,12 +769,12 @@ mod tests {
         ledger.close().await;
         assert_eq!(ledger.ping().await, Err(LedgerError::Unavailable));
         assert_eq!(
-            ledger.record_inbound(inbound("e"), same, None).await.err(),
+            ledger.record_inbound(inbound("e"), same, None).await.answer().await.err(),
             Some(LedgerError::Unavailable)
         );
         let off = Ledger::off();
         assert_eq!(
-            off.record_inbound(inbound("e"), same, None).await.err(),
+            off.record_inbound(inbound("e"), same, None).await.answer().await.err(),
             Some(LedgerError::Off)
         );
         off.ping().await.unwrap();
