@@ -12,6 +12,7 @@
 //!
 //! Architecture invariant: the ledger imports nothing from the rest of the hub.
 
+mod checkpointer;
 pub mod history;
 pub mod inbound;
 pub mod items;

@@ -10,8 +10,11 @@
 //! for the disk: the durable jobs of a batch go to the log syncer (`syncer.rs`), which answers
 //! them after an `fdatasync` of the WAL, while this thread commits the next batch
 //! ([`batch_plan`]). Under [`Durability::Strict`] every batch is committed with an fsync,
-//! under [`Durability::Normal`] none is.
+//! under [`Durability::Normal`] none is. Checkpoints are the checkpointer's
+//! (`checkpointer.rs`), beside the commits.
 
+use std::ffi::c_int;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -23,6 +26,7 @@ use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::{error, info};
 
 use super::LedgerError;
+use super::checkpointer::Checkpointer;
 use super::schema::Durability;
 use super::syncer::Syncer;
 
@@ -59,6 +63,9 @@ pub struct LedgerMetrics {
     /// Seconds each `fdatasync` of the write-ahead log by the log syncer took, one sample per
     /// sync (`durability = "full"`).
     pub sync_seconds: Histogram,
+    /// Seconds each checkpoint pass of the checkpointer took (copying the write-ahead log
+    /// back into the database file, with its fsyncs).
+    pub checkpoint_seconds: Histogram,
 }
 
 impl Default for LedgerMetrics {
@@ -70,6 +77,8 @@ impl Default for LedgerMetrics {
             batch_jobs: Histogram::new(exponential_buckets(1.0, 2.0, 11)),
             // 0.05 ms to about 4 s.
             sync_seconds: Histogram::new(exponential_buckets(0.00005, 2.5, 13)),
+            // 1 ms to about 60 s.
+            checkpoint_seconds: Histogram::new(exponential_buckets(0.001, 2.5, 13)),
         }
     }
 }
@@ -135,7 +144,9 @@ pub fn spawn(
     // flush is due.
     let timer = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
     let thread = std::thread::Builder::new().name("channeld-ledger".into()).spawn(move || {
+        let mut conn = conn;
         let wal = wal_path(&conn);
+        let checkpointer = start_checkpointer(&mut conn, &metrics);
         let mut thread = LedgerThread {
             conn,
             durability,
@@ -144,10 +155,33 @@ pub fn spawn(
             unsynced: false,
             wal,
             syncer: None,
+            checkpointer,
         };
         thread.run(rx, &timer, &metrics);
     })?;
     Ok((tx, thread))
+}
+
+/// Starts the checkpointer for a ledger in a file and hands it the connection's checkpoints:
+/// the connection's WAL hook (which replaces SQLite's automatic checkpoint) reports the log's
+/// length after each commit, and checkpoints itself only past the checkpointer's limit. `None` for a ledger in memory, or when the checkpointer cannot
+/// start (the automatic checkpoint stays).
+fn start_checkpointer(conn: &mut Connection, metrics: &LedgerMetrics) -> Option<Checkpointer> {
+    let path = conn.path().filter(|path| !path.is_empty())?.to_owned();
+    let checkpointer = Checkpointer::start(Path::new(&path), metrics.checkpoint_seconds.clone())?;
+    let reporter = checkpointer.reporter();
+    let hooked = conn.wal_hook(Some(move |wal: &mut rusqlite::hooks::Wal, frames: c_int| {
+        reporter.committed(wal, u32::try_from(frames).unwrap_or(0));
+        Ok(())
+    }));
+    match hooked {
+        Ok(()) => Some(checkpointer),
+        Err(err) => {
+            error!(error = %err, "ledger cannot hand its checkpoints over; the ledger thread checkpoints");
+            checkpointer.finish();
+            None
+        }
+    }
 }
 
 /// How one batch reaches the disk.
@@ -186,6 +220,8 @@ struct LedgerThread {
     /// with the first durable batch.
     wal: Option<std::path::PathBuf>,
     syncer: Option<Syncer>,
+    /// The thread that checkpoints the write-ahead log (none in memory).
+    checkpointer: Option<Checkpointer>,
 }
 
 /// Where SQLite keeps `conn`'s write-ahead log; `None` for a database in memory.
@@ -226,6 +262,9 @@ impl LedgerThread {
                 }
             }
             if !batch.is_empty() {
+                if let Some(checkpointer) = &self.checkpointer {
+                    checkpointer.set_queued(!rx.is_empty());
+                }
                 self.apply(&mut batch, metrics);
             }
         }
@@ -233,6 +272,12 @@ impl LedgerThread {
         rx.close();
         if let Some(syncer) = self.syncer.take() {
             syncer.finish();
+        }
+        if let Some(checkpointer) = self.checkpointer.take() {
+            let no_hook: Option<fn(&mut rusqlite::hooks::Wal, c_int) -> rusqlite::Result<()>> =
+                None;
+            let _ = self.conn.wal_hook(no_hook);
+            checkpointer.finish();
         }
         // The checkpoint syncs the WAL and the database file.
         let _ = self.conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
@@ -446,6 +491,7 @@ mod tests {
             synchronous: None,
             unsynced: false,
             syncer: None,
+            checkpointer: None,
         }
     }
 
@@ -569,6 +615,41 @@ mod tests {
                 seen.lock().unwrap().push((self.name, syncs.count()));
             }
         }
+    }
+
+    /// The ledger connection hands its checkpoints to the checkpointer: its passes copy the
+    /// log back while the connection commits, and the log restarts (its file stays within
+    /// twice the limit) although nothing pauses between the commits.
+    #[test]
+    fn the_checkpointer_copies_the_log_back_and_the_log_stays_bounded() {
+        use crate::ledger::checkpointer::LOG_LIMIT;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.sqlite3");
+        let mut conn = crate::ledger::schema::open(&path, Durability::Normal).unwrap();
+        let metrics = LedgerMetrics::default();
+        let checkpointer = start_checkpointer(&mut conn, &metrics).expect("a ledger in a file");
+        // Commits back to back, as with jobs queued: the passes are the checkpointer's.
+        checkpointer.set_queued(true);
+        // About three frames a commit (a row with two overflow pages), to three times the
+        // limit's frames.
+        let commits = LOG_LIMIT as usize;
+        for n in 0..commits {
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?1, randomblob(8000))",
+                [format!("k{n}")],
+            )
+            .unwrap();
+        }
+        let no_hook: Option<fn(&mut rusqlite::hooks::Wal, c_int) -> rusqlite::Result<()>> = None;
+        conn.wal_hook(no_hook).unwrap();
+        checkpointer.finish();
+        assert!(metrics.checkpoint_seconds.count() >= 1, "the checkpointer made a pass");
+        let wal = std::fs::metadata(dir.path().join("ledger.sqlite3-wal")).unwrap().len();
+        let frame = 4096 + 24;
+        let most = (2 * u64::from(LOG_LIMIT) + 16) * frame;
+        assert!(wal <= most, "the log grew to {} frames", wal / frame);
+        let rows: i64 = conn.query_row("SELECT COUNT(*) FROM meta", [], |r| r.get(0)).unwrap();
+        assert!(rows >= i64::from(LOG_LIMIT));
     }
 
     #[test]

@@ -369,6 +369,12 @@ impl Metrics {
             Unit::Seconds,
             ledger.sync_seconds.clone(),
         );
+        registry.register_with_unit(
+            "channeld_ledger_checkpoint_duration",
+            "Checkpoint passes of the ledger's checkpointer (write-ahead log copied back)",
+            Unit::Seconds,
+            ledger.checkpoint_seconds.clone(),
+        );
         let amqp_sends = Family::default();
         registry.register(
             "channeld_amqp_sends",
