@@ -124,6 +124,7 @@ impl Checkpointer {
             copied: self.copied.clone(),
             pass: self.pass.clone(),
             queued: self.queued.clone(),
+            failing: false,
         }
     }
 
@@ -147,12 +148,14 @@ pub struct Reporter {
     copied: Arc<AtomicU32>,
     pass: Arc<Mutex<()>>,
     queued: Arc<AtomicBool>,
+    /// Its last checkpoint failed.
+    failing: bool,
 }
 
 impl Reporter {
     /// Reports a commit that left the log `frames` long, and checkpoints `wal` (the ledger
     /// connection's) when [`writer_checkpoints`] says so.
-    pub fn committed(&self, wal: &mut Wal, frames: u32) {
+    pub fn committed(&mut self, wal: &mut Wal, frames: u32) {
         let queued = self.queued.load(Ordering::Relaxed);
         if queued && frames >= CHECKPOINT_FRAMES {
             // Full: a report waits already, and the pass it starts covers this commit too.
@@ -166,8 +169,13 @@ impl Reporter {
             },
             WriterCheckpoint::Now => self.pass.lock().unwrap_or_else(PoisonError::into_inner),
         };
-        if let Err(err) = wal.checkpoint() {
-            warn!(error = %err, frames, "ledger checkpoint after a commit failed");
+        match wal.checkpoint() {
+            Ok(()) => self.failing = false,
+            // Logged once per streak: it fails again with each commit until space returns.
+            Err(err) if !std::mem::replace(&mut self.failing, true) => {
+                warn!(error = %err, frames, "ledger checkpoint after a commit failed");
+            }
+            Err(_) => {}
         }
     }
 }

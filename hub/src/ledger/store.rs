@@ -169,7 +169,7 @@ pub fn spawn(
 fn start_checkpointer(conn: &mut Connection, metrics: &LedgerMetrics) -> Option<Checkpointer> {
     let path = conn.path().filter(|path| !path.is_empty())?.to_owned();
     let checkpointer = Checkpointer::start(Path::new(&path), metrics.checkpoint_seconds.clone())?;
-    let reporter = checkpointer.reporter();
+    let mut reporter = checkpointer.reporter();
     let hooked = conn.wal_hook(Some(move |wal: &mut rusqlite::hooks::Wal, frames: c_int| {
         reporter.committed(wal, u32::try_from(frames).unwrap_or(0));
         Ok(())
