@@ -2,9 +2,9 @@
 //! write-ahead log back into the database file (a WAL checkpoint), so the ledger thread does
 //! not stop committing for the checkpoint's page copies and its two fsyncs. The ledger
 //! connection's WAL hook reports the log's length after each commit ([`Reporter`]); the
-//! thread checkpoints once enough frames wait while jobs queue for the ledger thread (with
-//! none queued, the ledger thread checkpoints itself, as SQLite would: it has nothing else
-//! to do, and the second connection's pass costs its next commit more). The log restarts from its beginning only
+//! thread checkpoints once enough frames wait while the ledger thread is busy ([`busy`]);
+//! otherwise the ledger thread checkpoints itself, as SQLite would (a pass beside lone
+//! commits costs them more than the stall it saves). The log restarts from its beginning only
 //! after a checkpoint that copied all of it, which a checkpoint running beside a busy writer
 //! may never manage. Once the log outgrows [`LOG_LIMIT`] the thread chases its end, and the
 //! ledger thread checkpoints itself after a commit that left only a few frames uncopied
@@ -61,17 +61,29 @@ pub enum WriterCheckpoint {
     Now,
 }
 
-/// What the ledger thread does after a commit that left the log `frames` long, `queued`
-/// when more jobs wait for it. With nothing waiting it checkpoints itself as SQLite would
-/// (once [`CHECKPOINT_FRAMES`] wait): a pass beside the commits only pays while they come
-/// back to back, and otherwise costs the next commit more than the stall it saves. Past the
-/// limit it checkpoints once few frames are left to copy, and past twice the limit in any
-/// case.
-pub fn writer_checkpoints(frames: u32, copied: u32, queued: bool) -> WriterCheckpoint {
+/// Jobs in a batch from which the ledger thread counts as busy.
+pub const BUSY_BATCH: usize = 4;
+
+/// Whether the ledger thread is busy as it commits a batch of `jobs`, `queued` when more
+/// jobs wait behind it. Messages in flight together reach it in batches of several jobs
+/// (or queue), one at a time in batches of one to three (a receipt's settle and the next
+/// record); the batch's own size is the steadier sign, since the queue empties between the
+/// stages of a burst.
+pub fn busy(queued: bool, jobs: usize) -> bool {
+    queued || jobs >= BUSY_BATCH
+}
+
+/// What the ledger thread does after a commit that left the log `frames` long, `busy` as
+/// [`busy`] says. Unless busy it checkpoints itself as SQLite would (once
+/// [`CHECKPOINT_FRAMES`] wait): a pass beside the commits pays while they come back to back,
+/// and costs lone commits more (its fsyncs share the disk with the log syncer's) than the
+/// stall it saves. Past the limit it checkpoints once few frames are left to copy, and past
+/// twice the limit in any case.
+pub fn writer_checkpoints(frames: u32, copied: u32, busy: bool) -> WriterCheckpoint {
     let waiting = uncopied(frames, copied);
     if frames >= 2 * LOG_LIMIT {
         WriterCheckpoint::Now
-    } else if (!queued && waiting >= CHECKPOINT_FRAMES)
+    } else if (!busy && waiting >= CHECKPOINT_FRAMES)
         || (frames >= LOG_LIMIT && waiting <= CATCH_UP)
     {
         WriterCheckpoint::IfFree
@@ -88,8 +100,8 @@ pub struct Checkpointer {
     /// Held for each checkpoint, the thread's or the ledger thread's (SQLite refuses a second
     /// checkpoint at once instead of waiting).
     pass: Arc<Mutex<()>>,
-    /// Whether jobs wait for the ledger thread as it commits (set by it before each batch).
-    queued: Arc<AtomicBool>,
+    /// Whether the ledger thread is [`busy`] (set by it before each batch).
+    busy: Arc<AtomicBool>,
     thread: JoinHandle<()>,
 }
 
@@ -114,7 +126,7 @@ impl Checkpointer {
             .name("channeld-ledger-ckpt".into())
             .spawn(move || run(&conn, &rx, &copies, &passes, &seconds))
             .ok()?;
-        Some(Self { tx, copied, pass, queued: Arc::default(), thread })
+        Some(Self { tx, copied, pass, busy: Arc::default(), thread })
     }
 
     /// What the ledger connection's WAL hook reports to (after each commit).
@@ -123,14 +135,14 @@ impl Checkpointer {
             tx: self.tx.clone(),
             copied: self.copied.clone(),
             pass: self.pass.clone(),
-            queued: self.queued.clone(),
+            busy: self.busy.clone(),
             failing: false,
         }
     }
 
-    /// Tells whether jobs wait behind the batch the ledger thread commits next.
-    pub fn set_queued(&self, queued: bool) {
-        self.queued.store(queued, Ordering::Relaxed);
+    /// Tells whether the ledger thread is [`busy`] with the batch it commits next.
+    pub fn set_busy(&self, busy: bool) {
+        self.busy.store(busy, Ordering::Relaxed);
     }
 
     /// Waits for a running pass to end and stops the thread. Every [`Reporter`] must be
@@ -147,7 +159,7 @@ pub struct Reporter {
     tx: SyncSender<u32>,
     copied: Arc<AtomicU32>,
     pass: Arc<Mutex<()>>,
-    queued: Arc<AtomicBool>,
+    busy: Arc<AtomicBool>,
     /// Its last checkpoint failed.
     failing: bool,
 }
@@ -156,12 +168,12 @@ impl Reporter {
     /// Reports a commit that left the log `frames` long, and checkpoints `wal` (the ledger
     /// connection's) when [`writer_checkpoints`] says so.
     pub fn committed(&mut self, wal: &mut Wal, frames: u32) {
-        let queued = self.queued.load(Ordering::Relaxed);
-        if queued && frames >= CHECKPOINT_FRAMES {
+        let busy = self.busy.load(Ordering::Relaxed);
+        if busy && frames >= CHECKPOINT_FRAMES {
             // Full: a report waits already, and the pass it starts covers this commit too.
             let _ = self.tx.try_send(frames);
         }
-        let _pass = match writer_checkpoints(frames, self.copied.load(Ordering::Relaxed), queued) {
+        let _pass = match writer_checkpoints(frames, self.copied.load(Ordering::Relaxed), busy) {
             WriterCheckpoint::No => return,
             WriterCheckpoint::IfFree => match self.pass.try_lock() {
                 Ok(pass) => pass,
@@ -255,8 +267,11 @@ mod tests {
     }
 
     #[test]
-    fn with_nothing_queued_the_ledger_thread_checkpoints_as_sqlite_would() {
+    fn unless_busy_the_ledger_thread_checkpoints_as_sqlite_would() {
         use WriterCheckpoint::*;
+        assert!(!busy(false, BUSY_BATCH - 1));
+        assert!(busy(false, BUSY_BATCH));
+        assert!(busy(true, 1));
         assert_eq!(writer_checkpoints(CHECKPOINT_FRAMES - 1, 0, false), No);
         assert_eq!(writer_checkpoints(CHECKPOINT_FRAMES, 0, false), IfFree);
         assert_eq!(writer_checkpoints(CHECKPOINT_FRAMES, 0, true), No);

@@ -26,7 +26,7 @@ use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::{error, info};
 
 use super::LedgerError;
-use super::checkpointer::Checkpointer;
+use super::checkpointer::{self, Checkpointer};
 use super::schema::Durability;
 use super::syncer::Syncer;
 
@@ -263,7 +263,7 @@ impl LedgerThread {
             }
             if !batch.is_empty() {
                 if let Some(checkpointer) = &self.checkpointer {
-                    checkpointer.set_queued(!rx.is_empty());
+                    checkpointer.set_busy(checkpointer::busy(!rx.is_empty(), batch.len()));
                 }
                 self.apply(&mut batch, metrics);
             }
@@ -628,8 +628,8 @@ mod tests {
         let mut conn = crate::ledger::schema::open(&path, Durability::Normal).unwrap();
         let metrics = LedgerMetrics::default();
         let checkpointer = start_checkpointer(&mut conn, &metrics).expect("a ledger in a file");
-        // Commits back to back, as with jobs queued: the passes are the checkpointer's.
-        checkpointer.set_queued(true);
+        // Commits back to back, as a busy ledger thread's: the passes are the checkpointer's.
+        checkpointer.set_busy(true);
         // About three frames a commit (a row with two overflow pages), to three times the
         // limit's frames.
         let commits = LOG_LIMIT as usize;
