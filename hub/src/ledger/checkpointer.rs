@@ -95,7 +95,8 @@ pub fn writer_checkpoints(frames: u32, copied: u32, busy: bool) -> WriterCheckpo
 /// The handle the ledger thread keeps.
 pub struct Checkpointer {
     tx: SyncSender<u32>,
-    /// How many frames of the log the last pass had copied.
+    /// How many frames of the log the last checkpoint (the thread's or the ledger thread's)
+    /// had copied.
     copied: Arc<AtomicU32>,
     /// Held for each checkpoint, the thread's or the ledger thread's (SQLite refuses a second
     /// checkpoint at once instead of waiting).
@@ -123,7 +124,7 @@ impl Checkpointer {
         let pass = Arc::new(Mutex::new(()));
         let (copies, passes) = (copied.clone(), pass.clone());
         let thread = std::thread::Builder::new()
-            .name("channeld-ledger-ckpt".into())
+            .name("channeld-ckpt".into())
             .spawn(move || run(&conn, &rx, &copies, &passes, &seconds))
             .ok()?;
         Some(Self { tx, copied, pass, busy: Arc::default(), thread })
@@ -154,7 +155,9 @@ impl Checkpointer {
     }
 }
 
-/// Reports the log's length after a commit; never blocks the committing thread.
+/// Called from the ledger connection's WAL hook after each commit: reports the log's length
+/// to the thread, and checkpoints on the ledger thread when [`writer_checkpoints`] says so
+/// (waiting only in its `Now` case, at twice the limit).
 pub struct Reporter {
     tx: SyncSender<u32>,
     copied: Arc<AtomicU32>,
@@ -181,8 +184,11 @@ impl Reporter {
             },
             WriterCheckpoint::Now => self.pass.lock().unwrap_or_else(PoisonError::into_inner),
         };
-        match wal.checkpoint() {
-            Ok(()) => self.failing = false,
+        match wal.checkpoint_v2(CheckpointMode::PASSIVE) {
+            Ok((_, done)) => {
+                self.copied.store(u32::try_from(done).unwrap_or(0), Ordering::Relaxed);
+                self.failing = false;
+            }
             // Logged once per streak: it fails again with each commit until space returns.
             Err(err) if !std::mem::replace(&mut self.failing, true) => {
                 warn!(error = %err, frames, "ledger checkpoint after a commit failed");
