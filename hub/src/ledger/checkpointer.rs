@@ -137,6 +137,7 @@ impl Checkpointer {
             copied: self.copied.clone(),
             pass: self.pass.clone(),
             busy: self.busy.clone(),
+            last: 0,
             failing: false,
         }
     }
@@ -163,6 +164,8 @@ pub struct Reporter {
     copied: Arc<AtomicU32>,
     pass: Arc<Mutex<()>>,
     busy: Arc<AtomicBool>,
+    /// The log's length after the last commit: a shorter one means the log restarted.
+    last: u32,
     /// Its last checkpoint failed.
     failing: bool,
 }
@@ -171,6 +174,10 @@ impl Reporter {
     /// Reports a commit that left the log `frames` long, and checkpoints `wal` (the ledger
     /// connection's) when [`writer_checkpoints`] says so.
     pub fn committed(&mut self, wal: &mut Wal, frames: u32) {
+        if frames < std::mem::replace(&mut self.last, frames) {
+            // The log restarted: none of its frames is copied yet.
+            self.copied.store(0, Ordering::Relaxed);
+        }
         let busy = self.busy.load(Ordering::Relaxed);
         if busy && frames >= CHECKPOINT_FRAMES {
             // Full: a report waits already, and the pass it starts covers this commit too.

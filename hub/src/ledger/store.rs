@@ -10,8 +10,8 @@
 //! for the disk: the durable jobs of a batch go to the log syncer (`syncer.rs`), which answers
 //! them after an `fdatasync` of the WAL, while this thread commits the next batch
 //! ([`batch_plan`]). Under [`Durability::Strict`] every batch is committed with an fsync,
-//! under [`Durability::Normal`] none is. Checkpoints are the checkpointer's
-//! (`checkpointer.rs`), beside the commits.
+//! under [`Durability::Normal`] none is. While this thread is busy, its checkpoints are the
+//! checkpointer's (`checkpointer.rs`), beside the commits.
 
 use std::ffi::c_int;
 use std::path::Path;
@@ -162,10 +162,11 @@ pub fn spawn(
     Ok((tx, thread))
 }
 
-/// Starts the checkpointer for a ledger in a file and hands it the connection's checkpoints:
-/// the connection's WAL hook (which replaces SQLite's automatic checkpoint) reports the log's
-/// length after each commit, and checkpoints itself only past the checkpointer's limit. `None` for a ledger in memory, or when the checkpointer cannot
-/// start (the automatic checkpoint stays).
+/// Starts the checkpointer for a ledger in a file and hooks it to the connection: the WAL
+/// hook (which replaces SQLite's automatic checkpoint) reports the log's length after each
+/// commit, and checkpoints on this thread when [`checkpointer::writer_checkpoints`] says so.
+/// `None` for a ledger in memory, or when the checkpointer cannot start (the automatic
+/// checkpoint stays).
 fn start_checkpointer(conn: &mut Connection, metrics: &LedgerMetrics) -> Option<Checkpointer> {
     let path = conn.path().filter(|path| !path.is_empty())?.to_owned();
     let checkpointer = Checkpointer::start(Path::new(&path), metrics.checkpoint_seconds.clone())?;
@@ -182,6 +183,16 @@ fn start_checkpointer(conn: &mut Connection, metrics: &LedgerMetrics) -> Option<
             None
         }
     }
+}
+
+/// Removes the connection's WAL hook (dropping its reporter) and waits for the checkpointer
+/// to end.
+fn stop_checkpointer(conn: &mut Connection, checkpointer: Checkpointer) {
+    let no_hook: Option<fn(&mut rusqlite::hooks::Wal, c_int) -> rusqlite::Result<()>> = None;
+    if let Err(err) = conn.wal_hook(no_hook) {
+        error!(error = %err, "ledger cannot remove its WAL hook");
+    }
+    checkpointer.finish();
 }
 
 /// How one batch reaches the disk.
@@ -274,10 +285,7 @@ impl LedgerThread {
             syncer.finish();
         }
         if let Some(checkpointer) = self.checkpointer.take() {
-            let no_hook: Option<fn(&mut rusqlite::hooks::Wal, c_int) -> rusqlite::Result<()>> =
-                None;
-            let _ = self.conn.wal_hook(no_hook);
-            checkpointer.finish();
+            stop_checkpointer(&mut self.conn, checkpointer);
         }
         // The checkpoint syncs the WAL and the database file.
         let _ = self.conn.pragma_update(None, "wal_checkpoint", "TRUNCATE");
@@ -617,22 +625,16 @@ mod tests {
         }
     }
 
-    /// The ledger connection hands its checkpoints to the checkpointer: its passes copy the
-    /// log back while the connection commits, and the log restarts (its file stays within
-    /// twice the limit) although nothing pauses between the commits.
-    #[test]
-    fn the_checkpointer_copies_the_log_back_and_the_log_stays_bounded() {
-        use crate::ledger::checkpointer::LOG_LIMIT;
+    /// Commits `commits` rows of about three WAL frames each (a row with two overflow
+    /// pages) through a connection hooked to a checkpointer, the ledger thread `busy` or not;
+    /// the checkpointer's passes and the frames the log file grew to.
+    fn commit_through_the_checkpointer(busy: bool, commits: u32) -> (u64, u64) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.sqlite3");
         let mut conn = crate::ledger::schema::open(&path, Durability::Normal).unwrap();
         let metrics = LedgerMetrics::default();
         let checkpointer = start_checkpointer(&mut conn, &metrics).expect("a ledger in a file");
-        // Commits back to back, as a busy ledger thread's: the passes are the checkpointer's.
-        checkpointer.set_busy(true);
-        // About three frames a commit (a row with two overflow pages), to three times the
-        // limit's frames.
-        let commits = LOG_LIMIT as usize;
+        checkpointer.set_busy(busy);
         for n in 0..commits {
             conn.execute(
                 "INSERT INTO meta (key, value) VALUES (?1, randomblob(8000))",
@@ -640,16 +642,32 @@ mod tests {
             )
             .unwrap();
         }
-        let no_hook: Option<fn(&mut rusqlite::hooks::Wal, c_int) -> rusqlite::Result<()>> = None;
-        conn.wal_hook(no_hook).unwrap();
-        checkpointer.finish();
-        assert!(metrics.checkpoint_seconds.count() >= 1, "the checkpointer made a pass");
+        stop_checkpointer(&mut conn, checkpointer);
+        let rows: u32 = conn.query_row("SELECT COUNT(*) FROM meta", [], |r| r.get(0)).unwrap();
+        assert!(rows >= commits);
         let wal = std::fs::metadata(dir.path().join("ledger.sqlite3-wal")).unwrap().len();
-        let frame = 4096 + 24;
-        let most = (2 * u64::from(LOG_LIMIT) + 16) * frame;
-        assert!(wal <= most, "the log grew to {} frames", wal / frame);
-        let rows: i64 = conn.query_row("SELECT COUNT(*) FROM meta", [], |r| r.get(0)).unwrap();
-        assert!(rows >= i64::from(LOG_LIMIT));
+        (metrics.checkpoint_seconds.count(), wal / (4096 + 24))
+    }
+
+    /// A busy ledger thread hands its checkpoints to the checkpointer: its passes copy the
+    /// log back while the connection commits, and the log restarts (its file stays within
+    /// twice the limit) although nothing pauses between the commits.
+    #[test]
+    fn the_checkpointer_copies_the_log_back_and_the_log_stays_bounded() {
+        use crate::ledger::checkpointer::LOG_LIMIT;
+        let (passes, frames) = commit_through_the_checkpointer(true, LOG_LIMIT);
+        assert!(passes >= 1, "the checkpointer made a pass");
+        assert!(frames <= 2 * u64::from(LOG_LIMIT) + 16, "the log grew to {frames} frames");
+    }
+
+    /// A ledger thread that is not busy checkpoints itself, as SQLite would: the thread makes
+    /// no pass, and the log restarts after its first thousand frames.
+    #[test]
+    fn an_idle_ledger_thread_checkpoints_itself() {
+        use crate::ledger::checkpointer::CHECKPOINT_FRAMES;
+        let (passes, frames) = commit_through_the_checkpointer(false, CHECKPOINT_FRAMES);
+        assert_eq!(passes, 0, "the checkpointer made no pass");
+        assert!(frames <= u64::from(CHECKPOINT_FRAMES) + 16, "the log grew to {frames} frames");
     }
 
     #[test]
