@@ -189,16 +189,7 @@ impl RabbitMq {
         }
         std::fs::write(dir.path().join("enabled_plugins"), "[].\n").expect("plugins file");
         std::fs::write(dir.path().join("rabbitmq-env.conf"), "").expect("env file");
-        std::fs::write(
-            dir.path().join("rabbitmq.conf"),
-            format!(
-                "listeners.tcp.default = 127.0.0.1:{port}\n\
-                 log.console = false\n\
-                 log.file.level = info\n\
-                 disk_free_limit.absolute = 1MB\n"
-            ),
-        )
-        .expect("broker config");
+        write_config(dir.path(), port);
 
         let epmd_log = File::create(dir.path().join("epmd.log")).expect("epmd log");
         let mut epmd = Command::new(epmd_binary())
@@ -228,6 +219,8 @@ impl RabbitMq {
                     eprintln!("rabbitmq boot attempt {attempt} failed, new ports: {why}");
                     broker.kill_server();
                     (broker.port, broker.dist_port) = (free_port(), free_port());
+                    // The config's listener wins over RABBITMQ_NODE_PORT.
+                    write_config(broker.dir.path(), broker.port);
                     broker.node = format!(
                         "channeld-test-{}-{}-{}@localhost",
                         std::process::id(),
@@ -241,8 +234,12 @@ impl RabbitMq {
         broker
     }
 
+    /// Kills the node: the script's children (the Erlang VM) first, then the script.
     fn kill_server(&mut self) {
         if let Some(mut server) = self.server.take() {
+            for pid in children_of(server.id()) {
+                signal(pid, libc::SIGKILL);
+            }
             let _ = server.kill();
             let _ = server.wait();
         }
@@ -382,16 +379,17 @@ impl RabbitMq {
 
     /// Stops the node (its data stays); [`start_node`](Self::start_node) brings it back.
     pub fn stop_node(&mut self) {
-        let Some(mut server) = self.server.take() else { return };
-        let stopped = self.try_ctl(&["stop"]).is_ok_and(|out| out.status.success());
-        if !stopped || !wait_exit(&mut server, EXIT_WITHIN) {
-            // The script's children are the Erlang VM: kill them first, then the script.
-            for pid in children_of(server.id()) {
-                signal(pid, libc::SIGKILL);
-            }
-            let _ = server.kill();
+        if self.server.is_none() {
+            return;
         }
-        let _ = server.wait();
+        let stopped = self.try_ctl(&["stop"]).is_ok_and(|out| out.status.success());
+        if stopped && self.server.as_mut().is_some_and(|server| wait_exit(server, EXIT_WITHIN)) {
+            if let Some(mut server) = self.server.take() {
+                let _ = server.wait();
+            }
+        } else {
+            self.kill_server();
+        }
     }
 
     /// Starts a stopped node again on the same ports and data.
@@ -421,6 +419,20 @@ impl RabbitMq {
 
 fn read_log(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// The node's config file: its AMQP listener on `port`.
+fn write_config(dir: &Path, port: u16) {
+    std::fs::write(
+        dir.join("rabbitmq.conf"),
+        format!(
+            "listeners.tcp.default = 127.0.0.1:{port}\n\
+             log.console = false\n\
+             log.file.level = info\n\
+             disk_free_limit.absolute = 1MB\n"
+        ),
+    )
+    .expect("broker config");
 }
 
 impl Drop for RabbitMq {
