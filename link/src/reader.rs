@@ -53,6 +53,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
     }
 
+    /// Whether [`next`](Self::next) will return without reading: a frame (or a line too
+    /// long) is buffered whole. Blank lines, which it skips, do not count.
+    pub fn ready(&self) -> bool {
+        self.framer.peek_line().is_some_and(|line| !line.iter().all(u8::is_ascii_whitespace))
+    }
+
     /// Bytes currently held for an incomplete line.
     pub fn buffered(&self) -> usize {
         self.framer.buffered()
@@ -85,5 +91,21 @@ mod tests {
         assert!(matches!(reader.next().await.unwrap(), Some(Ok(Frame::Start(_)))));
         writer.await.unwrap();
         assert_eq!(reader.next().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn ready_only_when_a_frame_is_buffered_whole() {
+        let start = b"{\"abi\":\"cortexfs.channel.socket/v1\",\"frame\":{\"type\":\"start\",\"request_id\":\"a\"}}\n";
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let mut reader = FrameReader::new(server);
+        assert!(!reader.ready());
+        client.write_all(start).await.unwrap();
+        client.write_all(start).await.unwrap();
+        client.write_all(b"\n{\"abi\"").await.unwrap();
+        assert!(matches!(reader.next().await.unwrap(), Some(Ok(Frame::Start(_)))));
+        assert!(reader.ready(), "the second frame came in the same read");
+        assert!(matches!(reader.next().await.unwrap(), Some(Ok(Frame::Start(_)))));
+        // A blank line and half a frame: `next` would read.
+        assert!(!reader.ready());
     }
 }

@@ -82,6 +82,17 @@ impl LineFramer {
         }
     }
 
+    /// The next complete line, without taking it; `None` when none is buffered whole (or the
+    /// rest of an oversize line is being skipped).
+    pub fn peek_line(&self) -> Option<&[u8]> {
+        if self.discarding {
+            return None;
+        }
+        // Nothing between `pos` and `scanned` is a newline.
+        let newline = self.scanned + memchr::memchr(b'\n', &self.buf[self.scanned..])?;
+        Some(&self.buf[self.pos..newline])
+    }
+
     /// Compacts consumed bytes away and reserves room for one read; the caller appends what it
     /// read (at most [`READ_CHUNK`] bytes should be appended before calling
     /// [`next_line`](Self::next_line) again).
@@ -143,6 +154,29 @@ mod tests {
             });
         }
         out
+    }
+
+    #[test]
+    fn peek_shows_the_next_whole_line_without_taking_it() {
+        let mut framer = LineFramer::new(16);
+        framer.extend(b"ab");
+        assert_eq!(framer.peek_line(), None);
+        assert!(framer.next_line().is_none());
+        framer.extend(b"c\nde");
+        assert_eq!(framer.peek_line(), Some(&b"abc"[..]));
+        assert!(matches!(framer.next_line(), Some(LineEvent::Line(b"abc"))));
+        assert_eq!(framer.peek_line(), None);
+        framer.extend(b"\n");
+        assert_eq!(framer.peek_line(), Some(&b"de"[..]));
+        // The tail of an oversize line being skipped is no line.
+        let mut framer = LineFramer::new(4);
+        framer.extend(b"xxxxxx");
+        assert!(matches!(framer.next_line(), Some(LineEvent::TooLong)));
+        framer.extend(b"x\n");
+        assert_eq!(framer.peek_line(), None);
+        assert!(framer.next_line().is_none());
+        framer.extend(b"ok\n");
+        assert_eq!(framer.peek_line(), Some(&b"ok"[..]));
     }
 
     #[test]

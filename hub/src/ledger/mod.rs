@@ -13,6 +13,7 @@
 //! Architecture invariant: the ledger imports nothing from the rest of the hub.
 
 mod checkpointer;
+mod cork;
 pub mod history;
 pub mod inbound;
 pub mod items;
@@ -37,6 +38,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
 
+pub use cork::{corked, release};
 pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
 pub use items::{Item, ItemView, NewItem};
@@ -183,7 +185,9 @@ pub struct Finished {
 pub struct Pending<T>(Result<oneshot::Receiver<Result<T, LedgerError>>, LedgerError>);
 
 impl<T> Pending<T> {
+    /// In a corked task it first sends the calls the task holds (this one may be among them).
     pub async fn answer(self) -> Result<T, LedgerError> {
+        cork::release().await;
         self.0?.await.map_err(|_| LedgerError::Unavailable)?
     }
 }
@@ -339,8 +343,15 @@ impl Ledger {
         let Some(tx) = self.tx.as_ref() else { return Pending(Err(LedgerError::Off)) };
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { f, result: None, done, storage: self.storage.clone() });
-        let queued = tx.send(store::Message::Job(job, commit)).await;
-        Pending(queued.map(|()| answer).map_err(|_| LedgerError::Unavailable))
+        // A corked task holds it (`cork.rs`); else it goes now, after what the task held.
+        let queued = match cork::hold(tx, job, commit) {
+            None => Ok(()),
+            Some((job, commit)) => {
+                cork::release().await;
+                tx.send(store::Message::Job(job, commit)).await.map_err(drop)
+            }
+        };
+        Pending(queued.map(|()| answer).map_err(|()| LedgerError::Unavailable))
     }
 
     /// Answers once the ledger thread committed a batch queued now: the thread is alive and
@@ -356,6 +367,7 @@ impl Ledger {
     /// calls fail with [`LedgerError::Unavailable`]. Waits for the thread to finish.
     pub async fn close(&self) {
         let Some(tx) = &self.tx else { return };
+        cork::release().await;
         let _ = tx.send(store::Message::Stop).await;
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(thread) = thread {

@@ -30,7 +30,7 @@ use super::checkpointer::{self, Checkpointer};
 use super::schema::Durability;
 use super::syncer::Syncer;
 
-/// Most jobs applied in one transaction.
+/// Jobs gathered into one transaction (a corked task's last message may add up to 63 more).
 const MAX_BATCH: usize = 1024;
 
 /// How long deferred commits wait for a durable one to carry them to disk before the thread
@@ -48,7 +48,8 @@ pub enum Commit {
     Deferred,
 }
 
-/// Jobs waiting for the ledger thread; callers wait beyond this (backpressure).
+/// Messages waiting for the ledger thread (a job each, or a corked task's jobs, at most 64);
+/// callers wait beyond this (backpressure).
 pub const QUEUE_CAPACITY: usize = 8192;
 
 /// The ledger's own measurements, kept by the ledger thread (the ledger imports nothing from
@@ -126,6 +127,8 @@ impl StorageFlag {
 /// What the thread is sent.
 pub enum Message {
     Job(Job, Commit),
+    /// A corked task's calls (`cork.rs`), in order: they go into one batch.
+    Jobs(Vec<(Job, Commit)>),
     /// Apply what is queued before this, checkpoint the WAL and end the thread.
     Stop,
 }
@@ -263,11 +266,13 @@ impl LedgerThread {
             };
             match first {
                 Some(Message::Job(job, commit)) => batch.push((job, commit)),
+                Some(Message::Jobs(jobs)) => batch.extend(jobs),
                 Some(Message::Stop) | None => stopping = true,
             }
             while !stopping && batch.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(Message::Job(job, commit)) => batch.push((job, commit)),
+                    Ok(Message::Jobs(jobs)) => batch.extend(jobs),
                     Ok(Message::Stop) => stopping = true,
                     Err(_) => break,
                 }

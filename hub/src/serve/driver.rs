@@ -22,6 +22,7 @@ use crate::history;
 use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
 use crate::inbound::{self, cancel};
 use crate::instance::Instance;
+use crate::ledger;
 use crate::outbox::receipts;
 
 /// Serves a connection that said `hello`, until it leaves or the hub closes connections.
@@ -149,7 +150,21 @@ async fn handshake(
 
 /// Reads a driver's frames until it leaves, or the hub closes connections or a reload removes
 /// the instance (then it says `stop` first).
+///
+/// Corked (`ledger/cork.rs`): the ledger calls of the frames that came in one read (a
+/// receipt and the next message) go to the ledger together, when the reader would wait for
+/// the socket, so they share one commit.
 pub(super) async fn frames<R: AsyncRead + Unpin>(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    conn: &Arc<Connection>,
+    reader: &mut FrameReader<R>,
+    first: Option<Frame>,
+) {
+    ledger::corked(read_frames(hub, inst, conn, reader, first)).await;
+}
+
+async fn read_frames<R: AsyncRead + Unpin>(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
@@ -169,6 +184,10 @@ pub(super) async fn frames<R: AsyncRead + Unpin>(
     let write_blocked = conn.sink.write_blocked();
     tokio::pin!(closing, writer_gone, write_blocked);
     loop {
+        if first.is_none() && !reader.ready() {
+            // About to wait for the socket: what the frames so far queued goes now.
+            ledger::release().await;
+        }
         let item = match first.take() {
             Some(frame) => Ok(Some(Ok(frame))),
             None => tokio::select! {
