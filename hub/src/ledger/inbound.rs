@@ -351,10 +351,10 @@ fn recover_sql() -> String {
 
 /// Deletes settled entries last touched before `before_ms`; returns how many went.
 ///
-/// An entry is touched after it arrived, so only entries that arrived before `before_ms`
-/// can qualify: the scan walks the arrival index (written once per entry) up to there. After
-/// a wall-clock jump backwards an entry may look touched before it arrived; it goes once it
-/// also arrived before the cut-off.
+/// An entry is touched after it arrived, and ids grow with arrival, so the scan walks the
+/// entries from the oldest id and stops at the first that arrived at or after `before_ms`.
+/// After a wall-clock jump backwards an entry may look touched before it arrived, or arrived
+/// before an older one; it goes once the entries before it went.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
 }
@@ -362,8 +362,9 @@ pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError
 fn prune_sql() -> String {
     let settled = state::sql_list(&INBOUND_STATES, InboundState::is_settled, InboundState::as_str);
     format!(
-        "DELETE FROM inbound INDEXED BY inbound_by_received
-         WHERE received_ms < ?1 AND state IN ({settled}) AND updated_ms < ?1"
+        "DELETE FROM inbound WHERE state IN ({settled}) AND updated_ms < ?1 AND id < coalesce(
+             (SELECT id FROM inbound WHERE received_ms >= ?1 ORDER BY id LIMIT 1),
+             (SELECT max(id) + 1 FROM inbound), 0)"
     )
 }
 
@@ -418,8 +419,11 @@ pub(crate) mod tests {
         assert!(recover.contains("USING INDEX inbound_open"), "{recover}");
         let untracked = plan(&conn, &untracked_sql().replace("?1", "'replied'"));
         assert!(untracked.contains("USING INDEX inbound_open"), "{untracked}");
+        let lookup =
+            plan(&conn, "SELECT state FROM inbound WHERE instance = 'a' AND event_id = 'e'");
+        assert!(lookup.contains("USING INDEX inbound_by_event"), "{lookup}");
         let prune = plan(&conn, &prune_sql().replace("?1", "1000"));
-        assert!(prune.contains("USING INDEX inbound_by_received"), "{prune}");
+        assert!(prune.starts_with("SEARCH inbound USING INTEGER PRIMARY KEY (rowid<?)"), "{prune}");
     }
 
     #[test]

@@ -138,6 +138,38 @@ const MIGRATIONS: &[&str] = &[
      DROP INDEX history_by_age;
      DROP INDEX items_by_age;
      DROP INDEX items_unhandled;",
+    // 8 (issue 18): `inbound` becomes a rowid table. As a WITHOUT ROWID table it kept each
+    // whole row (the frame, the reply: ~700 bytes) in its b-tree's interior pages too, four
+    // or five to a page: 2,874 entries made a tree six levels deep, and an insert or update
+    // wrote 3.5–6 of its pages. Now rows append to the table in arrival order (their ids),
+    // the event ids sit in a small unique index, and pruning walks the rows by id as it does
+    // for items and history, so `inbound_by_received` goes.
+    "CREATE TABLE inbound_rows (
+         id INTEGER PRIMARY KEY,
+         instance TEXT NOT NULL,
+         event_id TEXT NOT NULL,
+         content_hash BLOB NOT NULL,
+         run_id TEXT NOT NULL,
+         state TEXT NOT NULL,
+         frame BLOB NOT NULL,
+         attempts INTEGER NOT NULL,
+         reply TEXT,
+         error_code TEXT,
+         error_message TEXT,
+         received_ms INTEGER NOT NULL,
+         updated_ms INTEGER NOT NULL,
+         hash_version INTEGER NOT NULL DEFAULT 1
+     );
+     INSERT INTO inbound_rows (instance, event_id, content_hash, run_id, state, frame, attempts,
+         reply, error_code, error_message, received_ms, updated_ms, hash_version)
+     SELECT instance, event_id, content_hash, run_id, state, frame, attempts, reply, error_code,
+         error_message, received_ms, updated_ms, hash_version
+     FROM inbound ORDER BY received_ms, length(run_id), run_id;
+     DROP TABLE inbound;
+     ALTER TABLE inbound_rows RENAME TO inbound;
+     CREATE UNIQUE INDEX inbound_by_event ON inbound (instance, event_id);
+     CREATE INDEX inbound_open ON inbound (state, instance)
+         WHERE state IN ('running', 'replied');",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
@@ -324,6 +356,47 @@ mod tests {
         let user_version: i64 =
             conn.query_row("PRAGMA user_version", [], |row| row.get(0)).unwrap();
         assert_eq!(user_version as usize, SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn a_version_7_ledger_keeps_its_inbound_entries_in_arrival_order_as_rows() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, 7).unwrap();
+        // Inserted out of arrival order; two in one millisecond (`run-…-9` came first).
+        for (event, run, received) in
+            [("e3", "run-x-1", 30), ("e1", "run-x-10", 10), ("e0", "run-x-9", 10)]
+        {
+            conn.execute(
+                "INSERT INTO inbound (instance, event_id, content_hash, hash_version, run_id,
+                     state, frame, attempts, reply, received_ms, updated_ms)
+                 VALUES ('a.b', ?1, x'01', 2, ?2, 'replied', x'7b7d', 1, 'hi', ?3, ?3)",
+                params![event, run, received],
+            )
+            .unwrap();
+        }
+        migrate(&mut conn, SCHEMA_VERSION).unwrap();
+        let rows: Vec<(i64, String, u32, Option<String>)> = conn
+            .prepare("SELECT id, event_id, hash_version, reply FROM inbound ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let events: Vec<_> = rows.iter().map(|r| r.1.as_str()).collect();
+        assert_eq!(events, ["e0", "e1", "e3"]);
+        assert!(rows.iter().all(|r| r.2 == 2 && r.3.as_deref() == Some("hi")));
+        let sql: String = conn
+            .query_row("SELECT sql FROM sqlite_schema WHERE name = 'inbound'", [], |r| r.get(0))
+            .unwrap();
+        assert!(!sql.contains("WITHOUT ROWID"), "{sql}");
+        // The event id stays unique.
+        let again = conn.execute(
+            "INSERT INTO inbound (instance, event_id, content_hash, run_id, state, frame,
+                 attempts, received_ms, updated_ms)
+             VALUES ('a.b', 'e1', x'00', 'r', 'running', x'00', 0, 40, 40)",
+            [],
+        );
+        assert!(again.is_err());
     }
 
     #[test]
