@@ -36,15 +36,11 @@ impl Drop for Held {
 
 /// Runs `future` corked: the ledger calls it queues are held in the task until it
 /// [`release`]s them, awaits an answer ([`super::Pending::answer`] releases first) or holds
-/// [`LIMIT`] calls; what it still holds when it ends is sent then. The caller releases
-/// before anything that may wait for a held call (its next read from a socket).
-pub async fn corked<F: Future>(future: F) -> F::Output {
-    HELD.scope(RefCell::default(), async {
-        let output = future.await;
-        release().await;
-        output
-    })
-    .await
+/// [`LIMIT`] calls. The future releases before anything that may wait for a held call (its
+/// next read from a socket) and before it ends; what it still holds if it is dropped is
+/// queued then, where there is room. A plain function: the future is stored once.
+pub fn corked<F: Future>(future: F) -> impl Future<Output = F::Output> {
+    HELD.scope(RefCell::default(), future)
 }
 
 /// Holds a call when the task is corked and has room; gives it back otherwise.
@@ -149,7 +145,12 @@ mod tests {
             .await
             .unwrap();
         // Corked: both are sent when the task ends, and run in one transaction.
-        let (write, count) = corked(two_calls(&ledger, dir.path())).await;
+        let (write, count) = corked(async {
+            let calls = two_calls(&ledger, dir.path()).await;
+            release().await;
+            calls
+        })
+        .await;
         write.answer().await.unwrap();
         assert_eq!(count.answer().await.unwrap(), 0);
         ledger.close().await;
@@ -172,6 +173,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_corked_task_dropped_while_it_holds_calls_still_queues_them() {
+        let ledger = Ledger::in_memory().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let stuck = corked(async {
+            let _ = tx.send(ledger.queue_with(Commit::Deferred, |_| Ok(7)).await);
+            std::future::pending::<()>().await;
+        });
+        assert!(tokio::time::timeout(Duration::from_millis(50), stuck).await.is_err());
+        assert_eq!(rx.await.unwrap().answer().await, Ok(7));
+    }
+
+    #[tokio::test]
     async fn a_corked_task_holds_at_most_limit_calls() {
         let ledger = Ledger::in_memory().unwrap();
         let (counted, pending) = corked(async {
@@ -179,7 +192,9 @@ mod tests {
             for n in 0..=LIMIT {
                 pending.push(ledger.queue_with(Commit::Deferred, move |_| Ok(n)).await);
             }
-            (HELD.with(|held| held.borrow().jobs.len()), pending)
+            let counted = HELD.with(|held| held.borrow().jobs.len());
+            release().await;
+            (counted, pending)
         })
         .await;
         // The call past the limit sent the first LIMIT, then itself.
