@@ -143,7 +143,9 @@ const MIGRATIONS: &[&str] = &[
     // or five to a page: 2,874 entries made a tree six levels deep, and an insert or update
     // wrote 3.5–6 of its pages. Now rows append to the table in arrival order (their ids),
     // the event ids sit in a small unique index, and pruning walks the rows by id as it does
-    // for items and history, so `inbound_by_received` goes.
+    // for items and history, so `inbound_by_received` goes. The copy reads the old rows
+    // through that index, in arrival order, and sorts only the entries of one millisecond
+    // (memory stays bounded on a large ledger); the whole copy is one transaction.
     "CREATE TABLE inbound_rows (
          id INTEGER PRIMARY KEY,
          instance TEXT NOT NULL,

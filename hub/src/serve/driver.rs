@@ -153,7 +153,9 @@ async fn handshake(
 ///
 /// Corked (`ledger/cork.rs`): the ledger calls of the frames that came in one read (a
 /// receipt and the next message) go to the ledger together, when the reader would wait for
-/// the socket, so they share one commit. A plain function, not an `async fn` around the
+/// the socket, so they share one commit. (A frame whose handling waits, e.g. for room in a
+/// driver's full write queue, delays the calls held before it by as long.) A plain
+/// function, not an `async fn` around the
 /// loop: a wrapper that takes the loop's future by value keeps copies of its state (it cost
 /// 16 KiB per idle connection), and a boxed loop no longer shares its memory with the
 /// handshake before it (3 KiB).
