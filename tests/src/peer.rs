@@ -41,6 +41,16 @@ impl RawPeer {
         self.sink.send(&frame).await.expect("send frame");
     }
 
+    /// Sends `frames` in one write, as a driver does that had them ready together: the hub
+    /// reads them in one read.
+    pub async fn send_together(&self, frames: &[Frame]) {
+        let mut lines = Vec::new();
+        for frame in frames {
+            lines.extend(channeld_protocol::encode(frame).expect("encode frame"));
+        }
+        self.sink.send_encoded(lines).await.expect("send frames");
+    }
+
     /// The next frame or decode error; panics on timeout or EOF.
     pub async fn next(&mut self) -> Result<Frame, DecodeError> {
         match tokio::time::timeout(FRAME_TIMEOUT, self.reader.next()).await {

@@ -2,13 +2,16 @@
 //! while a driver sends messages, denied messages, a redelivery and a proactive send; the test
 //! reads the series back through Prometheus's HTTP API and finds the counts it caused.
 //! `promtool check metrics` accepts the exposition, and the example alerting rules pass
-//! `promtool check rules` and their own `promtool test rules` unit tests.
+//! `promtool check rules` and their own `promtool test rules` unit tests. The ledger's batch
+//! metrics, read from the hub's metrics socket, show a driver's frames of one read sharing
+//! a commit.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use channeld_protocol::Frame;
-use channeld_tests::peer::{caps, expect_deliver, expect_outbound, receipt_for};
+use channeld_protocol::frame::Inbound;
+use channeld_tests::peer::{caps, expect_deliver, expect_outbound, id, message, receipt_for};
 use channeld_tests::prometheus::{Prometheus, free_port, promtool};
 use channeld_tests::{HubProcess, RawPeer};
 
@@ -148,6 +151,62 @@ async fn prometheus_scrapes_the_counts_of_real_traffic() {
     driver.close().await;
     prometheus.wait_value(&series("channeld_driver_connected", ""), 0.0, SCRAPED_WITHIN).await;
     prometheus.wait_value("channeld_connections{kind=\"driver\"}", 0.0, SCRAPED_WITHIN).await;
+}
+
+/// The ledger's commits and the calls they carried so far (`channeld_ledger_batch_jobs`
+/// count and sum), scraped from the hub's metrics socket.
+async fn ledger_batches(client: &reqwest::Client) -> (u64, u64) {
+    let text = client.get("http://localhost/metrics").send().await.unwrap().text().await.unwrap();
+    let value = |name: &str| {
+        let line = text
+            .lines()
+            .find(|line| line.starts_with(name) && line.as_bytes().get(name.len()) == Some(&b' '))
+            .unwrap_or_else(|| panic!("no {name} in {text}"));
+        line.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64
+    };
+    (value("channeld_ledger_batch_jobs_count"), value("channeld_ledger_batch_jobs_sum"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_and_the_message_behind_it_in_one_read_share_a_commit() {
+    // A driver that posts a reply and has the next message already: the receipt and the
+    // inbound reach the hub in one read. The reader's ledger calls for both (the reply's
+    // settle, the message's record) go into one commit, so every round saves one commit
+    // (the run's start and end commit on their own). Committed call by call, the calls of
+    // a round only share a commit when the ledger thread happens to be busy.
+    const ROUNDS: u64 = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("metrics.sock");
+    let hub = HubProcess::start(&format!(
+        "[hub]\nmetrics_listen = \"{}\"\n[instance.\"{LAB}\"]\nallow = [\"alice\"]\n",
+        socket.display()
+    ));
+    channeld_driver_sdk::install_crypto_provider();
+    let client = reqwest::Client::builder().unix_socket(socket.clone()).build().unwrap();
+    let mut driver = RawPeer::connect(&hub.socket(LAB)).await;
+    driver.hello(LAB, caps(&["receive"]), &["accepted", "reply_receipt"]).await;
+    assert!(matches!(next(&mut driver).await, Frame::HelloAck(_)));
+    driver.inbound(LAB, "m0", "alice", "room", "q0").await;
+    assert!(matches!(next(&mut driver).await, Frame::Accepted(_)));
+    let mut delivery = expect_deliver(next(&mut driver).await);
+    let (commits_before, calls_before) = ledger_batches(&client).await;
+    for n in 1..=ROUNDS {
+        let event = format!("m{n}");
+        let receipt = receipt_for(LAB, &delivery.request_id, "room", &format!("p-{}", n - 1));
+        let inbound = Frame::Inbound(Inbound {
+            event_id: id(&event),
+            message: message(LAB, &event, "alice", "room", &format!("q{n}")),
+        });
+        driver.send_together(&[receipt, inbound]).await;
+        assert!(matches!(next(&mut driver).await, Frame::Accepted(_)));
+        delivery = expect_deliver(next(&mut driver).await);
+    }
+    let (commits, calls) = ledger_batches(&client).await;
+    let (commits, calls) = (commits - commits_before, calls - calls_before);
+    assert!(
+        calls - commits >= ROUNDS,
+        "{calls} ledger calls in {commits} commits over {ROUNDS} rounds"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
