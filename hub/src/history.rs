@@ -55,13 +55,15 @@ pub async fn read(
     if limit == 0 || limit > MAX_HISTORY_LIMIT {
         return Err(HistoryError::InvalidLimit(limit));
     }
-    if inst.policy().history.is_none() || !hub.ledger.is_on() {
+    let Some(cap) = inst.policy().history.filter(|_| hub.ledger.is_on()) else {
         return Err(HistoryError::Off(inst.config.id.to_string()));
-    }
+    };
     let instance = inst.config.id.to_string();
+    // The ledger may hold a few entries beyond the cap (it trims in steps): never shown.
+    let limit = (limit as usize).min(cap.max(1));
     let entries = hub
         .ledger
-        .history_recent(instance, conversation, thread, limit as usize)
+        .history_recent(instance, conversation, thread, limit)
         .await
         .map_err(HistoryError::Ledger)?;
     Ok(entries.iter().map(|entry| entry.to_wire()).collect())

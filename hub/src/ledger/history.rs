@@ -99,8 +99,17 @@ pub const COUNTS_TABLE: &str = "CREATE TEMP TABLE IF NOT EXISTS history_counts (
          PRIMARY KEY (instance, conversation, thread)
      ) WITHOUT ROWID";
 
-/// Appends `new` and drops the conversation's oldest entries beyond `cap` (at least 1).
-/// Returns the new entry's id.
+/// How many entries beyond its cap a conversation may hold before the surplus goes: a
+/// quarter of the cap, at most 64 (none for a cap under 4). Trimming on every append wrote
+/// the pages of the oldest entry and its index entry with every message once a conversation
+/// was full; trimming in steps writes them once per step. Readers never see the surplus:
+/// the hub reads at most `cap` entries ([`recent`]'s callers pass `limit ≤ cap`). Pure.
+pub fn slack(cap: i64) -> i64 {
+    (cap / 4).min(64)
+}
+
+/// Appends `new` and, once the conversation holds more than `cap` (at least 1) entries plus
+/// their [`slack`], drops its oldest entries down to `cap`. Returns the new entry's id.
 pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64, LedgerError> {
     let thread = new.thread.as_deref().unwrap_or("");
     txn.exec_cached(
@@ -148,7 +157,7 @@ pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64
         }
     };
     let cap = cap.max(1) as i64;
-    if count > cap {
+    if count > cap + slack(cap) {
         txn.exec_cached(
             "DELETE FROM history WHERE id IN (SELECT id FROM history
                  WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 ORDER BY id LIMIT ?4)",
@@ -200,7 +209,8 @@ pub fn append_posted_reply(
 }
 
 /// The newest `limit` entries of a conversation (and thread: `None` is the conversation
-/// outside threads), oldest first.
+/// outside threads), oldest first. The hub passes `limit ≤` the instance's cap: a full
+/// conversation may hold up to [`slack`] older entries that are on their way out.
 pub fn recent(
     conn: &Connection,
     instance: &str,
@@ -303,6 +313,25 @@ mod tests {
         append(&txn, &user("c1", None, "7", 7), 3).unwrap();
         append(&txn, &user("c1", None, "8", 8), 3).unwrap();
         assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["6", "7", "8"]);
+    }
+
+    #[test]
+    fn a_full_conversation_is_trimmed_in_steps_and_the_newest_cap_entries_stay() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        let count = |txn: &Transaction<'_>| -> i64 {
+            txn.query_row("SELECT count(*) FROM history", [], |row| row.get(0)).unwrap()
+        };
+        assert_eq!((slack(2), slack(8), slack(200), slack(1000)), (0, 2, 50, 64));
+        for n in 0..250 {
+            append(&txn, &user("c1", None, &n.to_string(), n), 200).unwrap();
+        }
+        assert_eq!(count(&txn), 250, "within the slack nothing goes");
+        append(&txn, &user("c1", None, "250", 250), 200).unwrap();
+        assert_eq!(count(&txn), 200, "past it the conversation is back at its cap");
+        let newest = recent(&txn, "a.b", "c1", None, 200).unwrap();
+        assert_eq!(newest.first().unwrap().text, "51");
+        assert_eq!(newest.last().unwrap().text, "250");
     }
 
     #[test]

@@ -116,6 +116,10 @@ pub(super) fn holding() -> String {
     sql_list(&REPLY_STATES, ReplyState::holds_conversation, ReplyState::as_str)
 }
 
+/// The predicate of the index `replies_by_state` (schema migration 9): replies on their way
+/// to a driver are not in it. A query uses it only when its `WHERE` repeats this term.
+pub(super) const NOT_HANDED: &str = "state <> 'handed'";
+
 /// Records a reply as `pending`, due now. A second reply for the same event is ignored (a
 /// run's outcome is recorded once). Returns its id.
 pub fn add(txn: &Transaction<'_>, reply: &NewReply, now_ms: u64) -> Result<i64, LedgerError> {
@@ -225,7 +229,7 @@ fn claim_sql() -> String {
     let holding = holding();
     format!(
         "SELECT id, event_id, message, attempts, state FROM replies AS r
-         WHERE instance = ?1 AND state IN ('{}', '{}') AND next_ms <= ?2
+         WHERE instance = ?1 AND state IN ('{}', '{}') AND {NOT_HANDED} AND next_ms <= ?2
              AND NOT EXISTS (
                  SELECT 1 FROM replies AS e
                  WHERE e.instance = r.instance AND e.conversation = r.conversation
@@ -325,15 +329,8 @@ pub fn state_of(
 /// Expires the replies past their TTL that were waiting to be handed over, for every
 /// instance; returns how many.
 pub fn expire(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
-    let waiting = sql_list(
-        &REPLY_STATES,
-        |s| s.after_expiry() != s && s.may_become(s.after_expiry()),
-        ReplyState::as_str,
-    );
     let expired: Vec<(String, String)> = {
-        let mut stmt = txn.prepare_cached(&format!(
-            "SELECT instance, event_id FROM replies WHERE state IN ({waiting}) AND expires_ms <= ?1"
-        ))?;
+        let mut stmt = txn.prepare_cached(&expire_sql())?;
         let rows = stmt.query_map(params![now_ms as i64], |row| Ok((row.get(0)?, row.get(1)?)))?;
         rows.collect::<Result<Vec<_>, _>>()?
     };
@@ -348,20 +345,44 @@ pub fn expire(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> 
     Ok(expired.len())
 }
 
+fn expire_sql() -> String {
+    let waiting = sql_list(
+        &REPLY_STATES,
+        |s| s.after_expiry() != s && s.may_become(s.after_expiry()),
+        ReplyState::as_str,
+    );
+    format!(
+        "SELECT instance, event_id FROM replies
+         WHERE state IN ({waiting}) AND {NOT_HANDED} AND expires_ms <= ?1"
+    )
+}
+
 /// After a restart nothing is handed over: every `handed` reply is `pending` again, due now.
 pub fn restart(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
     let from = ReplyState::Handed;
     Ok(txn.execute(
-        "UPDATE replies SET state = ?2, next_ms = ?3, updated_ms = ?3 WHERE state = ?1",
+        &restart_sql(),
         params![from.as_str(), from.after_restart().as_str(), now_ms as i64],
     )?)
+}
+
+/// Handed replies are found in the small index of those still on their way.
+fn restart_sql() -> String {
+    format!(
+        "UPDATE replies SET state = ?2, next_ms = ?3, updated_ms = ?3
+         WHERE state = ?1 AND state IN ({})",
+        holding()
+    )
 }
 
 /// Makes the retryable failures of `instance` due now (its driver is Ready again); returns
 /// how many.
 pub fn due_now(txn: &Transaction<'_>, instance: &str, now_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(
-        "UPDATE replies SET next_ms = ?3 WHERE instance = ?1 AND state = ?2 AND next_ms > ?3",
+        &format!(
+            "UPDATE replies SET next_ms = ?3
+             WHERE instance = ?1 AND state = ?2 AND {NOT_HANDED} AND next_ms > ?3"
+        ),
         params![instance, ReplyState::FailedRetryable.as_str(), now_ms as i64],
     )?)
 }
@@ -369,19 +390,22 @@ pub fn due_now(txn: &Transaction<'_>, instance: &str, now_ms: u64) -> Result<usi
 /// The earliest time after `after_ms` that something is due for any instance: a retry, or
 /// an expiry. (What is due already is handed over when its driver connects or is kicked.)
 pub fn next_wake(txn: &Transaction<'_>, after_ms: u64) -> Result<Option<u64>, LedgerError> {
-    let wake: Option<i64> = txn.query_row_cached(
-        "SELECT MIN(t) FROM (
-             SELECT MIN(next_ms) AS t FROM replies WHERE state = ?1 AND next_ms > ?3
-             UNION ALL
-             SELECT MIN(expires_ms) AS t FROM replies WHERE state IN (?1, ?2) AND expires_ms > ?3)",
-        params![
-            ReplyState::FailedRetryable.as_str(),
-            ReplyState::Pending.as_str(),
-            after_ms as i64
-        ],
-        |row| row.get(0),
-    )?;
+    let wake: Option<i64> =
+        txn.query_row_cached(&next_wake_sql(), params![after_ms as i64], |row| row.get(0))?;
     Ok(wake.map(|ms| ms.max(0) as u64))
+}
+
+/// The states spelled out (a bound state would not tell the planner that `NOT_HANDED` holds).
+fn next_wake_sql() -> String {
+    let (retrying, pending) = (ReplyState::FailedRetryable.as_str(), ReplyState::Pending.as_str());
+    format!(
+        "SELECT MIN(t) FROM (
+             SELECT MIN(next_ms) AS t FROM replies
+             WHERE state = '{retrying}' AND {NOT_HANDED} AND next_ms > ?1
+             UNION ALL
+             SELECT MIN(expires_ms) AS t FROM replies
+             WHERE state IN ('{retrying}', '{pending}') AND {NOT_HANDED} AND expires_ms > ?1)"
+    )
 }
 
 /// The columns of a [`ReplyRecord`], its text and error cut to `chars` characters if given.
@@ -482,27 +506,46 @@ pub fn requeue(
 
 /// How many replies each instance has in each state (states with none are left out).
 pub fn counts(txn: &Transaction<'_>) -> Result<Vec<ReplyCount>, LedgerError> {
-    let mut stmt = txn.prepare_cached(
-        "SELECT instance, state, COUNT(*) FROM replies GROUP BY instance, state ORDER BY instance",
-    )?;
-    let rows = stmt.query_map([], |row| {
-        Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?, row.get::<_, i64>(2)?))
-    })?;
     let mut counts = Vec::new();
-    for row in rows {
-        let (instance, state, count) = row?;
-        counts.push(ReplyCount { instance, state: parse(&state)?, count: count as u64 });
+    for sql in counts_sql() {
+        let mut stmt = txn.prepare_cached(&sql)?;
+        let rows = stmt.query_map([], |row| {
+            Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?, row.get::<_, i64>(2)?))
+        })?;
+        for row in rows {
+            let (instance, state, count) = row?;
+            counts.push(ReplyCount { instance, state: parse(&state)?, count: count as u64 });
+        }
     }
+    counts.sort_by(|a, b| a.instance.cmp(&b.instance));
     Ok(counts)
+}
+
+/// Each count reads an index, not the table: the replies at rest from `replies_by_state`,
+/// the handed ones from the small `replies_holding`.
+fn counts_sql() -> [String; 2] {
+    let handed = ReplyState::Handed.as_str();
+    [
+        format!(
+            "SELECT instance, state, COUNT(*) FROM replies WHERE {NOT_HANDED}
+             GROUP BY state, instance"
+        ),
+        format!(
+            "SELECT instance, state, COUNT(*) FROM replies
+             WHERE state = '{handed}' AND state IN ({}) GROUP BY instance",
+            holding()
+        ),
+    ]
 }
 
 /// Deletes final replies last touched before `before_ms`; returns how many went.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+    Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
+}
+
+fn prune_sql() -> String {
     let finals = sql_list(&REPLY_STATES, ReplyState::is_final, ReplyState::as_str);
-    Ok(txn.execute(
-        &format!("DELETE FROM replies WHERE state IN ({finals}) AND updated_ms < ?1"),
-        params![before_ms as i64],
-    )?)
+    format!("DELETE FROM replies WHERE state IN ({finals}) AND {NOT_HANDED} AND updated_ms < ?1")
 }
 
 fn parse(value: &str) -> Result<ReplyState, LedgerError> {
@@ -531,9 +574,37 @@ mod tests {
         let sql = claim_sql().replace("?1", "'a.b'").replace("?2", "5").replace("?3", "10");
         let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
         assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
+        assert!(plan.starts_with("SEARCH r USING INDEX replies_by_state"), "{plan}");
         let sql = held_sql().replace("?1", "'a.b'").replace("?2", "'c1'");
         let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
         assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
+    }
+
+    #[test]
+    fn what_looks_for_replies_by_state_reads_an_index_not_the_table() {
+        let conn = db();
+        let plan = |sql: &str| {
+            let sql = sql.replace("?1", "5").replace("?2", "'pending'").replace("?3", "5");
+            crate::ledger::inbound::tests::plan(&conn, &sql)
+        };
+        let by_state = "USING INDEX replies_by_state";
+        let [at_rest, handed] = counts_sql();
+        assert!(
+            plan(&at_rest).contains("USING COVERING INDEX replies_by_state"),
+            "{}",
+            plan(&at_rest)
+        );
+        assert!(plan(&handed).contains("USING INDEX replies_holding"), "{}", plan(&handed));
+        assert!(
+            plan(&restart_sql()).contains("USING INDEX replies_holding"),
+            "{}",
+            plan(&restart_sql())
+        );
+        let wake = plan(&next_wake_sql());
+        assert_eq!(wake.matches(by_state).count(), 2, "{wake}");
+        for sql in [expire_sql(), prune_sql()] {
+            assert!(plan(&sql).contains(by_state), "{}", plan(&sql));
+        }
     }
 
     fn message(conversation: &str, text: &str) -> Vec<u8> {
@@ -775,7 +846,9 @@ mod tests {
         assert_eq!(failed[0].error.as_deref(), Some("send_failed: down"));
         assert_eq!(list(&txn, None, None, Some(all[1].id), 10).unwrap().len(), 1);
         let counts = counts(&txn).unwrap();
-        assert_eq!(counts.len(), 3);
+        let mut states: Vec<_> = counts.iter().map(|c| c.state.as_str()).collect();
+        states.sort_unstable();
+        assert_eq!(states, ["failed", "handed", "posted"], "the handed one from its own index");
         assert!(counts.iter().all(|c| c.count == 1 && c.instance == "a.b"));
         assert_eq!(prune(&txn, 22).unwrap(), 2, "posted and failed go; handed stays");
         assert_eq!(list(&txn, None, None, None, 10).unwrap().len(), 1);
