@@ -362,7 +362,9 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         item: None,
     };
     let recorded = hub.ledger.record_inbound(new, channeld_hub::inbound::fingerprint::rehash, None);
-    assert_eq!(recorded.await.answer().await.unwrap(), Recorded::New { entry: None });
+    let (recorded, synced) = recorded.await.answer().await.unwrap();
+    assert_eq!(recorded, Recorded::New { entry: None });
+    synced.wait().await.unwrap();
     let text = "\"".repeat(200_000);
     let inst = hub.instance(ONE).unwrap();
     let target = MessageTarget::new(ChannelId::new(ONE).unwrap(), id("c1"));

@@ -30,7 +30,7 @@ use crate::config::InstancePolicy;
 use crate::connection::{Connection, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun};
-use crate::ledger::{NewHistory, NewInbound, NewItem, Pending, Recorded};
+use crate::ledger::{NewHistory, NewInbound, NewItem, Pending, Recorded, Synced};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
 use crate::runtime::RunInput;
@@ -83,6 +83,7 @@ pub(crate) fn rerun(
         redelivered: attempt > 1,
         work,
         count_start: true,
+        gate: run::Gate::open(),
     };
     let starts = lock(&inst.runs).restore(&event_id, &route, run::starter(hub, inst, queued));
     start(starts);
@@ -164,7 +165,7 @@ async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admi
                 .runs
                 .spawn(async move { recorded(&hub, &inst, &conn, admitted, place, queued).await });
         }
-        (action, place) => carry_out(hub, inst, conn, admitted, action, place).await,
+        (action, place) => carry_out(hub, inst, conn, admitted, action, place, None).await,
     }
 }
 
@@ -182,7 +183,7 @@ async fn queue_record(
     conn: &Arc<Connection>,
     admitted: &Admitted,
     place: &Place,
-) -> Option<Pending<Recorded>> {
+) -> Option<Pending<(Recorded, Synced)>> {
     let event_id = &admitted.event_id;
     let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
         (Ok(line), Some(hash)) => (line, hash),
@@ -226,10 +227,16 @@ async fn recorded(
     conn: &Arc<Connection>,
     admitted: Admitted,
     mut place: Place,
-    queued: Pending<Recorded>,
+    queued: Pending<(Recorded, Synced)>,
 ) {
     let event_id = admitted.event_id.clone();
-    let recorded = queued.answer().await;
+    let (recorded, synced) = match queued.answer().await {
+        Ok((recorded @ Recorded::New { .. }, synced)) => (Ok(recorded), Some(synced)),
+        // Only a new record's run starts before its sync; any other answer waits for the
+        // disk (a replay's entry may be the unsynced record of a copy sent just before).
+        Ok((recorded, synced)) => (synced.wait().await.map(|()| recorded), None),
+        Err(err) => (Err(err), None),
+    };
     let lookup = match &recorded {
         Ok(Recorded::New { entry }) => {
             place.entry = *entry;
@@ -245,7 +252,7 @@ async fn recorded(
     };
     let policy = inst.policy();
     let action = decide(view(&admitted), instance_view(inst, &policy, Slot::Taken), lookup);
-    carry_out(hub, inst, conn, admitted, action, Some(place)).await;
+    carry_out(hub, inst, conn, admitted, action, Some(place), synced).await;
 }
 
 /// The history entry of an admitted message (events are not part of the history).
@@ -266,7 +273,9 @@ fn history_entry(inst: &Instance, admitted: &Admitted, place: &Place) -> Option<
 }
 
 /// Carries out a decision. An inbound with a queue `place` (`Record`, `Run`, `Answer`, and
-/// after the ledger answered) either becomes ready to run or leaves the queue.
+/// after the ledger answered) either becomes ready to run or leaves the queue. With
+/// `synced` (a new record, not yet on the disk) a run may start at once, but `accepted`
+/// waits for the sync, and the run's frames for `accepted` ([`run::Gate`]).
 async fn carry_out(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
@@ -274,6 +283,7 @@ async fn carry_out(
     admitted: Admitted,
     action: Action,
     place: Option<Place>,
+    synced: Option<Synced>,
 ) {
     let event_id = &admitted.event_id;
     if place.is_some() && !matches!(action, Action::Record | Action::Answer(_) | Action::Run) {
@@ -347,7 +357,14 @@ async fn carry_out(
         Action::Answer(_) | Action::Run => {
             inst.metrics.inbound(InboundOutcome::Accepted);
             let place = place.expect("a run has its queue place");
-            accept(conn, event_id, false).await;
+            let gate = match &synced {
+                Some(_) => run::Gate::shut(),
+                None => {
+                    accept(conn, event_id, false).await;
+                    run::Gate::open()
+                }
+            };
+            let opener = gate.opener();
             let work = match action {
                 Action::Answer(command) => Work::Hub(command),
                 _ => Work::Runtime,
@@ -363,9 +380,30 @@ async fn carry_out(
                 work,
                 // A run that waited was recorded with no attempt: count it when it starts.
                 count_start: hub.ledger.is_on() && !place.reserved,
+                gate,
             };
             let starts = lock(&inst.runs).ready(&event_id, run::starter(hub, inst, queued));
             start(starts);
+            if let Some(synced) = synced {
+                told(inst, conn, &event_id, synced).await;
+            }
+            drop(opener);
+        }
+    }
+}
+
+/// Tells the driver of a new inbound whose run may have started: `accepted` once its record
+/// is on the disk. If the sync failed (a failing disk), the driver is told to send it again,
+/// retryable, though the record is committed and the run goes on: the copy sent again is
+/// answered from that run, as any redelivery is.
+async fn told(inst: &Instance, conn: &Connection, event_id: &Id, synced: Synced) {
+    match synced.wait().await {
+        Ok(()) => accept(conn, event_id, false).await,
+        Err(err) => {
+            inst.record_error(format!("ledger: {err}"));
+            warn!(instance = %inst.config.id, %event_id, error = %err, "inbound record not synced; the driver will retry");
+            let text = "the hub could not make this message durable".to_owned();
+            refuse(conn, event_id, "ledger_unavailable", text, true).await;
         }
     }
 }

@@ -146,6 +146,38 @@ fn request(
     }
 }
 
+/// Whether the driver may hear of a run yet. A run whose inbound was just recorded may start
+/// while the record is being synced, but the driver hears `accepted` first, once the record
+/// is on the disk; until then the run's stream frames, commands and its ending wait, and its
+/// effects (live progress) are dropped. Every other run's gate is open.
+#[derive(Debug, Clone)]
+pub struct Gate(CancellationToken);
+
+impl Gate {
+    pub fn open() -> Self {
+        let gate = Self::shut();
+        gate.0.cancel();
+        gate
+    }
+
+    pub fn shut() -> Self {
+        Self(CancellationToken::new())
+    }
+
+    /// Opens it once dropped (also when the task that holds it ends early).
+    pub fn opener(&self) -> tokio_util::sync::DropGuard {
+        self.0.clone().drop_guard()
+    }
+
+    fn is_open(&self) -> bool {
+        self.0.is_cancelled()
+    }
+
+    async fn wait(&self) {
+        self.0.cancelled().await;
+    }
+}
+
 /// An inbound whose run waits in the queue, with what starting it needs.
 #[derive(Debug)]
 pub struct Queued {
@@ -162,6 +194,8 @@ pub struct Queued {
     pub count_start: bool,
     /// How a cancel reaches this run (`inbound/cancel.rs`).
     pub cancel: Arc<RunCancel>,
+    /// Whether its driver may hear of it yet.
+    pub gate: Gate,
 }
 
 /// The end of a run's turn, also when its task panics or is dropped: the queue lets the next
@@ -214,7 +248,7 @@ pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun
 /// One run, from its request to its reply (or error) handed to the driver's writer: the
 /// next run of its session starts only after that, so replies keep the inbound order.
 async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queued) {
-    let Queued { origin, admitted, run_id, entry, redelivered, work, cancel, .. } = queued;
+    let Queued { origin, admitted, run_id, entry, redelivered, work, cancel, gate, .. } = queued;
     let admitted = &admitted;
     let request = request(hub, inst, admitted, run_id, entry, origin.as_ref(), redelivered);
     let target = admitted.reply_target();
@@ -230,6 +264,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         event_id: event_id.clone(),
         cancel: cancel.token.clone(),
         seq: AtomicU64::new(0),
+        gate: gate.clone(),
     };
     let result = match work {
         _ if cancel.token.is_cancelled() => Err(RunError::Aborted),
@@ -303,6 +338,8 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     // waits until the reply below is handed over.
     let starts = lock(&inst.runs).ended(turn);
     super::start(starts);
+    // Its ending goes after `accepted`.
+    gate.wait().await;
     // A recorded reply goes through the courier (in order per conversation, retried); an
     // untracked one goes back on the connection that carried the inbound, or, if that one
     // is gone, on the instance's current driver.
@@ -407,6 +444,8 @@ struct ConnectionIo {
     cancel: CancellationToken,
     /// The next `stream` frame's seq.
     seq: AtomicU64,
+    /// Open once the driver was told `accepted`.
+    gate: Gate,
 }
 
 impl ConnectionIo {
@@ -428,6 +467,7 @@ impl ConnectionIo {
 impl RunIo for ConnectionIo {
     async fn stream(&self, item: StreamItem) {
         let Some(conn) = self.streams() else { return };
+        self.gate.wait().await;
         if self.cancel.is_cancelled() {
             return;
         }
@@ -455,6 +495,10 @@ impl RunIo for ConnectionIo {
         if self.cancel.is_cancelled() {
             return;
         }
+        if !self.gate.is_open() {
+            debug!("effect before the message was accepted; dropped");
+            return;
+        }
         match conn.declaration.effect_gate(&effect) {
             EffectGate::Send => {
                 let frame = Frame::Effect(EffectFrame {
@@ -474,6 +518,7 @@ impl RunIo for ConnectionIo {
         let Some(conn) = &self.conn else {
             return CommandAnswer::rejected("the connection that carried this message is gone");
         };
+        self.gate.wait().await;
         if self.cancel.is_cancelled() {
             return CommandAnswer::rejected("the run was cancelled");
         }

@@ -148,16 +148,30 @@ struct Call<T, F> {
     storage: StorageFlag,
 }
 
+/// Runs a call's function (in a savepoint of its own when `savepoint`), noting a full disk.
+fn run_call<T, F>(
+    f: &F,
+    txn: &Transaction<'_>,
+    savepoint: bool,
+    storage: &StorageFlag,
+) -> Result<T, LedgerError>
+where
+    F: Fn(&Transaction<'_>) -> Result<T, LedgerError>,
+{
+    let result = if savepoint { store::savepoint(txn, f) } else { f(txn) };
+    if let Err(err) = &result {
+        storage.note(err);
+    }
+    result
+}
+
 impl<T, F> store::Work for Call<T, F>
 where
     T: Send,
     F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
 {
     fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
-        let result = if savepoint { store::savepoint(txn, &self.f) } else { (self.f)(txn) };
-        if let Err(err) = &result {
-            self.storage.note(err);
-        }
+        let result = run_call(&self.f, txn, savepoint, &self.storage);
         let ran = result.is_ok();
         self.result = Some(result);
         ran
@@ -167,6 +181,75 @@ where
         // A job never run (its batch could not begin) is answered as its commit was.
         let result = self.result.unwrap_or(Err(LedgerError::Commit));
         let _ = self.done.send(outcome.and(result));
+    }
+}
+
+/// A durable call that answers once its batch is committed, before the log syncer made it
+/// durable, with a [`Synced`] to hear that: its caller may start work meanwhile and waits
+/// for the disk only before it tells anyone. Under `strict` and `normal` (no log syncer) it
+/// answers once the commit is as durable as asked, with the sync already heard.
+struct EarlyCall<T, F> {
+    f: F,
+    result: Option<Result<T, LedgerError>>,
+    /// Taken when it answers at the commit.
+    done: Option<oneshot::Sender<Result<(T, Synced), LedgerError>>>,
+    /// Where the sync's outcome goes, once it answered at the commit.
+    synced: Option<oneshot::Sender<Result<(), LedgerError>>>,
+    storage: StorageFlag,
+}
+
+impl<T, F> store::Work for EarlyCall<T, F>
+where
+    T: Send,
+    F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
+{
+    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+        let result = run_call(&self.f, txn, savepoint, &self.storage);
+        let ran = result.is_ok();
+        self.result = Some(result);
+        ran
+    }
+
+    fn committed(&mut self) {
+        let (Some(done), Some(result)) = (self.done.take(), self.result.take()) else { return };
+        let answer = result.map(|value| {
+            let (tx, rx) = oneshot::channel();
+            self.synced = Some(tx);
+            (value, Synced(rx))
+        });
+        let _ = done.send(answer);
+    }
+
+    fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
+        let Self { result, done, synced, .. } = *self;
+        match (done, synced) {
+            (Some(done), _) => {
+                let result = result.unwrap_or(Err(LedgerError::Commit));
+                let _ = done.send(outcome.and(result).map(|value| (value, Synced::heard(Ok(())))));
+            }
+            (None, Some(synced)) => {
+                let _ = synced.send(outcome);
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+/// Whether the sync after an early-answered commit reached the disk (see `EarlyCall`).
+#[derive(Debug)]
+#[must_use = "work started on an unsynced commit waits for it before telling anyone"]
+pub struct Synced(oneshot::Receiver<Result<(), LedgerError>>);
+
+impl Synced {
+    fn heard(outcome: Result<(), LedgerError>) -> Self {
+        let (tx, rx) = oneshot::channel();
+        let _ = tx.send(outcome);
+        Self(rx)
+    }
+
+    /// Waits for the sync: `Ok` once the commit is on the disk.
+    pub async fn wait(self) -> Result<(), LedgerError> {
+        self.0.await.map_err(|_| LedgerError::Unavailable)?
     }
 }
 
@@ -340,9 +423,26 @@ impl Ledger {
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
-        let Some(tx) = self.tx.as_ref() else { return Pending(Err(LedgerError::Off)) };
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { f, result: None, done, storage: self.storage.clone() });
+        Pending(self.queue_job(job, commit).await.map(|()| answer))
+    }
+
+    /// [`queue_with`](Self::queue_with) for a durable call answered at its commit, with a
+    /// [`Synced`] for the sync after it (see `EarlyCall`).
+    async fn queue_early<T, F>(&self, f: F) -> Pending<(T, Synced)>
+    where
+        T: Send + 'static,
+        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+    {
+        let (done, answer) = oneshot::channel();
+        let storage = self.storage.clone();
+        let job = Box::new(EarlyCall { f, result: None, done: Some(done), synced: None, storage });
+        Pending(self.queue_job(job, Commit::Durable).await.map(|()| answer))
+    }
+
+    async fn queue_job(&self, job: store::Job, commit: Commit) -> Result<(), LedgerError> {
+        let Some(tx) = self.tx.as_ref() else { return Err(LedgerError::Off) };
         // A corked task holds it (`cork.rs`); else it goes now, after what the task held.
         let queued = match cork::hold(tx, job, commit) {
             None => Ok(()),
@@ -351,7 +451,7 @@ impl Ledger {
                 tx.send(store::Message::Job(job, commit)).await.map_err(drop)
             }
         };
-        Pending(queued.map(|()| answer).map_err(|()| LedgerError::Unavailable))
+        queued.map_err(|()| LedgerError::Unavailable)
     }
 
     /// Answers once the ledger thread committed a batch queued now: the thread is alive and
@@ -379,14 +479,16 @@ impl Ledger {
 
     /// Records an inbound unless its event id is known; see [`Recorded`]. A new one's
     /// `history` entry (with the conversation's cap) is appended in the same step. Queued
-    /// only: the caller keeps the order of the driver's frames.
+    /// only: the caller keeps the order of the driver's frames. Answered once committed;
+    /// the [`Synced`] says when the record is on the disk (a run may start meanwhile, but
+    /// no one hears of the message before).
     pub async fn record_inbound(
         &self,
         new: NewInbound,
         rehash: Rehash,
         history: Option<(NewHistory, usize)>,
-    ) -> Pending<Recorded> {
-        self.queue_with(Commit::Durable, move |txn| {
+    ) -> Pending<(Recorded, Synced)> {
+        self.queue_early(move |txn| {
             let recorded = inbound::record(txn, &new, rehash)?;
             if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, &history) {
                 history::append(txn, entry, *cap)?;
@@ -404,7 +506,9 @@ impl Ledger {
         rehash: Rehash,
         history: Option<(NewHistory, usize)>,
     ) -> Result<Recorded, LedgerError> {
-        self.record_inbound(new, rehash, history).await.answer().await
+        let (recorded, synced) = self.record_inbound(new, rehash, history).await.answer().await?;
+        synced.wait().await?;
+        Ok(recorded)
     }
 
     /// The newest `limit` history entries of a conversation (and thread), oldest first.
@@ -811,5 +915,49 @@ mod tests {
             ledger.record_inbound_now(inbound("e7"), same, None).await,
             Ok(Recorded::Replay(_))
         ));
+    }
+
+    /// A durable call answered at its commit: its value first, the sync's outcome after; a
+    /// commit that was as durable as asked by itself answers both at once.
+    #[tokio::test]
+    async fn an_early_call_answers_at_its_commit_and_hears_its_sync_after() {
+        use futures_util::FutureExt;
+        use store::Work;
+        let mut conn = schema::open_in_memory().unwrap();
+        let early = |done| {
+            let f = |txn: &Transaction<'_>| -> Result<i64, LedgerError> {
+                Ok(txn.query_row("SELECT 41 + 1", [], |r| r.get(0))?)
+            };
+            EarlyCall {
+                f,
+                result: None,
+                done: Some(done),
+                synced: None,
+                storage: StorageFlag::default(),
+            }
+        };
+
+        let (done, answer) = oneshot::channel();
+        let mut call = Box::new(early(done));
+        let txn = conn.transaction().unwrap();
+        assert!(call.run(&txn, false));
+        txn.commit().unwrap();
+        call.committed();
+        let (value, synced) = answer.await.unwrap().unwrap();
+        assert_eq!(value, 42);
+        let mut waiting = Box::pin(synced.wait());
+        assert!(waiting.as_mut().now_or_never().is_none(), "no sync yet");
+        call.finish(Err(LedgerError::Commit));
+        assert!(matches!(waiting.await, Err(LedgerError::Commit)), "the sync failed");
+
+        let (done, answer) = oneshot::channel();
+        let mut call = Box::new(early(done));
+        let txn = conn.transaction().unwrap();
+        assert!(call.run(&txn, false));
+        txn.commit().unwrap();
+        call.finish(Ok(()));
+        let (value, synced) = answer.await.unwrap().unwrap();
+        assert_eq!(value, 42);
+        synced.wait().await.unwrap();
     }
 }

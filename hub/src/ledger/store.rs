@@ -91,6 +91,11 @@ pub trait Work: Send {
     /// failed. Run again (in a new transaction) when the batch is redone, so it must not
     /// act outside the database.
     fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool;
+    /// A durable job's batch committed and the log syncer will sync it (`durability =
+    /// "full"`): a call that answers at its commit answers now, and hears the sync in
+    /// [`finish`](Work::finish). Not called when the batch did not commit, nor when the
+    /// commit was as durable as asked by itself.
+    fn committed(&mut self) {}
     /// Tells the caller, once the batch's commit is known (`Ok`: committed; else why not).
     fn finish(self: Box<Self>, outcome: Result<(), LedgerError>);
 }
@@ -348,10 +353,13 @@ impl LedgerThread {
             }
         };
         let mut durable = Vec::with_capacity(batch.len());
-        for (job, commit) in batch.drain(..) {
+        for (mut job, commit) in batch.drain(..) {
             match commit {
                 Commit::Deferred => job.finish(Ok(())),
-                Commit::Durable => durable.push(job),
+                Commit::Durable => {
+                    job.committed();
+                    durable.push(job);
+                }
             }
         }
         syncer.after_sync(durable);
@@ -547,8 +555,13 @@ mod tests {
             syncer.finish();
         }
         let syncs = heard.syncs_seen();
+        let committed = heard.committed.lock().unwrap().clone();
         let heard = heard.calls.lock().unwrap().clone();
         if on_disk {
+            // Each durable job was told of its commit before the sync that covers it.
+            let names: Vec<_> = committed.iter().map(|(name, _)| *name).collect();
+            assert_eq!(names, ["durable", "only durable"], "{committed:?}");
+            assert_eq!(committed[0].1, 0, "{committed:?}");
             assert_eq!(heard[0], ("deferred", true), "{heard:?}");
             assert_eq!(heard[1..].len(), 2);
             assert!(heard[1..].contains(&("durable", true)), "{heard:?}");
@@ -558,6 +571,7 @@ mod tests {
             assert!(syncs[1..].iter().all(|(_, seen)| *seen >= 1), "{syncs:?}");
         } else {
             assert_eq!(heard, [("durable", true), ("deferred", true), ("only durable", true)]);
+            assert!(committed.is_empty(), "the commit was the sync: {committed:?}");
             assert!(syncs.iter().all(|(_, seen)| *seen == 0), "the commit synced: {syncs:?}");
         }
         assert_eq!(flushes(&thread.conn), 0, "no extra commit to sync");
@@ -569,6 +583,8 @@ mod tests {
     struct Heard {
         calls: Arc<std::sync::Mutex<Vec<(&'static str, bool)>>>,
         syncs: Option<(Histogram, SyncsSeen)>,
+        /// The jobs told their batch committed before its sync, with the syncs by then.
+        committed: SyncsSeen,
     }
 
     /// Per job that heard, the log syncer's syncs by then.
@@ -576,7 +592,8 @@ mod tests {
 
     impl Heard {
         fn watching(syncs: &Histogram) -> Self {
-            Self { calls: Arc::default(), syncs: Some((syncs.clone(), Arc::default())) }
+            let syncs = Some((syncs.clone(), Arc::default()));
+            Self { calls: Arc::default(), syncs, committed: Arc::default() }
         }
 
         fn syncs_seen(&self) -> Vec<(&'static str, u64)> {
@@ -619,6 +636,11 @@ mod tests {
             let result = if savepoint { super::savepoint(txn, work) } else { work(txn) };
             self.ran = Some(result.is_ok());
             result.is_ok()
+        }
+
+        fn committed(&mut self) {
+            let syncs = self.heard.syncs.as_ref().map_or(0, |(syncs, _)| syncs.count());
+            self.heard.committed.lock().unwrap().push((self.name, syncs));
         }
 
         fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
