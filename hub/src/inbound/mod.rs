@@ -364,7 +364,7 @@ async fn carry_out(
                     run::Gate::open()
                 }
             };
-            let opener = gate.opener();
+            let opener = gate.opener(conn.clone());
             let work = match action {
                 Action::Answer(command) => Work::Hub(command),
                 _ => Work::Runtime,

@@ -148,33 +148,71 @@ fn request(
 
 /// Whether the driver may hear of a run yet. A run whose inbound was just recorded may start
 /// while the record is being synced, but the driver hears `accepted` first, once the record
-/// is on the disk; until then the run's stream frames, commands and its ending wait, and its
-/// effects (live progress) are dropped. Every other run's gate is open.
+/// is on the disk: until then the run's effects (live progress) are held, at most
+/// [`MAX_HELD`] of them, and its stream frames, commands and ending wait. Every other run's
+/// gate is open.
 #[derive(Debug, Clone)]
-pub struct Gate(CancellationToken);
+pub struct Gate(Arc<GateState>);
+
+#[derive(Debug)]
+struct GateState {
+    open: CancellationToken,
+    /// Effects sent while shut, in order; let through as it opens.
+    held: std::sync::Mutex<Vec<Frame>>,
+}
+
+/// Effects a shut gate holds; more are dropped (live progress, like a full queue's).
+pub const MAX_HELD: usize = 32;
 
 impl Gate {
     pub fn open() -> Self {
         let gate = Self::shut();
-        gate.0.cancel();
+        gate.0.open.cancel();
         gate
     }
 
     pub fn shut() -> Self {
-        Self(CancellationToken::new())
+        Self(Arc::new(GateState { open: CancellationToken::new(), held: Default::default() }))
     }
 
-    /// Opens it once dropped (also when the task that holds it ends early).
-    pub fn opener(&self) -> tokio_util::sync::DropGuard {
-        self.0.clone().drop_guard()
+    /// What opens it once dropped (also when the task that holds it ends early), letting
+    /// the effects it held through to `conn` first.
+    pub fn opener(&self, conn: Arc<Connection>) -> Opener {
+        Opener { gate: self.clone(), conn }
     }
 
-    fn is_open(&self) -> bool {
-        self.0.is_cancelled()
+    /// Sends an effect's frame now, or holds it while the gate is shut. Under the lock, so an
+    /// effect never passes those held before it.
+    fn send_or_hold(&self, conn: &Connection, frame: Frame) {
+        let mut held = lock(&self.0.held);
+        if self.0.open.is_cancelled() {
+            let _ = conn.sink.try_send(&frame);
+        } else if held.len() < MAX_HELD {
+            held.push(frame);
+        } else {
+            debug!("effect before the message was accepted; too many held, dropped");
+        }
     }
 
     async fn wait(&self) {
-        self.0.cancelled().await;
+        self.0.open.cancelled().await;
+    }
+}
+
+/// Opens a [`Gate`] when dropped.
+#[derive(Debug)]
+pub struct Opener {
+    gate: Gate,
+    conn: Arc<Connection>,
+}
+
+impl Drop for Opener {
+    fn drop(&mut self) {
+        let mut held = lock(&self.gate.0.held);
+        for frame in held.drain(..) {
+            let _ = self.conn.sink.try_send(&frame);
+        }
+        self.gate.0.open.cancel();
     }
 }
 
@@ -495,10 +533,6 @@ impl RunIo for ConnectionIo {
         if self.cancel.is_cancelled() {
             return;
         }
-        if !self.gate.is_open() {
-            debug!("effect before the message was accepted; dropped");
-            return;
-        }
         match conn.declaration.effect_gate(&effect) {
             EffectGate::Send => {
                 let frame = Frame::Effect(EffectFrame {
@@ -507,7 +541,7 @@ impl RunIo for ConnectionIo {
                     effect,
                 });
                 // Live progress: a full queue drops it rather than stall the run.
-                let _ = conn.sink.try_send(&frame);
+                self.gate.send_or_hold(conn, frame);
             }
             EffectGate::Drop => {}
             EffectGate::Reject(reason) => debug!(%reason, "effect from the agent not sent"),
@@ -544,5 +578,61 @@ impl RunIo for ConnectionIo {
             ),
             Err(err) => CommandAnswer::rejected(err.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use channeld_link::spawn_writer;
+    use channeld_protocol::ext::PeerDeclaration;
+    use channeld_protocol::frame::Accepted;
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    use super::*;
+    use crate::connection::PeerKind;
+
+    fn frame(event_id: &str) -> Frame {
+        Frame::Accepted(Accepted { event_id: Id::new(event_id).unwrap(), duplicate: false })
+    }
+
+    /// A shut gate holds effects (in order, at most `MAX_HELD`) and keeps the run's other
+    /// frames waiting; its opener lets the held effects out first, then everything else.
+    #[tokio::test]
+    async fn a_shut_gate_holds_effects_in_order_and_lets_them_out_before_the_rest() {
+        let (hub_side, driver_side) = tokio::io::duplex(1 << 20);
+        let (sink, _writer) = spawn_writer(hub_side, 256);
+        let conn =
+            Arc::new(Connection::new(1, PeerKind::Driver, sink, PeerDeclaration::default(), None));
+        let mut lines = BufReader::new(driver_side).lines();
+
+        let gate = Gate::shut();
+        for n in 0..MAX_HELD + 3 {
+            gate.send_or_hold(&conn, frame(&format!("held-{n}")));
+        }
+        let waiting = {
+            let (gate, conn) = (gate.clone(), conn.clone());
+            tokio::spawn(async move {
+                gate.wait().await;
+                conn.sink.send(&frame("after")).await.unwrap();
+            })
+        };
+        let nothing = tokio::time::timeout(Duration::from_millis(50), lines.next_line()).await;
+        assert!(nothing.is_err(), "nothing reaches the driver while the gate is shut");
+
+        drop(gate.opener(conn.clone()));
+        waiting.await.unwrap();
+        gate.send_or_hold(&conn, frame("open"));
+        let mut seen = Vec::new();
+        while seen.len() < MAX_HELD + 2 {
+            let line = lines.next_line().await.unwrap().unwrap();
+            let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+            seen.push(event["frame"]["event_id"].as_str().unwrap().to_owned());
+        }
+        let held: Vec<_> = (0..MAX_HELD).map(|n| format!("held-{n}")).collect();
+        assert_eq!(seen[..MAX_HELD], held[..], "the first MAX_HELD, in order");
+        assert_eq!(seen[MAX_HELD..], ["after", "open"]);
+        assert!(Gate::open().0.open.is_cancelled());
     }
 }

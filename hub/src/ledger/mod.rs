@@ -139,30 +139,44 @@ impl From<rusqlite::Error> for LedgerError {
     }
 }
 
-/// A ledger call queued for the ledger thread: its function, what its last run returned,
-/// and where its caller waits.
-struct Call<T, F> {
+/// A ledger call's function, what its last run returned, and the flag a full disk is noted
+/// on: what [`Call`] and [`EarlyCall`] share.
+struct Body<T, F> {
     f: F,
     result: Option<Result<T, LedgerError>>,
-    done: oneshot::Sender<Result<T, LedgerError>>,
     storage: StorageFlag,
 }
 
-/// Runs a call's function (in a savepoint of its own when `savepoint`), noting a full disk.
-fn run_call<T, F>(
-    f: &F,
-    txn: &Transaction<'_>,
-    savepoint: bool,
-    storage: &StorageFlag,
-) -> Result<T, LedgerError>
+impl<T, F> Body<T, F>
 where
     F: Fn(&Transaction<'_>) -> Result<T, LedgerError>,
 {
-    let result = if savepoint { store::savepoint(txn, f) } else { f(txn) };
-    if let Err(err) = &result {
-        storage.note(err);
+    fn new(f: F, storage: StorageFlag) -> Self {
+        Self { f, result: None, storage }
     }
-    result
+
+    /// Runs the function (in a savepoint of its own when `savepoint`); false when it failed.
+    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+        let result = if savepoint { store::savepoint(txn, &self.f) } else { (self.f)(txn) };
+        if let Err(err) = &result {
+            self.storage.note(err);
+        }
+        let ran = result.is_ok();
+        self.result = Some(result);
+        ran
+    }
+
+    /// What the last run returned; a call never run (its batch could not begin) is answered
+    /// as its commit was.
+    fn take(&mut self) -> Result<T, LedgerError> {
+        self.result.take().unwrap_or(Err(LedgerError::Commit))
+    }
+}
+
+/// A ledger call queued for the ledger thread: its body and where its caller waits.
+struct Call<T, F> {
+    body: Body<T, F>,
+    done: oneshot::Sender<Result<T, LedgerError>>,
 }
 
 impl<T, F> store::Work for Call<T, F>
@@ -171,15 +185,11 @@ where
     F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
 {
     fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
-        let result = run_call(&self.f, txn, savepoint, &self.storage);
-        let ran = result.is_ok();
-        self.result = Some(result);
-        ran
+        self.body.run(txn, savepoint)
     }
 
-    fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
-        // A job never run (its batch could not begin) is answered as its commit was.
-        let result = self.result.unwrap_or(Err(LedgerError::Commit));
+    fn finish(mut self: Box<Self>, outcome: Result<(), LedgerError>) {
+        let result = self.body.take();
         let _ = self.done.send(outcome.and(result));
     }
 }
@@ -189,13 +199,11 @@ where
 /// for the disk only before it tells anyone. Under `strict` and `normal` (no log syncer) it
 /// answers once the commit is as durable as asked, with the sync already heard.
 struct EarlyCall<T, F> {
-    f: F,
-    result: Option<Result<T, LedgerError>>,
+    body: Body<T, F>,
     /// Taken when it answers at the commit.
     done: Option<oneshot::Sender<Result<(T, Synced), LedgerError>>>,
     /// Where the sync's outcome goes, once it answered at the commit.
     synced: Option<oneshot::Sender<Result<(), LedgerError>>>,
-    storage: StorageFlag,
 }
 
 impl<T, F> store::Work for EarlyCall<T, F>
@@ -204,15 +212,12 @@ where
     F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
 {
     fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
-        let result = run_call(&self.f, txn, savepoint, &self.storage);
-        let ran = result.is_ok();
-        self.result = Some(result);
-        ran
+        self.body.run(txn, savepoint)
     }
 
     fn committed(&mut self) {
-        let (Some(done), Some(result)) = (self.done.take(), self.result.take()) else { return };
-        let answer = result.map(|value| {
+        let Some(done) = self.done.take() else { return };
+        let answer = self.body.take().map(|value| {
             let (tx, rx) = oneshot::channel();
             self.synced = Some(tx);
             (value, Synced(rx))
@@ -220,12 +225,11 @@ where
         let _ = done.send(answer);
     }
 
-    fn finish(self: Box<Self>, outcome: Result<(), LedgerError>) {
-        let Self { result, done, synced, .. } = *self;
-        match (done, synced) {
+    fn finish(mut self: Box<Self>, outcome: Result<(), LedgerError>) {
+        match (self.done.take(), self.synced.take()) {
             (Some(done), _) => {
-                let result = result.unwrap_or(Err(LedgerError::Commit));
-                let _ = done.send(outcome.and(result).map(|value| (value, Synced::heard(Ok(())))));
+                let answer = outcome.and(self.body.take());
+                let _ = done.send(answer.map(|value| (value, Synced::heard(Ok(())))));
             }
             (None, Some(synced)) => {
                 let _ = synced.send(outcome);
@@ -424,7 +428,7 @@ impl Ledger {
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
         let (done, answer) = oneshot::channel();
-        let job = Box::new(Call { f, result: None, done, storage: self.storage.clone() });
+        let job = Box::new(Call { body: Body::new(f, self.storage.clone()), done });
         Pending(self.queue_job(job, commit).await.map(|()| answer))
     }
 
@@ -436,8 +440,8 @@ impl Ledger {
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
         let (done, answer) = oneshot::channel();
-        let storage = self.storage.clone();
-        let job = Box::new(EarlyCall { f, result: None, done: Some(done), synced: None, storage });
+        let body = Body::new(f, self.storage.clone());
+        let job = Box::new(EarlyCall { body, done: Some(done), synced: None });
         Pending(self.queue_job(job, Commit::Durable).await.map(|()| answer))
     }
 
@@ -928,13 +932,7 @@ mod tests {
             let f = |txn: &Transaction<'_>| -> Result<i64, LedgerError> {
                 Ok(txn.query_row("SELECT 41 + 1", [], |r| r.get(0))?)
             };
-            EarlyCall {
-                f,
-                result: None,
-                done: Some(done),
-                synced: None,
-                storage: StorageFlag::default(),
-            }
+            EarlyCall { body: Body::new(f, StorageFlag::default()), done: Some(done), synced: None }
         };
 
         let (done, answer) = oneshot::channel();
