@@ -27,8 +27,8 @@ use tracing::{error, info, warn};
 
 /// The hub's allocator: mimalloc, not glibc's malloc, which took a fifth of the hub's time
 /// at 256 sends in flight (`malloc`, `free` and `malloc_consolidate`); see BENCHMARKS.md,
-/// "eighth round". Built without transparent huge pages: with them an idle hub held 48 MiB,
-/// not 26, and 393 MiB with 9,872 idle drivers, not 265.
+/// "eighth round". Built without transparent huge pages: with them the hub held 392 MiB with
+/// 9,872 idle drivers, not 266 (glibc: 258).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
