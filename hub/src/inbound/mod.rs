@@ -3,9 +3,10 @@
 //! the run (`run.rs`) and the reply (`reply.rs`).
 //!
 //! Order: an inbound takes its place in its session's queue on the reader, in arrival order,
-//! before anything is awaited; it is recorded (ledger on), answered `accepted`, and its run
-//! starts when the runs before it in its session have ended and a run slot is free
-//! (`runqueue.rs`). `/help` and `/new` are runs like any other, so they take effect in that
+//! before anything is awaited; it is recorded (ledger on), answered `accepted` once the record
+//! is on the disk, and its run starts when the runs before it in its session have ended and a
+//! run slot is free (`runqueue.rs`) — possibly while the record is still being synced, its
+//! frames then held behind `accepted` (`run::Gate`). `/help` and `/new` are runs like any other, so they take effect in that
 //! order too.
 //!
 //! With the ledger on, an event id is run at most once: a redelivery with the same content
