@@ -358,14 +358,16 @@ async fn carry_out(
         Action::Answer(_) | Action::Run => {
             inst.metrics.inbound(InboundOutcome::Accepted);
             let place = place.expect("a run has its queue place");
-            let gate = match &synced {
-                Some(_) => run::Gate::shut(),
+            let (gate, opener) = match &synced {
+                Some(_) => {
+                    let (gate, opener) = run::Gate::shut(conn.clone());
+                    (gate, Some(opener))
+                }
                 None => {
                     accept(conn, event_id, false).await;
-                    run::Gate::open()
+                    (run::Gate::open(), None)
                 }
             };
-            let opener = gate.opener(conn.clone());
             let work = match action {
                 Action::Answer(command) => Work::Hub(command),
                 _ => Work::Runtime,

@@ -150,9 +150,9 @@ fn request(
 /// while the record is being synced, but the driver hears `accepted` first, once the record
 /// is on the disk: until then the run's effects (live progress) are held, at most
 /// [`MAX_HELD`] of them, and its stream frames, commands and ending wait. Every other run's
-/// gate is open.
+/// gate is open, and costs nothing (`None`).
 #[derive(Debug, Clone)]
-pub struct Gate(Arc<GateState>);
+pub struct Gate(Option<Arc<GateState>>);
 
 #[derive(Debug)]
 struct GateState {
@@ -166,26 +166,26 @@ pub const MAX_HELD: usize = 32;
 
 impl Gate {
     pub fn open() -> Self {
-        let gate = Self::shut();
-        gate.0.open.cancel();
-        gate
+        Self(None)
     }
 
-    pub fn shut() -> Self {
-        Self(Arc::new(GateState { open: CancellationToken::new(), held: Default::default() }))
-    }
-
-    /// What opens it once dropped (also when the task that holds it ends early), letting
-    /// the effects it held through to `conn` first.
-    pub fn opener(&self, conn: Arc<Connection>) -> Opener {
-        Opener { gate: self.clone(), conn }
+    /// A shut gate, and what opens it once dropped (also when the task that holds it ends
+    /// early), letting the effects it held through to `conn` first.
+    pub fn shut(conn: Arc<Connection>) -> (Self, Opener) {
+        let state =
+            Arc::new(GateState { open: CancellationToken::new(), held: Default::default() });
+        (Self(Some(state.clone())), Opener { state, conn })
     }
 
     /// Sends an effect's frame now, or holds it while the gate is shut. Under the lock, so an
     /// effect never passes those held before it.
     fn send_or_hold(&self, conn: &Connection, frame: Frame) {
-        let mut held = lock(&self.0.held);
-        if self.0.open.is_cancelled() {
+        let Some(state) = &self.0 else {
+            let _ = conn.sink.try_send(&frame);
+            return;
+        };
+        let mut held = lock(&state.held);
+        if state.open.is_cancelled() {
             let _ = conn.sink.try_send(&frame);
         } else if held.len() < MAX_HELD {
             held.push(frame);
@@ -195,24 +195,26 @@ impl Gate {
     }
 
     async fn wait(&self) {
-        self.0.open.cancelled().await;
+        if let Some(state) = &self.0 {
+            state.open.cancelled().await;
+        }
     }
 }
 
-/// Opens a [`Gate`] when dropped.
+/// Opens a shut [`Gate`] when dropped.
 #[derive(Debug)]
 pub struct Opener {
-    gate: Gate,
+    state: Arc<GateState>,
     conn: Arc<Connection>,
 }
 
 impl Drop for Opener {
     fn drop(&mut self) {
-        let mut held = lock(&self.gate.0.held);
+        let mut held = lock(&self.state.held);
         for frame in held.drain(..) {
             let _ = self.conn.sink.try_send(&frame);
         }
-        self.gate.0.open.cancel();
+        self.state.open.cancel();
     }
 }
 
@@ -607,7 +609,7 @@ mod tests {
             Arc::new(Connection::new(1, PeerKind::Driver, sink, PeerDeclaration::default(), None));
         let mut lines = BufReader::new(driver_side).lines();
 
-        let gate = Gate::shut();
+        let (gate, opener) = Gate::shut(conn.clone());
         for n in 0..MAX_HELD + 3 {
             gate.send_or_hold(&conn, frame(&format!("held-{n}")));
         }
@@ -621,7 +623,7 @@ mod tests {
         let nothing = tokio::time::timeout(Duration::from_millis(50), lines.next_line()).await;
         assert!(nothing.is_err(), "nothing reaches the driver while the gate is shut");
 
-        drop(gate.opener(conn.clone()));
+        drop(opener);
         waiting.await.unwrap();
         gate.send_or_hold(&conn, frame("open"));
         let mut seen = Vec::new();
@@ -633,6 +635,10 @@ mod tests {
         let held: Vec<_> = (0..MAX_HELD).map(|n| format!("held-{n}")).collect();
         assert_eq!(seen[..MAX_HELD], held[..], "the first MAX_HELD, in order");
         assert_eq!(seen[MAX_HELD..], ["after", "open"]);
-        assert!(Gate::open().0.open.is_cancelled());
+        let open = Gate::open();
+        open.wait().await;
+        open.send_or_hold(&conn, frame("at once"));
+        let line = lines.next_line().await.unwrap().unwrap();
+        assert!(line.contains("at once"), "{line}");
     }
 }
