@@ -32,6 +32,9 @@ pub(crate) async fn notify(hub: Arc<Hub>, liveness: Liveness, finished: Cancella
     let mut stalled = false;
     loop {
         tokio::select! {
+            // Biased: a hub that stopped quickly has both `shutdown` and `finished` ready by
+            // the time this task runs, and an unbiased pick could return without STOPPING=1.
+            biased;
             () = hub.shutdown.cancelled(), if !stopping => {
                 stopping = true;
                 send("STOPPING=1\nSTATUS=draining runs".to_owned()).await;
