@@ -128,12 +128,36 @@ pub fn fits(request_id: &Id, message: &OutboundMessage) -> Result<(), SendError>
 
 /// Hands an `outbound` to `conn` and registers for its receipt. Fails without sending when
 /// the driver did not declare `send` or the connection is gone.
-pub async fn handover(
+///
+/// The frame is built, encoded and its receipt registered when this is called; the future
+/// only queues the encoded line, so it holds neither the message nor the frame (it is part
+/// of every send's future, which spawning and boxing copy). Await it at once.
+pub fn handover<'a>(
+    inst: &'a Instance,
+    conn: &'a Connection,
+    request_id: &'a Id,
+    message: OutboundMessage,
+) -> impl Future<Output = Result<oneshot::Receiver<ReceiptOutcome>, SendError>> + Send + 'a {
+    let prepared = prepare(inst, conn, request_id, message);
+    async move {
+        let (waiter, line) = prepared?;
+        if conn.sink.send_encoded(line).await.is_err() {
+            conn.forget_receipt(request_id);
+            return Err(SendError::Offline(inst.config.id.to_string()));
+        }
+        Counters::bump(&inst.counters.outbound);
+        Ok(waiter)
+    }
+}
+
+/// What [`handover`] does before it queues the line: the checks, the receipt's
+/// registration and the encoded frame.
+fn prepare(
     inst: &Instance,
     conn: &Connection,
     request_id: &Id,
     message: OutboundMessage,
-) -> Result<oneshot::Receiver<ReceiptOutcome>, SendError> {
+) -> Result<(oneshot::Receiver<ReceiptOutcome>, Vec<u8>), SendError> {
     if !conn.declaration.can_send() {
         return Err(SendError::NotDeclared("send"));
     }
@@ -141,15 +165,13 @@ pub async fn handover(
         .expect_receipt(request_id.clone())
         .ok_or_else(|| SendError::Offline(inst.config.id.to_string()))?;
     let frame = Frame::Outbound(Delivery { request_id: request_id.clone(), message });
-    if let Err(err) = conn.sink.send(&frame).await {
-        conn.forget_receipt(request_id);
-        return Err(match err {
-            channeld_link::SinkError::Encode(err) => SendError::TooLarge(err.to_string()),
-            _ => SendError::Offline(inst.config.id.to_string()),
-        });
+    match channeld_protocol::encode(&frame) {
+        Ok(line) => Ok((waiter, line)),
+        Err(err) => {
+            conn.forget_receipt(request_id);
+            Err(SendError::TooLarge(err.to_string()))
+        }
     }
-    Counters::bump(&inst.counters.outbound);
-    Ok(waiter)
 }
 
 /// Waits up to `timeout` for the receipt of a handed-over `outbound`, and counts the outcome

@@ -59,14 +59,19 @@ pub(super) fn hold(tx: &Sender<Message>, job: Job, commit: Commit) -> Option<(Jo
 
 /// Sends the calls the task holds, in the order it queued them: one message per ledger, so
 /// the ledger thread takes them into one batch (waiting for room in its queue). Nothing to
-/// do outside a corked task.
+/// do outside a corked task. The sending is boxed: most callers hold nothing, and every
+/// ledger call's future holds this one.
 pub async fn release() {
-    let Ok(mut jobs) = HELD.try_with(|held| std::mem::take(&mut held.borrow_mut().jobs)) else {
+    let Ok(jobs) = HELD.try_with(|held| std::mem::take(&mut held.borrow_mut().jobs)) else {
         return;
     };
     if jobs.is_empty() {
         return;
     }
+    Box::pin(send(jobs)).await;
+}
+
+async fn send(mut jobs: Vec<(Sender<Message>, Job, Commit)>) {
     for (tx, message) in messages(&mut jobs) {
         // A closed queue drops the calls: their callers hear `Unavailable`.
         let _ = tx.send(message).await;

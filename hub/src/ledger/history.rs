@@ -6,7 +6,7 @@
 //! A thread is stored as `''` when there is none, so one index serves every lookup.
 
 use channeld_protocol::ext::HistoryRole;
-use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
+use rusqlite::{Connection, Row, Transaction, params};
 
 use super::LedgerError;
 use super::store::Cached;
@@ -131,17 +131,22 @@ pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64
     )?;
     let id = txn.last_insert_rowid();
     let key = params![new.instance, new.conversation, thread];
-    let counted: Option<i64> = txn
-        .query_row_cached(
-            "UPDATE temp.history_counts SET n = n + 1
-             WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 RETURNING n",
+    // An UPDATE and a SELECT, not `UPDATE … RETURNING`: SQLite gathers a RETURNING
+    // statement's rows in an ephemeral table, which cost more than the insert above
+    // (BENCHMARKS.md, fix 23).
+    let counted = txn.exec_cached(
+        "UPDATE temp.history_counts SET n = n + 1
+         WHERE instance = ?1 AND conversation = ?2 AND thread = ?3",
+        key,
+    )?;
+    let count = match counted {
+        1 => txn.query_row_cached(
+            "SELECT n FROM temp.history_counts
+             WHERE instance = ?1 AND conversation = ?2 AND thread = ?3",
             key,
             |row| row.get(0),
-        )
-        .optional()?;
-    let count = match counted {
-        Some(count) => count,
-        None => {
+        )?,
+        _ => {
             let count: i64 = txn.query_row_cached(
                 "SELECT count(*) FROM history WHERE instance = ?1 AND conversation = ?2
                      AND thread = ?3",
@@ -172,26 +177,19 @@ pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64
     Ok(id)
 }
 
-/// Records the reply of `event_id` as posted, from its delivery record: an assistant entry
-/// in the reply's conversation and thread, with the platform's message id from `receipt`.
-/// Nothing when the reply has no delivery record.
+/// Records the reply of `event_id` as posted, from its delivery record (its id and stored
+/// message, which the caller has just read): an assistant entry in the reply's conversation
+/// and thread, with the platform's message id from `receipt`.
 pub fn append_posted_reply(
     txn: &Transaction<'_>,
     instance: &str,
     event_id: &str,
+    (reply_id, message): (i64, &[u8]),
     message_id: Option<String>,
     cap: usize,
     now_ms: u64,
-) -> Result<Option<i64>, LedgerError> {
-    let stored = txn
-        .query_row_cached(
-            "SELECT id, message FROM replies WHERE instance = ?1 AND event_id = ?2",
-            params![instance, event_id],
-            |row| Ok((row.get::<_, i64>(0)?, row.get::<_, Vec<u8>>(1)?)),
-        )
-        .optional()?;
-    let Some((reply_id, message)) = stored else { return Ok(None) };
-    let message: channeld_protocol::types::OutboundMessage = serde_json::from_slice(&message)
+) -> Result<i64, LedgerError> {
+    let message: channeld_protocol::types::OutboundMessage = serde_json::from_slice(message)
         .map_err(|err| LedgerError::Sql(format!("stored reply does not decode: {err}")))?;
     let new = NewHistory {
         instance: instance.to_owned(),
@@ -205,7 +203,7 @@ pub fn append_posted_reply(
         reply_id: Some(reply_id),
         at_ms: now_ms,
     };
-    append(txn, &new, cap).map(Some)
+    append(txn, &new, cap)
 }
 
 /// The newest `limit` entries of a conversation (and thread: `None` is the conversation
@@ -367,8 +365,8 @@ mod tests {
             expires_ms: 100,
         };
         let reply_id = replies::add(&txn, &reply, 1).unwrap();
-        let id = append_posted_reply(&txn, "a.b", "e-q", Some("p-1".into()), 10, 5).unwrap();
-        assert!(id.is_some());
+        let stored = (reply_id, reply.message.as_slice());
+        append_posted_reply(&txn, "a.b", "e-q", stored, Some("p-1".into()), 10, 5).unwrap();
         let entries = recent(&txn, "a.b", "c1", Some("t1"), 10).unwrap();
         assert_eq!(entries.len(), 1);
         let entry = &entries[0];
@@ -378,7 +376,6 @@ mod tests {
         assert_eq!(entry.event_id.as_deref(), Some("e-q"));
         assert_eq!(entry.reply_id, Some(reply_id));
         assert_eq!(entry.at_ms, 5);
-        assert_eq!(append_posted_reply(&txn, "a.b", "e-none", None, 10, 5).unwrap(), None);
     }
 
     #[test]

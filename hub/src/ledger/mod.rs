@@ -367,7 +367,10 @@ impl Ledger {
 
     /// A small real write (the `meta` row `storage_probe`), so a ledger marked full notices
     /// that space returned even when no message arrives. Clears or confirms the mark.
-    pub async fn probe_storage(&self, now_ms: u64) -> Result<(), LedgerError> {
+    pub fn probe_storage(
+        &self,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send + '_ {
         self.call(move |txn| {
             txn.execute(
                 "INSERT INTO meta (key, value) VALUES ('storage_probe', ?1)
@@ -376,7 +379,6 @@ impl Ledger {
             )?;
             Ok(())
         })
-        .await
     }
 
     /// Jobs queued for the ledger thread now (0 when off).
@@ -385,8 +387,11 @@ impl Ledger {
     }
 
     /// Outbox records per instance and state.
-    pub async fn outbox_counts(&self) -> Result<Vec<(String, OutboxState, u64)>, LedgerError> {
-        self.call(outbox::counts).await
+    pub fn outbox_counts(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(String, OutboxState, u64)>, LedgerError>> + Send + '_
+    {
+        self.call(outbox::counts)
     }
 
     /// The database path, when on (and not in memory).
@@ -400,41 +405,56 @@ impl Ledger {
     }
 
     /// Runs `f` inside the next batch; resolves once that batch committed durably.
-    async fn call<T, F>(&self, f: F) -> Result<T, LedgerError>
+    fn call<T, F>(&self, f: F) -> impl Future<Output = Result<T, LedgerError>> + Send + '_
     where
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
-        self.call_with(Commit::Durable, f).await
+        self.call_with(Commit::Durable, f)
     }
 
     /// Runs `f` inside the next batch; resolves once that batch committed as `commit` asks.
     /// `f` may run twice (the batch is redone when another call in it failed), so it only
     /// reads and writes the database.
-    async fn call_with<T, F>(&self, commit: Commit, f: F) -> Result<T, LedgerError>
-    where
-        T: Send + 'static,
-        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
-    {
-        self.queue_with(commit, f).await.answer().await
-    }
-
-    /// Queues `f` for the ledger thread, waiting only for room in its queue: calls run in
-    /// the order they were queued, so a caller that must keep an order (a driver's frames)
-    /// queues in that order and waits for the answers elsewhere.
-    async fn queue_with<T, F>(&self, commit: Commit, f: F) -> Pending<T>
+    ///
+    /// This and the two below box the call before they return a future, which holds only
+    /// the box: an `async fn` keeps its arguments for its whole life, so each level of a call
+    /// held the closure (and all it captured) again, and every caller's future grew by those
+    /// copies (BENCHMARKS.md, fix 22).
+    fn call_with<T, F>(
+        &self,
+        commit: Commit,
+        f: F,
+    ) -> impl Future<Output = Result<T, LedgerError>> + Send + '_
     where
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { body: Body::new(f, self.storage.clone()), done });
-        Pending(self.queue_job(job, commit).await.map(|()| answer))
+        async move {
+            self.queue_job(job, commit).await?;
+            cork::release().await;
+            answer.await.map_err(|_| LedgerError::Unavailable)?
+        }
+    }
+
+    /// Queues `f` for the ledger thread, waiting only for room in its queue: calls run in
+    /// the order they were queued, so a caller that must keep an order (a driver's frames)
+    /// queues in that order and waits for the answers elsewhere.
+    fn queue_with<T, F>(&self, commit: Commit, f: F) -> impl Future<Output = Pending<T>> + Send + '_
+    where
+        T: Send + 'static,
+        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+    {
+        let (done, answer) = oneshot::channel();
+        let job = Box::new(Call { body: Body::new(f, self.storage.clone()), done });
+        async move { Pending(self.queue_job(job, commit).await.map(|()| answer)) }
     }
 
     /// [`queue_with`](Self::queue_with) for a durable call answered at its commit, with a
     /// [`Synced`] for the sync after it (see `EarlyCall`).
-    async fn queue_early<T, F>(&self, f: F) -> Pending<(T, Synced)>
+    fn queue_early<T, F>(&self, f: F) -> impl Future<Output = Pending<(T, Synced)>> + Send + '_
     where
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
@@ -442,20 +462,23 @@ impl Ledger {
         let (done, answer) = oneshot::channel();
         let body = Body::new(f, self.storage.clone());
         let job = Box::new(EarlyCall { body, done: Some(done), synced: None });
-        Pending(self.queue_job(job, Commit::Durable).await.map(|()| answer))
+        async move { Pending(self.queue_job(job, Commit::Durable).await.map(|()| answer)) }
     }
 
+    /// Hands `job` to the ledger thread, or to the corked task's cork. Waiting for room in
+    /// the queue is the rare case, and boxed: the common one keeps the future small.
     async fn queue_job(&self, job: store::Job, commit: Commit) -> Result<(), LedgerError> {
         let Some(tx) = self.tx.as_ref() else { return Err(LedgerError::Off) };
         // A corked task holds it (`cork.rs`); else it goes now, after what the task held.
-        let queued = match cork::hold(tx, job, commit) {
-            None => Ok(()),
-            Some((job, commit)) => {
-                cork::release().await;
-                tx.send(store::Message::Job(job, commit)).await.map_err(drop)
+        let Some((job, commit)) = cork::hold(tx, job, commit) else { return Ok(()) };
+        cork::release().await;
+        match tx.try_send(store::Message::Job(job, commit)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(message)) => {
+                Box::pin(tx.send(message)).await.map_err(|_| LedgerError::Unavailable)
             }
-        };
-        queued.map_err(|()| LedgerError::Unavailable)
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(LedgerError::Unavailable),
+        }
     }
 
     /// Answers once the ledger thread committed a batch queued now: the thread is alive and
@@ -486,12 +509,12 @@ impl Ledger {
     /// only: the caller keeps the order of the driver's frames. Answered once committed;
     /// the [`Synced`] says when the record is on the disk (a run may start meanwhile, but
     /// no one hears of the message before).
-    pub async fn record_inbound(
+    pub fn record_inbound(
         &self,
         new: NewInbound,
         rehash: Rehash,
         history: Option<(NewHistory, usize)>,
-    ) -> Pending<(Recorded, Synced)> {
+    ) -> impl Future<Output = Pending<(Recorded, Synced)>> + Send + '_ {
         self.queue_early(move |txn| {
             let recorded = inbound::record(txn, &new, rehash)?;
             if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, &history) {
@@ -499,7 +522,6 @@ impl Ledger {
             }
             Ok(recorded)
         })
-        .await
     }
 
     /// [`Ledger::record_inbound`] and its answer, for tests that need no order kept.
@@ -516,33 +538,37 @@ impl Ledger {
     }
 
     /// The newest `limit` history entries of a conversation (and thread), oldest first.
-    pub async fn history_recent(
+    pub fn history_recent(
         &self,
         instance: String,
         conversation: String,
         thread: Option<String>,
         limit: usize,
-    ) -> Result<Vec<HistoryEntry>, LedgerError> {
+    ) -> impl Future<Output = Result<Vec<HistoryEntry>, LedgerError>> + Send + '_ {
         self.call(move |txn| {
             history::recent(txn, &instance, &conversation, thread.as_deref(), limit)
         })
-        .await
     }
 
     /// The state of `event_id`'s entry and its error code (`aborted` for a cancelled run).
-    pub async fn inbound_outcome(
+    pub fn inbound_outcome(
         &self,
         instance: String,
         event_id: String,
-    ) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
-        self.call(move |txn| inbound::outcome(txn, &instance, &event_id)).await
+    ) -> impl Future<Output = Result<Option<(InboundState, Option<String>)>, LedgerError>> + Send + '_
+    {
+        self.call(move |txn| inbound::outcome(txn, &instance, &event_id))
     }
 
     /// Counts the start of a run that waited (or was recovered); see [`inbound::start`].
     /// Deferred: it is in the log before the run starts, so a crash of the hub counts it;
     /// power loss can forget it, which allows the run one more attempt.
-    pub async fn start_run(&self, instance: String, event_id: String) -> Result<bool, LedgerError> {
-        self.call_with(Commit::Deferred, move |txn| inbound::start(txn, &instance, &event_id)).await
+    pub fn start_run(
+        &self,
+        instance: String,
+        event_id: String,
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send + '_ {
+        self.call_with(Commit::Deferred, move |txn| inbound::start(txn, &instance, &event_id))
     }
 
     /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record,
@@ -550,7 +576,7 @@ impl Ledger {
     /// conversation ([`replies::add_claimed`]), else `pending`. Deferred: it survives a hub
     /// crash at once, power loss with the next fsync (a run whose end was lost that way runs
     /// again, flagged `redelivered`).
-    pub async fn finish_run(
+    pub fn finish_run(
         &self,
         instance: String,
         event_id: String,
@@ -558,7 +584,7 @@ impl Ledger {
         reply: Option<NewReply>,
         claim: bool,
         now_ms: u64,
-    ) -> Result<Finished, LedgerError> {
+    ) -> impl Future<Output = Result<Finished, LedgerError>> + Send + '_ {
         self.call_with(Commit::Deferred, move |txn| {
             let ended = inbound::finish(txn, &instance, &event_id, &end, now_ms)?;
             let handed = match (&reply, &end) {
@@ -573,32 +599,36 @@ impl Ledger {
             };
             Ok(Finished { ended, handed })
         })
-        .await
     }
 
     /// Owed replies without a delivery record (written before schema 3).
-    pub async fn untracked_replies(&self) -> Result<Vec<PendingReply>, LedgerError> {
-        self.call(inbound::untracked_replies).await
+    pub fn untracked_replies(
+        &self,
+    ) -> impl Future<Output = Result<Vec<PendingReply>, LedgerError>> + Send + '_ {
+        self.call(inbound::untracked_replies)
     }
 
     /// Records a reply's delivery as `pending`; returns its id.
-    pub async fn reply_add(&self, reply: NewReply, now_ms: u64) -> Result<i64, LedgerError> {
-        self.call(move |txn| replies::add(txn, &reply, now_ms)).await
+    pub fn reply_add(
+        &self,
+        reply: NewReply,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<i64, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::add(txn, &reply, now_ms))
     }
 
     /// Claims the replies of `instance` due for hand-over; see [`replies::claim_due`].
     /// Deferred: a claim lost to power loss changes nothing, as a restart makes every
     /// `handed` reply `pending` again.
-    pub async fn replies_claim(
+    pub fn replies_claim(
         &self,
         instance: String,
         now_ms: u64,
         limit: usize,
-    ) -> Result<Vec<HandedReply>, LedgerError> {
+    ) -> impl Future<Output = Result<Vec<HandedReply>, LedgerError>> + Send + '_ {
         self.call_with(Commit::Deferred, move |txn| {
             replies::claim_due(txn, &instance, now_ms, limit)
         })
-        .await
     }
 
     /// Applies a driver's answer (or silence); see [`replies::answer`].
@@ -606,87 +636,106 @@ impl Ledger {
     /// told a reply's state, and the next durable commit (the next inbound's record, at the
     /// latest the flush) carries it to the disk; on power loss before that the reply is
     /// handed over again, as a run's end is.
-    pub async fn reply_answer(
+    pub fn reply_answer(
         &self,
         answer: ReplyAnswer,
         now_ms: u64,
         jitter: f64,
-    ) -> Pending<Option<ReplyState>> {
+    ) -> impl Future<Output = Pending<Option<ReplyState>>> + Send + '_ {
         self.queue_with(Commit::Deferred, move |txn| replies::answer(txn, &answer, now_ms, jitter))
-            .await
     }
 
     /// The state of the reply to `event_id`, if its run produced one.
-    pub async fn reply_state(
+    pub fn reply_state(
         &self,
         instance: String,
         event_id: String,
-    ) -> Result<Option<ReplyState>, LedgerError> {
-        self.call(move |txn| replies::state_of(txn, &instance, &event_id)).await
+    ) -> impl Future<Output = Result<Option<ReplyState>, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::state_of(txn, &instance, &event_id))
     }
 
     /// Expires waiting replies past their TTL; returns how many.
-    pub async fn replies_expire(&self, now_ms: u64) -> Result<usize, LedgerError> {
-        self.call(move |txn| replies::expire(txn, now_ms)).await
+    pub fn replies_expire(
+        &self,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<usize, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::expire(txn, now_ms))
     }
 
     /// After a restart nothing is handed over: `handed` replies are `pending` again.
-    pub async fn replies_restart(&self, now_ms: u64) -> Result<usize, LedgerError> {
-        self.call(move |txn| replies::restart(txn, now_ms)).await
+    pub fn replies_restart(
+        &self,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<usize, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::restart(txn, now_ms))
     }
 
     /// Makes the retryable failures of `instance` due now.
-    pub async fn replies_due_now(
+    pub fn replies_due_now(
         &self,
         instance: String,
         now_ms: u64,
-    ) -> Result<usize, LedgerError> {
-        self.call(move |txn| replies::due_now(txn, &instance, now_ms)).await
+    ) -> impl Future<Output = Result<usize, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::due_now(txn, &instance, now_ms))
     }
 
     /// When the next retry or expiry after `after_ms` is due, for any instance.
-    pub async fn replies_next_wake(&self, after_ms: u64) -> Result<Option<u64>, LedgerError> {
-        self.call(move |txn| replies::next_wake(txn, after_ms)).await
+    pub fn replies_next_wake(
+        &self,
+        after_ms: u64,
+    ) -> impl Future<Output = Result<Option<u64>, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::next_wake(txn, after_ms))
     }
 
     /// Lists replies, newest first, with previews; see [`replies::list`].
-    pub async fn replies_list(
+    pub fn replies_list(
         &self,
         instance: Option<String>,
         state: Option<ReplyState>,
         before: Option<i64>,
         limit: usize,
-    ) -> Result<Vec<ReplyRecord>, LedgerError> {
-        self.call(move |txn| replies::list(txn, instance.as_deref(), state, before, limit)).await
+    ) -> impl Future<Output = Result<Vec<ReplyRecord>, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::list(txn, instance.as_deref(), state, before, limit))
     }
 
-    pub async fn reply_get(&self, id: i64) -> Result<Option<ReplyRecord>, LedgerError> {
-        self.call(move |txn| replies::get(txn, id)).await
+    pub fn reply_get(
+        &self,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<ReplyRecord>, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::get(txn, id))
     }
 
     /// An operator's retry of an `unknown`, `failed` or `expired` reply.
-    pub async fn reply_requeue(
+    pub fn reply_requeue(
         &self,
         id: i64,
         now_ms: u64,
         expires_ms: u64,
-    ) -> Result<ReplyRecord, LedgerError> {
-        self.call(move |txn| replies::requeue(txn, id, now_ms, expires_ms)).await
+    ) -> impl Future<Output = Result<ReplyRecord, LedgerError>> + Send + '_ {
+        self.call(move |txn| replies::requeue(txn, id, now_ms, expires_ms))
     }
 
     /// How many replies each instance has in each state.
-    pub async fn replies_counts(&self) -> Result<Vec<ReplyCount>, LedgerError> {
-        self.call(replies::counts).await
+    pub fn replies_counts(
+        &self,
+    ) -> impl Future<Output = Result<Vec<ReplyCount>, LedgerError>> + Send + '_ {
+        self.call(replies::counts)
     }
 
     /// Runs that were in progress when the hub stopped; see [`inbound::recover`].
-    pub async fn recover(&self, now_ms: u64) -> Result<Vec<RecoveredRun>, LedgerError> {
-        self.call(move |txn| inbound::recover(txn, now_ms)).await
+    pub fn recover(
+        &self,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<Vec<RecoveredRun>, LedgerError>> + Send + '_ {
+        self.call(move |txn| inbound::recover(txn, now_ms))
     }
 
     /// Deletes settled inbound entries, final replies and final outbox records last touched
     /// before `before_ms`; returns how many rows went.
-    pub async fn prune(&self, before_ms: u64) -> Result<usize, LedgerError> {
+    pub fn prune(
+        &self,
+        before_ms: u64,
+    ) -> impl Future<Output = Result<usize, LedgerError>> + Send + '_ {
         self.call(move |txn| {
             Ok(inbound::prune(txn, before_ms)?
                 + items::prune(txn, before_ms)?
@@ -694,64 +743,62 @@ impl Ledger {
                 + outbox::prune(txn, before_ms)?
                 + history::prune(txn, before_ms)?)
         })
-        .await
     }
 
     /// The item of `event_id` with what `read` shows of it.
-    pub async fn item_get(
+    pub fn item_get(
         &self,
         instance: String,
         event_id: String,
-    ) -> Result<Option<ItemView>, LedgerError> {
-        self.call(move |txn| items::get(txn, &instance, &event_id)).await
+    ) -> impl Future<Output = Result<Option<ItemView>, LedgerError>> + Send + '_ {
+        self.call(move |txn| items::get(txn, &instance, &event_id))
     }
 
     /// Up to `limit` items before entry `before` in a conversation (thread), newest first.
-    pub async fn item_context(
+    pub fn item_context(
         &self,
         instance: String,
         conversation: String,
         thread: Option<String>,
         before: i64,
         limit: usize,
-    ) -> Result<Vec<ItemView>, LedgerError> {
+    ) -> impl Future<Output = Result<Vec<ItemView>, LedgerError>> + Send + '_ {
         self.call(move |txn| {
             items::context(txn, &instance, &conversation, thread.as_deref(), before, limit)
         })
-        .await
     }
 
     /// The inbox, newest first; see [`items::list`].
-    pub async fn items_list(
+    pub fn items_list(
         &self,
         instance: Option<String>,
         unhandled: bool,
         before: Option<i64>,
         limit: usize,
-    ) -> Result<Vec<Item>, LedgerError> {
-        self.call(move |txn| items::list(txn, instance.as_deref(), unhandled, before, limit)).await
+    ) -> impl Future<Output = Result<Vec<Item>, LedgerError>> + Send + '_ {
+        self.call(move |txn| items::list(txn, instance.as_deref(), unhandled, before, limit))
     }
 
     /// Records the outbox record of an item's `respond` reply (the first one stays).
-    pub async fn item_set_reply(
+    pub fn item_set_reply(
         &self,
         instance: String,
         event_id: String,
         outbox_id: i64,
         now_ms: u64,
-    ) -> Result<bool, LedgerError> {
-        self.call(move |txn| items::set_reply(txn, &instance, &event_id, outbox_id, now_ms)).await
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send + '_ {
+        self.call(move |txn| items::set_reply(txn, &instance, &event_id, outbox_id, now_ms))
     }
 
     /// Marks an item handled (the first marking stays); false when there is no such item.
-    pub async fn item_mark_handled(
+    pub fn item_mark_handled(
         &self,
         instance: String,
         event_id: String,
         by: &'static str,
         now_ms: u64,
-    ) -> Result<bool, LedgerError> {
-        self.call(move |txn| items::mark_handled(txn, &instance, &event_id, by, now_ms)).await
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send + '_ {
+        self.call(move |txn| items::mark_handled(txn, &instance, &event_id, by, now_ms))
     }
 
     /// The ledger's id (empty when off): what locators are bound to.
@@ -760,84 +807,99 @@ impl Ledger {
     }
 
     /// Starts a new session generation for a route; returns it.
-    pub async fn bump_generation(
+    pub fn bump_generation(
         &self,
         instance: String,
         route: String,
-    ) -> Result<u64, LedgerError> {
-        self.call(move |txn| sessions::bump_generation(txn, &instance, &route)).await
+    ) -> impl Future<Output = Result<u64, LedgerError>> + Send + '_ {
+        self.call(move |txn| sessions::bump_generation(txn, &instance, &route))
     }
 
     /// Every session generation of `instance`.
-    pub async fn generations(&self, instance: String) -> Result<HashMap<String, u64>, LedgerError> {
-        self.call(move |txn| sessions::generations(txn, &instance)).await
+    pub fn generations(
+        &self,
+        instance: String,
+    ) -> impl Future<Output = Result<HashMap<String, u64>, LedgerError>> + Send + '_ {
+        self.call(move |txn| sessions::generations(txn, &instance))
     }
 
     /// Adds a send, or returns the record that already holds its idempotency key. `commit`
     /// is [`Commit::Deferred`] only when the caller hears nothing before the send's outcome
     /// is recorded durably.
-    pub async fn outbox_add(&self, send: NewSend, commit: Commit) -> Result<Added, LedgerError> {
-        self.call_with(commit, move |txn| outbox::add(txn, &send)).await
+    pub fn outbox_add(
+        &self,
+        send: NewSend,
+        commit: Commit,
+    ) -> impl Future<Output = Result<Added, LedgerError>> + Send + '_ {
+        self.call_with(commit, move |txn| outbox::add(txn, &send))
     }
 
     /// Moves a send to `state` (with its receipt or error) when the state machine allows it.
-    pub async fn outbox_set(
+    pub fn outbox_set(
         &self,
         id: i64,
         state: OutboxState,
         receipt: Option<Vec<u8>>,
         error: Option<String>,
         now_ms: u64,
-    ) -> Result<bool, LedgerError> {
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send + '_ {
         self.call(move |txn| {
             outbox::transition(txn, id, state, receipt.as_deref(), error.as_deref(), now_ms)
         })
-        .await
     }
 
     /// Claims the queued sends of `instance` for dispatch; see [`outbox::claim_queued`].
-    pub async fn outbox_claim_queued(
+    pub fn outbox_claim_queued(
         &self,
         instance: String,
         now_ms: u64,
         limit: usize,
-    ) -> Result<Claimed, LedgerError> {
-        self.call(move |txn| outbox::claim_queued(txn, &instance, now_ms, limit)).await
+    ) -> impl Future<Output = Result<Claimed, LedgerError>> + Send + '_ {
+        self.call(move |txn| outbox::claim_queued(txn, &instance, now_ms, limit))
     }
 
     /// Fails queued sends past their expiry, for every instance; returns their ids.
-    pub async fn outbox_expire(&self, now_ms: u64) -> Result<Vec<i64>, LedgerError> {
-        self.call(move |txn| outbox::expire(txn, now_ms)).await
+    pub fn outbox_expire(
+        &self,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<Vec<i64>, LedgerError>> + Send + '_ {
+        self.call(move |txn| outbox::expire(txn, now_ms))
     }
 
     /// After a restart nothing is in flight: every `sent` record becomes `unknown`.
-    pub async fn outbox_restart(&self, now_ms: u64) -> Result<usize, LedgerError> {
-        self.call(move |txn| outbox::restart(txn, now_ms)).await
+    pub fn outbox_restart(
+        &self,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<usize, LedgerError>> + Send + '_ {
+        self.call(move |txn| outbox::restart(txn, now_ms))
     }
 
-    pub async fn outbox_get(&self, id: i64) -> Result<Option<OutboxRecord>, LedgerError> {
-        self.call(move |txn| outbox::get(txn, id)).await
+    pub fn outbox_get(
+        &self,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<OutboxRecord>, LedgerError>> + Send + '_ {
+        self.call(move |txn| outbox::get(txn, id))
     }
 
     /// Lists records as summaries, newest first; see [`outbox::list`].
-    pub async fn outbox_list(
+    pub fn outbox_list(
         &self,
         instance: Option<String>,
         state: Option<OutboxState>,
         before: Option<i64>,
         limit: usize,
-    ) -> Result<Vec<OutboxSummary>, LedgerError> {
-        self.call(move |txn| outbox::list(txn, instance.as_deref(), state, before, limit)).await
+    ) -> impl Future<Output = Result<Vec<OutboxSummary>, LedgerError>> + Send + '_ {
+        self.call(move |txn| outbox::list(txn, instance.as_deref(), state, before, limit))
     }
 
     /// An operator's explicit retry: an `unknown` or `failed` record goes back to `queued`.
-    pub async fn outbox_requeue(
+    pub fn outbox_requeue(
         &self,
         id: i64,
         now_ms: u64,
         expires_ms: u64,
-    ) -> Result<OutboxRecord, LedgerError> {
-        self.call(move |txn| outbox::requeue(txn, id, now_ms, expires_ms)).await
+    ) -> impl Future<Output = Result<OutboxRecord, LedgerError>> + Send + '_ {
+        self.call(move |txn| outbox::requeue(txn, id, now_ms, expires_ms))
     }
 }
 

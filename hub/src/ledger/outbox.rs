@@ -104,17 +104,19 @@ pub fn transition(
     error: Option<&str>,
     now_ms: u64,
 ) -> Result<bool, LedgerError> {
-    let Some(current) = current_state(txn, id)? else { return Ok(false) };
-    if !current.may_become(next) {
-        return Ok(false);
-    }
-    txn.exec_cached(
-        "UPDATE outbox SET state = ?2, receipt = COALESCE(?3, receipt), error = ?4, updated_ms = ?5
-         WHERE id = ?1",
-        params![id, next.as_str(), receipt, error, now_ms as i64],
+    let Some([a, b, c]) = OutboxState::sources(next) else { return Ok(false) };
+    let updated = txn.exec_cached(
+        TRANSITION,
+        params![id, next.as_str(), receipt, error, now_ms as i64, a, b, c],
     )?;
-    Ok(true)
+    Ok(updated == 1)
 }
+
+/// [`transition`]'s guarded update: the record moves only from a state that may become the
+/// next.
+const TRANSITION: &str = "UPDATE outbox SET state = ?2, receipt = COALESCE(?3, receipt),
+         error = ?4, updated_ms = ?5
+     WHERE id = ?1 AND (state = ?6 OR state = ?7 OR state = ?8)";
 
 /// Claims the queued sends of `instance` for dispatch, oldest first: each becomes `sent`.
 /// Those past their expiry fail instead and are not returned.
@@ -321,13 +323,6 @@ pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError
     )?)
 }
 
-fn current_state(txn: &Transaction<'_>, id: i64) -> Result<Option<OutboxState>, LedgerError> {
-    let state: Option<String> = txn
-        .query_row_cached("SELECT state FROM outbox WHERE id = ?1", params![id], |row| row.get(0))
-        .optional()?;
-    state.as_deref().map(parse_state).transpose()
-}
-
 fn parse_state(value: &str) -> Result<OutboxState, LedgerError> {
     OutboxState::parse(value)
         .ok_or_else(|| LedgerError::Sql(format!("unknown outbox state {value:?}")))
@@ -370,6 +365,14 @@ mod tests {
 
     fn db() -> Connection {
         schema::open_in_memory().unwrap()
+    }
+
+    #[test]
+    fn a_transition_is_one_guarded_update_by_id() {
+        let conn = db();
+        let plan = crate::ledger::inbound::tests::plan(&conn, &schema::tests::unbound(TRANSITION));
+        assert!(plan.contains("USING INTEGER PRIMARY KEY"), "{plan}");
+        assert_eq!(schema::tests::ephemeral_tables(&conn, TRANSITION), 0);
     }
 
     fn send(key: Option<&str>, state: OutboxState, message: &str, expires_ms: u64) -> NewSend {

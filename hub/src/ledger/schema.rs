@@ -120,7 +120,8 @@ const MIGRATIONS: &[&str] = &[
     // one leaves the small index once), the age index is on the arrival time (written once),
     // and a reply's conversation index holds only the replies that hold their conversation.
     // The predicates are spelled exactly as the queries spell them (`OPEN_INBOUND`,
-    // `replies::holding`): SQLite uses a partial index only for a query that repeats it.
+    // `replies::holding`, respelled by migration 10): SQLite uses a partial index only for a
+    // query that repeats it.
     "DROP INDEX inbound_by_state;
      DROP INDEX inbound_by_age;
      CREATE INDEX inbound_open ON inbound (state, instance)
@@ -181,6 +182,14 @@ const MIGRATIONS: &[&str] = &[
     // one repeat its predicate (`replies::NOT_HANDED`).
     "DROP INDEX replies_by_state;
      CREATE INDEX replies_by_state ON replies (state, instance, id) WHERE state <> 'handed';",
+    // 10 (issue 18): `replies_holding`'s predicate as comparisons joined by OR. SQLite
+    // evaluates an `IN` list of three or more values through an ephemeral table (a b-tree
+    // opened, filled and closed), and it evaluates a partial index's predicate on every
+    // insert and update of the table: one ephemeral table per reply written, two per reply
+    // changed, three per message. The queries repeat the new text (`replies::holding`).
+    "DROP INDEX replies_holding;
+     CREATE INDEX replies_holding ON replies (instance, conversation, id)
+         WHERE (state = 'pending' OR state = 'handed' OR state = 'failed_retryable');",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
@@ -345,8 +354,68 @@ pub fn ledger_id(conn: &Connection) -> rusqlite::Result<String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// How many ephemeral tables `sql` opens each time it runs (its program's
+    /// `OpenEphemeral` instructions).
+    pub(crate) fn ephemeral_tables(conn: &Connection, sql: &str) -> usize {
+        let mut stmt = conn.prepare(&format!("EXPLAIN {}", unbound(sql))).unwrap();
+        let ops = stmt.query_map([], |row| row.get::<_, String>(1)).unwrap();
+        ops.map(Result::unwrap).filter(|op| op == "OpenEphemeral").count()
+    }
+
+    /// `sql` with each numbered parameter (`?3`) replaced by `NULL`, to be explained.
+    pub(crate) fn unbound(sql: &str) -> String {
+        let mut out = String::with_capacity(sql.len());
+        let mut chars = sql.chars().peekable();
+        while let Some(c) = chars.next() {
+            if c == '?' && chars.peek().is_some_and(char::is_ascii_digit) {
+                while chars.peek().is_some_and(char::is_ascii_digit) {
+                    chars.next();
+                }
+                out.push_str("NULL");
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// SQLite checks a partial index's predicate on every insert and update of its table, and
+    /// evaluates an `IN` list of three or more values through an ephemeral table: no write a
+    /// message makes may build one (schema 10 respelled the one predicate that did).
+    #[test]
+    fn no_write_to_the_ledger_s_tables_builds_an_ephemeral_table() {
+        let conn = open_in_memory().unwrap();
+        for sql in [
+            "INSERT INTO inbound (instance, event_id, content_hash, run_id, state, frame,
+                 attempts, received_ms, updated_ms)
+             VALUES ('a.b', 'e1', x'00', 'r', 'running', x'7b7d', 1, 1, 1)",
+            "UPDATE inbound SET state = 'replied' WHERE id = 1",
+            "INSERT INTO replies (instance, event_id, conversation, message, state, next_ms,
+                 expires_ms, created_ms, updated_ms)
+             VALUES ('a.b', 'e1', 'c1', x'7b7d', 'handed', 1, 1, 1, 1)",
+            "UPDATE replies SET state = 'posted' WHERE id = 1",
+            "INSERT INTO outbox (instance, idempotency_key, message, state, created_ms,
+                 updated_ms, expires_ms)
+             VALUES ('a.b', 'k', x'7b7d', 'sent', 1, 1, 1)",
+            "UPDATE outbox SET state = 'receipted' WHERE id = 1",
+            "INSERT INTO items (instance, event_id, conversation, received_ms, updated_ms)
+             VALUES ('a.b', 'e1', 'c1', 1, 1)",
+            "UPDATE items SET handled_ms = 1 WHERE id = 1",
+            "INSERT INTO history (instance, conversation, thread, role, text, at_ms)
+             VALUES ('a.b', 'c1', '', 'user', 'hi', 1)",
+        ] {
+            assert_eq!(ephemeral_tables(&conn, sql), 0, "{sql}");
+        }
+        let holding: String = conn
+            .query_row("SELECT sql FROM sqlite_master WHERE name = 'replies_holding'", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        assert!(holding.ends_with(&format!("WHERE {}", super::super::replies::holding(""))));
+    }
 
     #[test]
     fn a_version_1_ledger_is_migrated_and_its_entries_marked_hash_version_1() {

@@ -1,8 +1,10 @@
 //! The ledger's state machines, free of I/O: inbound entries and outbox records.
 //!
 //! These are the transitions the SQL performs: every function in `inbound.rs` and
-//! `outbox.rs` that changes a state reads the current one, asks this module whether (and to
-//! what) it may move, and only then writes. A transition this module refuses never happens.
+//! `outbox.rs` that changes a state either reads the current one and asks this module
+//! whether (and to what) it may move, or writes only where the entry stands in one of the
+//! states this module says may move to the next ([`sources`]). A transition this module
+//! refuses never happens.
 
 use std::fmt;
 
@@ -20,6 +22,11 @@ pub enum InboundState {
 }
 
 impl InboundState {
+    /// The states an entry may become `next` from, for a guarded update ([`sources`]).
+    pub fn sources(next: InboundState) -> Option<[&'static str; 2]> {
+        sources(&INBOUND_STATES, next, Self::may_become, Self::as_str)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             InboundState::Running => "running",
@@ -64,6 +71,27 @@ impl fmt::Display for InboundState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// The states in `all` from which an entry may become `next`, as the `N` values of an SQL
+/// guard (`state = ? OR state = ?…`; not `IN`, which SQLite evaluates through an ephemeral
+/// table from three values on): a guarded update writes in one statement what a read of the state
+/// and a decision would (BENCHMARKS.md, fix 23). Padded by repeating the first; `None` when
+/// no state may become `next`. Pure.
+pub fn sources<S: Copy, const N: usize>(
+    all: &[S],
+    next: S,
+    may_become: impl Fn(S, S) -> bool,
+    name: impl Fn(S) -> &'static str,
+) -> Option<[&'static str; N]> {
+    let mut from = all.iter().copied().filter(|state| may_become(*state, next)).map(name);
+    let first = from.next()?;
+    let mut names = [first; N];
+    for (slot, state) in names.iter_mut().skip(1).zip(from.by_ref()) {
+        *slot = state;
+    }
+    assert!(from.next().is_none(), "more than {N} states lead to the next one");
+    Some(names)
 }
 
 /// What to do with an inbound whose event id may already be in the ledger.
@@ -125,6 +153,11 @@ pub enum OutboxState {
 }
 
 impl OutboxState {
+    /// The states a record may become `next` from, for a guarded update ([`sources`]).
+    pub fn sources(next: OutboxState) -> Option<[&'static str; 3]> {
+        sources(&OUTBOX_STATES, next, Self::may_become, Self::as_str)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             OutboxState::Queued => "queued",
@@ -235,6 +268,29 @@ mod tests {
         assert!(InboundState::Running.may_become(InboundState::Replied));
         assert!(InboundState::Replied.may_become(InboundState::Delivered));
         assert!(!InboundState::Delivered.may_become(InboundState::Replied));
+    }
+
+    #[test]
+    fn a_guarded_update_names_exactly_the_states_that_may_become_the_next() {
+        use InboundState as I;
+        assert_eq!(I::sources(I::Replied), Some(["running", "running"]));
+        assert_eq!(I::sources(I::Delivered), Some(["running", "replied"]));
+        assert_eq!(I::sources(I::Failed), Some(["running", "running"]));
+        assert_eq!(I::sources(I::Running), None);
+        use OutboxState as O;
+        assert_eq!(O::sources(O::Receipted), Some(["sent", "sent", "sent"]));
+        assert_eq!(O::sources(O::Failed), Some(["queued", "sent", "queued"]));
+        assert_eq!(O::sources(O::Queued), Some(["sent", "failed", "unknown"]));
+        for next in OUTBOX_STATES {
+            let from = O::sources(next).unwrap_or_default();
+            for state in OUTBOX_STATES {
+                assert_eq!(
+                    from.contains(&state.as_str()),
+                    state.may_become(next),
+                    "{state} → {next}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -165,7 +165,9 @@ impl Outbox {
         let id = match added {
             Added::New(id) => id,
             Added::Existing(record) if same_send(&record.message, &message) => {
-                return self.existing(&inst, record, wait).await.map(SendOutcome::repeated);
+                return Box::pin(self.existing(&inst, record, wait))
+                    .await
+                    .map(SendOutcome::repeated);
             }
             Added::Existing(record) => {
                 return Err(SendError::Conflict { outbox_id: record.id });
@@ -194,12 +196,13 @@ impl Outbox {
                         debug!(instance = %inst.config.id, id, "driver left before the send; queued");
                         inst.metrics.send(SendMetric::Queued);
                         let _queuing = backlog.queuing();
-                        self.record_outcome(id, OutboxState::Queued, None, None).await;
+                        Box::pin(self.record_outcome(id, OutboxState::Queued, None, None)).await;
                         Some(SendState::Queued)
                     }
                     Err(err) => {
                         let error = format!("{}: {err}", err.code());
-                        self.record_outcome(id, OutboxState::Failed, None, Some(error)).await;
+                        Box::pin(self.record_outcome(id, OutboxState::Failed, None, Some(error)))
+                            .await;
                         return Err(err);
                     }
                 }
@@ -208,7 +211,7 @@ impl Outbox {
                 // Queued behind earlier sends: dispatching hands them over in order, this one
                 // last (unless the driver leaves meanwhile).
                 Some(conn) => {
-                    self.dispatch_queued(&inst, &conn).await;
+                    Box::pin(self.dispatch_queued(&inst, &conn)).await;
                     None
                 }
                 None => {
@@ -222,7 +225,7 @@ impl Outbox {
             return match known {
                 Some(SendState::Handed) => Ok(SendOutcome::handed(request_id, Some(id))),
                 Some(_) => Ok(SendOutcome::queued(request_id, Some(id))),
-                None => self.current(request_id, id).await,
+                None => Box::pin(self.current(request_id, id)).await,
             };
         };
         // The settle task decides at `wait`; give it a moment to record the outcome.
@@ -230,7 +233,7 @@ impl Outbox {
             return outcome_result(request_id, id, outcome);
         }
         drop(settled);
-        self.current(request_id, id).await
+        Box::pin(self.current(request_id, id)).await
     }
 
     /// Where record `id` stands now, as a send's answer.
@@ -299,55 +302,71 @@ impl Outbox {
         waiter: oneshot::Receiver<ReceiptOutcome>,
         timeout: Duration,
     ) {
-        let outbox = self.clone();
-        self.tasks.spawn(async move {
-            let outcome = send::await_receipt(&inst, &conn, request_id, waiter, timeout).await;
-            let (state, receipt, error) = match outcome {
-                Ok(receipt) => (OutboxState::Receipted, Some(receipt), None),
-                // A driver shutting down refuses before posting: the send waits for the
-                // next driver, as one the hub could not hand over at all.
-                Err(SendError::Failed { code, .. }) if code == DRAINING => {
-                    debug!(instance = %inst.config.id, id, "driver draining; the send is queued for the next one");
-                    (OutboxState::Queued, None, None)
-                }
-                Err(SendError::Failed { code, message, .. }) => {
-                    (OutboxState::Failed, None, Some(format!("{code}: {message}")))
-                }
-                Err(err) => (OutboxState::Unknown, None, Some(err.to_string())),
-            };
-            if state == OutboxState::Unknown {
-                inst.record_error(format!("send {id}: outcome unknown"));
-                warn!(instance = %inst.config.id, id, error = ?error, "send outcome unknown; it will not be resent automatically");
-            }
-            outbox.record_outcome(id, state, receipt, error).await;
-            // A newer driver that connected while this one drained has already taken the
-            // queue as it was then: it takes this send too.
-            if state == OutboxState::Queued
-                && let Some(live) = inst.live()
-                && live.id != conn.id
-            {
-                outbox.dispatch_queued(&inst, &live).await;
-            }
-        });
+        self.tasks.spawn(self.clone().settle(inst, conn, id, request_id, waiter, timeout));
     }
 
-    /// Makes an outcome durable, then tells whoever waits for it.
-    async fn record_outcome(
+    /// The settle task: the receipt (or its absence), recorded. Its rare turn (a driver that
+    /// drained while a newer one connected) is boxed, so the task spawned per send stays
+    /// small: spawning copies it, and so does each change of its stage.
+    async fn settle(
+        self,
+        inst: Arc<Instance>,
+        conn: Arc<Connection>,
+        id: i64,
+        request_id: Id,
+        waiter: oneshot::Receiver<ReceiptOutcome>,
+        timeout: Duration,
+    ) {
+        let outcome = send::await_receipt(&inst, &conn, request_id, waiter, timeout).await;
+        let (state, receipt, error) = match outcome {
+            Ok(receipt) => (OutboxState::Receipted, Some(receipt), None),
+            // A driver shutting down refuses before posting: the send waits for the next
+            // driver, as one the hub could not hand over at all.
+            Err(SendError::Failed { code, .. }) if code == DRAINING => {
+                debug!(instance = %inst.config.id, id, "driver draining; the send is queued for the next one");
+                (OutboxState::Queued, None, None)
+            }
+            Err(SendError::Failed { code, message, .. }) => {
+                (OutboxState::Failed, None, Some(format!("{code}: {message}")))
+            }
+            Err(err) => (OutboxState::Unknown, None, Some(err.to_string())),
+        };
+        if state == OutboxState::Unknown {
+            inst.record_error(format!("send {id}: outcome unknown"));
+            warn!(instance = %inst.config.id, id, error = ?error, "send outcome unknown; it will not be resent automatically");
+        }
+        self.record_outcome(id, state, receipt, error).await;
+        // A newer driver that connected while this one drained has already taken the queue
+        // as it was then: it takes this send too.
+        if state == OutboxState::Queued
+            && let Some(live) = inst.live()
+            && live.id != conn.id
+        {
+            Box::pin(self.dispatch_queued(&inst, &live)).await;
+        }
+    }
+
+    /// Makes an outcome durable, then tells whoever waits for it. The ledger call is made
+    /// when this is called and the future holds only it and the outcome (it is part of every
+    /// settle task, which spawning copies).
+    fn record_outcome(
         &self,
         id: i64,
         state: OutboxState,
         receipt: Option<DeliveryReceipt>,
         error: Option<String>,
-    ) {
+    ) -> impl Future<Output = ()> + Send + '_ {
         let encoded = receipt.as_ref().and_then(|r| serde_json::to_vec(r).ok());
-        if let Err(err) = self.ledger.outbox_set(id, state, encoded, error.clone(), now_ms()).await
-        {
-            warn!(id, error = %err, "outbox outcome not recorded");
+        let stored = self.ledger.outbox_set(id, state, encoded, error.clone(), now_ms());
+        let outcome = OutboxOutcome { state, receipt, error };
+        async move {
+            if let Err(err) = stored.await {
+                warn!(id, error = %err, "outbox outcome not recorded");
+            }
+            if outcome.state != OutboxState::Queued {
+                self.waiters.settle(id, &outcome);
+            }
         }
-        if state == OutboxState::Queued {
-            return;
-        }
-        self.waiters.settle(id, &OutboxOutcome { state, receipt, error });
     }
 
     /// Tells the callers of records that expired while queued.
@@ -531,5 +550,30 @@ mod tests {
         threaded.target.thread = Some(Id::new("t").unwrap());
         assert!(!same_send(&stored, &threaded));
         assert!(!same_send(b"not json", &message("c1", "deploy 881 finished")));
+    }
+    /// Spawning a task copies its future, and so does each change of its stage: the settle
+    /// task spawned for every send, and the ledger calls inside it, stay small (each was
+    /// about twice this before BENCHMARKS.md's fix 22; the bounds leave room for compilers).
+    #[test]
+    fn the_futures_of_every_send_stay_small() {
+        fn settle_size<F, Fut>(_: F) -> usize
+        where
+            F: FnOnce(
+                Outbox,
+                Arc<Instance>,
+                Arc<Connection>,
+                i64,
+                Id,
+                oneshot::Receiver<ReceiptOutcome>,
+                Duration,
+            ) -> Fut,
+        {
+            std::mem::size_of::<Fut>()
+        }
+        let settle = settle_size(Outbox::settle);
+        assert!(settle <= 1536, "the settle task's future is {settle} bytes");
+        let ledger = Ledger::off();
+        let call = std::mem::size_of_val(&ledger.outbox_set(1, OutboxState::Sent, None, None, 1));
+        assert!(call <= 256, "a ledger call's future is {call} bytes");
     }
 }
