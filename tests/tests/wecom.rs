@@ -174,9 +174,14 @@ async fn previews_and_the_final_text_replace_each_other_on_one_stream() {
     let record = fake.record();
     assert_eq!(record.streams_on(&req_id).len(), 1, "one stream id for the whole reply");
     let shown: Vec<&str> = stream.accepted().map(|frame| frame.content.as_str()).collect();
-    assert_eq!(shown, ["<think></think>", "draft one", "draft one, two", "final answer"]);
+    // The placeholder opens the stream when `accepted` reaches the driver before the first
+    // preview. When both come together (the record's sync outlasted the agent's first line,
+    // seen under CI's load) the preview opens it: a placeholder never replaces a preview.
+    let replies = shown.strip_prefix(&["<think></think>"][..]).unwrap_or(&shown);
+    assert_eq!(replies, ["draft one", "draft one, two", "final answer"], "{shown:?}");
     let finishes: Vec<bool> = stream.accepted().map(|frame| frame.finish).collect();
-    assert_eq!(finishes, [false, false, false, true]);
+    let (last, before) = finishes.split_last().unwrap();
+    assert!(*last && before.iter().all(|finish| !finish), "{finishes:?}");
     assert!(record.sent.is_empty());
     assert_no_violations(&record);
 }
