@@ -292,7 +292,9 @@ impl Outbox {
         Id::new(self.ledger.outbox_request_id(id)).expect("outbox request ids are short")
     }
 
-    /// Waits for the receipt of a handed-over record in the background, then records it.
+    /// Waits for the receipt of a handed-over record in the background, then records it. A
+    /// plain function: spawned from within an `async fn`, the settle task (which may dispatch,
+    /// which spawns it) would need its own `Send` proof to hold it.
     fn spawn_settle(
         &self,
         inst: Arc<Instance>,
