@@ -460,6 +460,10 @@ pub(crate) mod tests {
         assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
         assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
         assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
+        // Only a reply waiting is delivered: a running entry stays running.
+        record(&txn, &inbound("e2", 1), rehash).unwrap();
+        assert!(!mark_delivered(&txn, "a.b", "e2", 3).unwrap());
+        assert_eq!(outcome(&txn, "a.b", "e2").unwrap(), Some((InboundState::Running, None)));
         match record(&txn, &inbound("e1", 1), rehash).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Delivered);

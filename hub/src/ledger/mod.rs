@@ -430,6 +430,8 @@ impl Ledger {
         T: Send + 'static,
         F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
     {
+        // Not `queue_with(..).await.answer()`: the future would hold that one's future and
+        // then `answer`'s beside it (the settle task grew to 1,568 bytes that way).
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { body: Body::new(f, self.storage.clone()), done });
         async move {
