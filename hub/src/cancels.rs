@@ -4,7 +4,9 @@
 //!
 //! The table only holds state; `inbound/cancel.rs` carries a cancel out.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 

@@ -2,7 +2,7 @@
 //! who waits for its answers (receipts, command results, health). Closing it fails every
 //! wait at once.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 

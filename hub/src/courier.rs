@@ -17,7 +17,9 @@
 //!
 //! Without the ledger there is no courier: replies go straight to the connection, once.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+use foldhash::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -19,7 +19,10 @@
 //! [`ended`](RunQueue::ended), [`finish`](RunQueue::finish) and
 //! [`restore`](RunQueue::restore) return, in that order, after releasing its lock.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
+
+// foldhash, not SipHash: these maps are read a dozen times per inbound (BENCHMARKS.md, fix 25).
+use foldhash::HashMap;
 use std::hash::Hash;
 
 use channeld_protocol::Id;
@@ -102,9 +105,9 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
             max_running: max_running.max(1),
             max_waiting,
             next_seq: 0,
-            entries: HashMap::new(),
-            ids: HashMap::new(),
-            sessions: HashMap::new(),
+            entries: HashMap::default(),
+            ids: HashMap::default(),
+            sessions: HashMap::default(),
             startable: BTreeSet::new(),
             running: 0,
             waiting: 0,
@@ -305,7 +308,7 @@ mod tests {
 
     impl Harness {
         fn new(max_running: usize, max_waiting: usize) -> Self {
-            Self { queue: RunQueue::new(max_running, max_waiting), turns: HashMap::new() }
+            Self { queue: RunQueue::new(max_running, max_waiting), turns: HashMap::default() }
         }
 
         fn started(&mut self, starts: Starts<&'static str>) -> Vec<&'static str> {

@@ -128,13 +128,18 @@ fn request(
     redelivered: bool,
 ) -> RunRequest {
     let route_id = admitted.route.session_id(0);
+    // A route's first session (generation 0) is its route id: hashed once, not twice.
+    let session = match inst.generation(&route_id) {
+        0 => route_id,
+        generation => admitted.route.session_id(generation),
+    };
     let declaration = conn.map(|c| c.declaration).or_else(|| inst.live().map(|c| c.declaration));
     let (capabilities, actions) =
         declaration.map(|d| (d.capabilities, d.actions)).unwrap_or_default();
     RunRequest {
         instance: inst.config.id.clone(),
         run_id,
-        session: admitted.route.session_id(inst.generation(&route_id)),
+        session,
         event_id: admitted.event_id.clone(),
         input: admitted.input.clone(),
         sender: admitted.sender.clone(),

@@ -6,7 +6,7 @@
 //! or expiring a record answers and removes every entry for it. So the map never holds more
 //! entries than there are control requests in flight.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
