@@ -6,7 +6,7 @@
 //! A thread is stored as `''` when there is none, so one index serves every lookup.
 
 use channeld_protocol::ext::HistoryRole;
-use rusqlite::{Connection, Row, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
 
 use super::LedgerError;
 use super::store::Cached;
@@ -85,20 +85,6 @@ fn entry(row: &Row<'_>) -> rusqlite::Result<HistoryEntry> {
     })
 }
 
-/// The connection's count of entries per conversation and thread, so keeping a conversation
-/// at its cap deletes its oldest entries without walking the `cap` newest ones on every
-/// append (that walk was the ledger's largest single cost with 256 busy conversations). A
-/// TEMP table: in memory, part of every transaction and savepoint like the rows it counts,
-/// and rebuilt lazily — a conversation without a row is counted once — after a restart or a
-/// prune.
-pub const COUNTS_TABLE: &str = "CREATE TEMP TABLE IF NOT EXISTS history_counts (
-         instance TEXT NOT NULL,
-         conversation TEXT NOT NULL,
-         thread TEXT NOT NULL,
-         n INTEGER NOT NULL,
-         PRIMARY KEY (instance, conversation, thread)
-     ) WITHOUT ROWID";
-
 /// How many entries beyond its cap a conversation may hold before the surplus goes: a
 /// quarter of the cap, at most 64 (none for a cap under 4). Trimming on every append wrote
 /// the pages of the oldest entry and its index entry with every message once a conversation
@@ -108,14 +94,23 @@ pub fn slack(cap: i64) -> i64 {
     (cap / 4).min(64)
 }
 
-/// Appends `new` and, once the conversation holds more than `cap` (at least 1) entries plus
-/// their [`slack`], drops its oldest entries down to `cap`. Returns the new entry's id.
+/// Appends `new` and keeps its conversation (and thread) near its `cap` (at least 1): an
+/// entry is numbered after the conversation's newest (`seq`), and every `slack + 1`-th
+/// number past the cap drops the entries more than `cap` numbers older, so a conversation
+/// holds at most `cap +` [`slack`] entries and always its newest `cap`. The numbers live in
+/// the rows: a rolled-back append, a prune or a restart needs no count kept aside (the TEMP
+/// table of counts this replaced cost two statements per append; BENCHMARKS.md, fix 26).
+/// Returns the new entry's id.
 pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64, LedgerError> {
     let thread = new.thread.as_deref().unwrap_or("");
+    let newest: Option<i64> = txn
+        .query_row_cached(NEWEST, params![new.instance, new.conversation, thread], |row| row.get(0))
+        .optional()?;
+    let seq = newest.unwrap_or(0) + 1;
     txn.exec_cached(
         "INSERT INTO history (instance, conversation, thread, role, text, sender, message_id,
-             event_id, reply_id, at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+             event_id, reply_id, at_ms, seq)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
         params![
             new.instance,
             new.conversation,
@@ -126,55 +121,31 @@ pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64
             new.message_id,
             new.event_id,
             new.reply_id,
-            new.at_ms as i64
+            new.at_ms as i64,
+            seq
         ],
     )?;
     let id = txn.last_insert_rowid();
-    let key = params![new.instance, new.conversation, thread];
-    // An UPDATE and a SELECT, not `UPDATE … RETURNING`: SQLite gathers a RETURNING
-    // statement's rows in an ephemeral table, which cost more than the insert above
-    // (BENCHMARKS.md, fix 23).
-    let counted = txn.exec_cached(
-        "UPDATE temp.history_counts SET n = n + 1
-         WHERE instance = ?1 AND conversation = ?2 AND thread = ?3",
-        key,
-    )?;
-    let count = match counted {
-        1 => txn.query_row_cached(
-            "SELECT n FROM temp.history_counts
-             WHERE instance = ?1 AND conversation = ?2 AND thread = ?3",
-            key,
-            |row| row.get(0),
-        )?,
-        _ => {
-            let count: i64 = txn.query_row_cached(
-                "SELECT count(*) FROM history WHERE instance = ?1 AND conversation = ?2
-                     AND thread = ?3",
-                key,
-                |row| row.get(0),
-            )?;
-            txn.exec_cached(
-                "INSERT INTO temp.history_counts (instance, conversation, thread, n)
-                 VALUES (?1, ?2, ?3, ?4)",
-                params![new.instance, new.conversation, thread, count],
-            )?;
-            count
-        }
-    };
-    let cap = cap.max(1) as i64;
-    if count > cap + slack(cap) {
-        txn.exec_cached(
-            "DELETE FROM history WHERE id IN (SELECT id FROM history
-                 WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 ORDER BY id LIMIT ?4)",
-            params![new.instance, new.conversation, thread, count - cap],
-        )?;
-        txn.exec_cached(
-            "UPDATE temp.history_counts SET n = ?4
-             WHERE instance = ?1 AND conversation = ?2 AND thread = ?3",
-            params![new.instance, new.conversation, thread, cap],
-        )?;
+    if let Some(oldest_kept) = trim_from(seq, cap) {
+        txn.exec_cached(TRIM, params![new.instance, new.conversation, thread, oldest_kept])?;
     }
     Ok(id)
+}
+
+/// The newest number of a conversation and thread.
+const NEWEST: &str = "SELECT seq FROM history
+     WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 ORDER BY seq DESC LIMIT 1";
+
+/// A conversation's entries numbered below the oldest it keeps.
+pub(super) const TRIM: &str = "DELETE FROM history
+     WHERE instance = ?1 AND conversation = ?2 AND thread = ?3 AND seq < ?4";
+
+/// Whether appending entry number `seq` trims its conversation, and if so the oldest number
+/// it keeps (the newest `cap` stay). Pure: a trim every `slack + 1` numbers past the cap.
+pub fn trim_from(seq: i64, cap: usize) -> Option<i64> {
+    let cap = cap.max(1) as i64;
+    let step = slack(cap) + 1;
+    (seq > cap && (seq - cap) % step == 0).then_some(seq - cap + 1)
 }
 
 /// Records the reply of `event_id` as posted, from its delivery record (its id and stored
@@ -218,7 +189,7 @@ pub fn recent(
 ) -> Result<Vec<HistoryEntry>, LedgerError> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT {COLUMNS} FROM history WHERE instance = ?1 AND conversation = ?2 AND thread = ?3
-         ORDER BY id DESC LIMIT ?4"
+         ORDER BY seq DESC LIMIT ?4"
     ))?;
     let rows =
         stmt.query_map(params![instance, conversation, thread.unwrap_or(""), limit as i64], entry)?;
@@ -236,12 +207,7 @@ const PRUNE: &str = "DELETE FROM history WHERE id < coalesce(
 /// went. It reads only the rows it deletes and one more: no index on the time is written
 /// with every entry for it.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
-    let pruned = txn.execute(PRUNE, params![before_ms as i64])?;
-    if pruned > 0 {
-        // Counted again lazily, each conversation on its next append.
-        txn.execute("DELETE FROM temp.history_counts", [])?;
-    }
-    Ok(pruned)
+    Ok(txn.execute(PRUNE, params![before_ms as i64])?)
 }
 
 #[cfg(test)]
@@ -305,8 +271,7 @@ mod tests {
         // A lower cap (a changed setting) trims to it on the next append.
         append(&txn, &user("c1", None, "5", 5), 1).unwrap();
         assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["5"]);
-        // Counts lost (a restart: the table is the connection's) are counted again.
-        txn.execute("DELETE FROM temp.history_counts", []).unwrap();
+        // A raised cap keeps more from then on.
         append(&txn, &user("c1", None, "6", 6), 3).unwrap();
         append(&txn, &user("c1", None, "7", 7), 3).unwrap();
         append(&txn, &user("c1", None, "8", 8), 3).unwrap();
@@ -330,6 +295,26 @@ mod tests {
         let newest = recent(&txn, "a.b", "c1", None, 200).unwrap();
         assert_eq!(newest.first().unwrap().text, "51");
         assert_eq!(newest.last().unwrap().text, "250");
+    }
+
+    #[test]
+    fn numbering_keeps_every_cap_within_its_slack_and_its_newest_entries() {
+        // The pure rule alone, against a model of one conversation's numbers.
+        for cap in [1, 2, 3, 4, 7, 8, 20, 200, 1000] {
+            let mut held = std::collections::VecDeque::new();
+            let mut most = 0;
+            for seq in 1..=(3 * cap as i64 + 300) {
+                held.push_back(seq);
+                if let Some(oldest_kept) = trim_from(seq, cap) {
+                    held.retain(|n| *n >= oldest_kept);
+                }
+                most = most.max(held.len());
+                let newest = (seq - cap as i64 + 1).max(1)..=seq;
+                assert!(newest.clone().all(|n| held.contains(&n)), "cap {cap} seq {seq}");
+            }
+            let cap_i = cap as i64;
+            assert_eq!(most as i64, cap_i + slack(cap_i), "cap {cap}: the most it held");
+        }
     }
 
     #[test]
@@ -387,6 +372,31 @@ mod tests {
     }
 
     #[test]
+    fn an_append_reads_and_trims_through_the_conversation_index() {
+        let conn = open_in_memory().unwrap();
+        let plan = |sql: &str| {
+            crate::ledger::inbound::tests::plan(&conn, &crate::ledger::schema::tests::unbound(sql))
+        };
+        let newest = plan(NEWEST);
+        assert!(
+            newest.starts_with("SEARCH history USING COVERING INDEX history_by_conversation"),
+            "{newest}"
+        );
+        assert!(!newest.contains("TEMP B-TREE"), "{newest}");
+        let trim = plan(TRIM);
+        assert!(
+            trim.starts_with("SEARCH history USING INDEX history_by_conversation")
+                && trim.contains("seq<?"),
+            "{trim}"
+        );
+        let recent = plan(&format!(
+            "SELECT {COLUMNS} FROM history WHERE instance = ?1 AND conversation = ?2
+                 AND thread = ?3 ORDER BY seq DESC LIMIT ?4"
+        ));
+        assert!(!recent.contains("TEMP B-TREE"), "{recent}");
+    }
+
+    #[test]
     fn pruning_drops_entries_older_than_the_cutoff() {
         let mut conn = open_in_memory().unwrap();
         let txn = conn.transaction().unwrap();
@@ -400,7 +410,7 @@ mod tests {
         append(&txn, &user("c1", None, "new", 30), 200).unwrap();
         assert_eq!(prune(&txn, 20).unwrap(), 1);
         assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["new"]);
-        // The count was dropped with the pruned rows: the cap still holds exactly.
+        // Numbering goes on after the pruned rows: the cap still holds exactly.
         append(&txn, &user("c1", None, "newer", 40), 2).unwrap();
         append(&txn, &user("c1", None, "newest", 50), 2).unwrap();
         assert_eq!(texts(&recent(&txn, "a.b", "c1", None, 10).unwrap()), ["newer", "newest"]);

@@ -190,6 +190,19 @@ const MIGRATIONS: &[&str] = &[
     "DROP INDEX replies_holding;
      CREATE INDEX replies_holding ON replies (instance, conversation, id)
          WHERE (state = 'pending' OR state = 'handed' OR state = 'failed_retryable');",
+    // 11 (issue 18): history entries are numbered per conversation and thread (`seq`), and
+    // the conversation index is on that number: an append reads the newest number, and
+    // keeping a conversation at its cap deletes a range of numbers (`history::append`), with
+    // no count of entries kept in a TEMP table beside the rows. Existing entries are
+    // numbered in arrival (id) order.
+    "ALTER TABLE history ADD COLUMN seq INTEGER NOT NULL DEFAULT 0;
+     UPDATE history SET seq = numbered.n
+     FROM (SELECT id, row_number() OVER (PARTITION BY instance, conversation, thread ORDER BY id)
+               AS n
+           FROM history) AS numbered
+     WHERE history.id = numbered.id;
+     DROP INDEX history_by_conversation;
+     CREATE INDEX history_by_conversation ON history (instance, conversation, thread, seq);",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
@@ -276,7 +289,6 @@ pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError
     tune(&conn)?;
     quick_check(&conn)?;
     migrate(&mut conn, SCHEMA_VERSION)?;
-    conn.execute_batch(super::history::COUNTS_TABLE)?;
     Ok(conn)
 }
 
@@ -313,7 +325,6 @@ pub fn version(conn: &Connection) -> rusqlite::Result<usize> {
 pub fn open_in_memory() -> Result<Connection, OpenError> {
     let mut conn = Connection::open_in_memory()?;
     migrate(&mut conn, SCHEMA_VERSION)?;
-    conn.execute_batch(super::history::COUNTS_TABLE)?;
     Ok(conn)
 }
 
@@ -404,8 +415,9 @@ pub(crate) mod tests {
             "INSERT INTO items (instance, event_id, conversation, received_ms, updated_ms)
              VALUES ('a.b', 'e1', 'c1', 1, 1)",
             "UPDATE items SET handled_ms = 1 WHERE id = 1",
-            "INSERT INTO history (instance, conversation, thread, role, text, at_ms)
-             VALUES ('a.b', 'c1', '', 'user', 'hi', 1)",
+            "INSERT INTO history (instance, conversation, thread, role, text, at_ms, seq)
+             VALUES ('a.b', 'c1', '', 'user', 'hi', 1, 1)",
+            super::super::history::TRIM,
         ] {
             assert_eq!(ephemeral_tables(&conn, sql), 0, "{sql}");
         }
@@ -509,6 +521,70 @@ pub(crate) mod tests {
             .collect();
         counts.sort_unstable();
         assert_eq!(counts, [("handed", 1), ("pending", 1), ("posted", 1)]);
+    }
+
+    #[test]
+    fn a_version_10_ledger_numbers_its_history_per_conversation_in_arrival_order() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, 10).unwrap();
+        // Two conversations interleaved, one with a thread; ids give the arrival order.
+        for (id, conversation, thread, text) in [
+            (5, "c1", "", "c1 first"),
+            (6, "c2", "", "c2 first"),
+            (9, "c1", "", "c1 second"),
+            (10, "c1", "t", "c1/t first"),
+            (12, "c1", "", "c1 third"),
+        ] {
+            conn.execute(
+                "INSERT INTO history (id, instance, conversation, thread, role, text, at_ms)
+                 VALUES (?1, 'a.b', ?2, ?3, 'user', ?4, 1)",
+                params![id, conversation, thread, text],
+            )
+            .unwrap();
+        }
+        migrate(&mut conn, SCHEMA_VERSION).unwrap();
+        let numbered: Vec<(String, i64)> = conn
+            .prepare("SELECT text, seq FROM history ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let numbered: Vec<(&str, i64)> = numbered.iter().map(|(t, n)| (t.as_str(), *n)).collect();
+        assert_eq!(
+            numbered,
+            [
+                ("c1 first", 1),
+                ("c2 first", 1),
+                ("c1 second", 2),
+                ("c1/t first", 1),
+                ("c1 third", 3)
+            ]
+        );
+        // The next append goes on from the newest number, and reads see arrival order.
+        let txn = conn.transaction().unwrap();
+        let next = super::super::history::NewHistory {
+            instance: "a.b".into(),
+            conversation: "c1".into(),
+            thread: None,
+            role: channeld_protocol::ext::HistoryRole::User,
+            text: "c1 fourth".into(),
+            sender: None,
+            message_id: None,
+            event_id: None,
+            reply_id: None,
+            at_ms: 2,
+        };
+        let id = super::super::history::append(&txn, &next, 200).unwrap();
+        let seq: i64 =
+            txn.query_row("SELECT seq FROM history WHERE id = ?1", [id], |r| r.get(0)).unwrap();
+        assert_eq!(seq, 4);
+        let texts: Vec<String> = super::super::history::recent(&txn, "a.b", "c1", None, 10)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.text)
+            .collect();
+        assert_eq!(texts, ["c1 first", "c1 second", "c1 third", "c1 fourth"]);
     }
 
     #[test]
