@@ -126,6 +126,15 @@ pub fn fits(request_id: &Id, message: &OutboundMessage) -> Result<(), SendError>
     channeld_protocol::encode(&frame).map(drop).map_err(|err| SendError::TooLarge(err.to_string()))
 }
 
+/// The message of an `outbound`: as it is, or already encoded as JSON by this process
+/// (`serde_json::to_vec` of an [`OutboundMessage`]), which the outbox has for the ledger: the
+/// frame is then built around those bytes, not encoded again (BENCHMARKS.md, fix 27).
+#[derive(Debug)]
+pub enum Outgoing<'m> {
+    Message(OutboundMessage),
+    Encoded(&'m [u8]),
+}
+
 /// Hands an `outbound` to `conn` and registers for its receipt. Fails without sending when
 /// the driver did not declare `send` or the connection is gone.
 ///
@@ -136,7 +145,7 @@ pub fn handover<'a>(
     inst: &'a Instance,
     conn: &'a Connection,
     request_id: &'a Id,
-    message: OutboundMessage,
+    message: Outgoing<'_>,
 ) -> impl Future<Output = Result<oneshot::Receiver<ReceiptOutcome>, SendError>> + Send + 'a {
     let prepared = prepare(inst, conn, request_id, message);
     async move {
@@ -156,7 +165,7 @@ fn prepare(
     inst: &Instance,
     conn: &Connection,
     request_id: &Id,
-    message: OutboundMessage,
+    message: Outgoing<'_>,
 ) -> Result<(oneshot::Receiver<ReceiptOutcome>, Vec<u8>), SendError> {
     if !conn.declaration.can_send() {
         return Err(SendError::NotDeclared("send"));
@@ -164,8 +173,14 @@ fn prepare(
     let waiter = conn
         .expect_receipt(request_id.clone())
         .ok_or_else(|| SendError::Offline(inst.config.id.to_string()))?;
-    let frame = Frame::Outbound(Delivery { request_id: request_id.clone(), message });
-    match channeld_protocol::encode(&frame) {
+    let line = match message {
+        Outgoing::Message(message) => channeld_protocol::encode(&Frame::Outbound(Delivery {
+            request_id: request_id.clone(),
+            message,
+        })),
+        Outgoing::Encoded(message) => channeld_protocol::encode_outbound(request_id, message),
+    };
+    match line {
         Ok(line) => Ok((waiter, line)),
         Err(err) => {
             conn.forget_receipt(request_id);
@@ -226,7 +241,7 @@ pub async fn send_on(
     message: OutboundMessage,
     wait: Option<Duration>,
 ) -> Result<SendOutcome, SendError> {
-    let waiter = handover(inst, conn, &request_id, message).await?;
+    let waiter = handover(inst, conn, &request_id, Outgoing::Message(message)).await?;
     let Some(timeout) = wait else {
         return Ok(SendOutcome::handed(request_id, None));
     };

@@ -560,9 +560,59 @@ pub fn encode(frame: &Frame) -> Result<Vec<u8>, EncodeError> {
     Ok(out)
 }
 
+/// Encodes the `outbound` frame for `request_id` around `message`, a message already
+/// encoded by `serde_json::to_vec` of an [`OutboundMessage`](crate::types::OutboundMessage):
+/// the line [`encode`] writes for `Frame::Outbound` of that message, without encoding the
+/// message again (the hub records those bytes before it hands them over). `message` is
+/// copied as it is, so it must be such an encoding, made by this build.
+pub fn encode_outbound(request_id: &Id, message: &[u8]) -> Result<Vec<u8>, EncodeError> {
+    const TYPE: &[u8] = b"{\"type\":\"outbound\",\"request_id\":";
+    let mut out = Vec::with_capacity(
+        ENVELOPE_HEAD.len() + TYPE.len() + request_id.as_str().len() + message.len() + 20,
+    );
+    out.extend_from_slice(ENVELOPE_HEAD);
+    out.extend_from_slice(TYPE);
+    serde_json::to_writer(&mut out, request_id)?;
+    out.extend_from_slice(b",\"message\":");
+    out.extend_from_slice(message);
+    out.extend_from_slice(b"}}\n");
+    if out.len() > MAX_LINE_BYTES {
+        return Err(EncodeError::TooLong { frame_type: "outbound", len: out.len() });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_outbound_around_an_encoded_message_is_the_line_encode_writes() {
+        use crate::types::{MessageBody, MessageTarget, OutboundMessage};
+        let mut target = MessageTarget::new(
+            crate::ChannelId::new("slack.primary").unwrap(),
+            Id::new("C\u{e9}1").unwrap(),
+        );
+        target.thread = Some(Id::new("1700000000.000100").unwrap());
+        let mut message = OutboundMessage {
+            target,
+            body: MessageBody::text("quote \" backslash \\ newline \n tab \t \u{1F600} \u{7}")
+                .unwrap(),
+            metadata: Default::default(),
+        };
+        message.metadata.insert("idempotency_key".into(), "k-\"1\"".into());
+        message.metadata.insert("a".into(), "\u{0}".into());
+        let request_id = Id::new("ob-7f3a-12").unwrap();
+        let encoded = serde_json::to_vec(&message).unwrap();
+        let expected =
+            encode(&Frame::Outbound(Delivery { request_id: request_id.clone(), message })).unwrap();
+        assert_eq!(
+            String::from_utf8(encode_outbound(&request_id, &encoded).unwrap()).unwrap(),
+            String::from_utf8(expected).unwrap()
+        );
+        let long = vec![b'x'; MAX_LINE_BYTES];
+        assert!(matches!(encode_outbound(&request_id, &long), Err(EncodeError::TooLong { .. })));
+    }
 
     #[test]
     fn envelope_head_matches_abi() {

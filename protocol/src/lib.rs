@@ -20,7 +20,7 @@ pub mod framing;
 pub mod ids;
 pub mod types;
 
-pub use frame::{DecodeError, EncodeError, Frame, decode, encode, encode_into};
+pub use frame::{DecodeError, EncodeError, Frame, decode, encode, encode_into, encode_outbound};
 pub use ids::{ChannelId, Id, IdError};
 
 /// The ABI string every envelope carries in its `abi` field.
