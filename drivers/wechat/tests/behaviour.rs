@@ -378,3 +378,46 @@ async fn the_resume_operator_action_tries_a_refused_token_again_at_once() {
     rig.health(HealthState::Ready, "after resume").await;
     rig.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_notifystop_does_not_hold_the_stop_past_the_drain() {
+    let mut rig = Rig::quick(&[]).await;
+    rig.health(HealthState::Ready, "polling").await;
+    rig.fake.set_op_mode("msg/notifystop", Mode::Silent);
+    let began = Instant::now();
+    // `stop` fails if `run` is aborted at the fake hub's drain deadline.
+    rig.stop().await;
+    assert!(began.elapsed() < channeld_driver_sdk::testing::DRAIN, "{:?}", began.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_an_unanswered_notifystart_ends_at_once() {
+    let mut rig = Rig::quick(&[]).await;
+    rig.health(HealthState::Ready, "polling").await;
+    rig.fake.expire_bot_token();
+    rig.health(HealthState::Unavailable, "after -14").await;
+    // A new login: the driver announces its new session with `msg/notifystart`, which the
+    // server never answers.
+    rig.fake.set_op_mode("msg/notifystart", Mode::Silent);
+    rig.fake.set_bot_token("renewed");
+    StateDir::open(rig.state.path())
+        .unwrap()
+        .save_login(&StoredLogin {
+            bot_token: "renewed".into(),
+            bot_id: "bot@im.bot".into(),
+            user_id: None,
+            base_url: None,
+            saved_at_ms: 0,
+            previous_tokens: Vec::new(),
+        })
+        .unwrap();
+    rig.fake
+        .wait_for(WITHIN, "the second notifystart", |r| {
+            (r.count("msg/notifystart") >= 2).then_some(())
+        })
+        .await;
+    let began = Instant::now();
+    // `stop` fails if `run` is aborted at the fake hub's drain deadline.
+    rig.stop().await;
+    assert!(began.elapsed() < channeld_driver_sdk::testing::DRAIN, "{:?}", began.elapsed());
+}
