@@ -1,7 +1,7 @@
 //! The handle a driver's platform side uses to talk to the hub, and the state it shares with
 //! the connection loop.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use channeld_link::FrameSink;
@@ -84,6 +84,14 @@ impl IntoInbound for Inbound {
     }
 }
 
+/// What [`Hub::stop_budget`] keeps of the stop deadline for `run` to return in.
+pub const STOP_MARGIN: Duration = Duration::from_millis(500);
+
+/// [`Hub::stop_budget`] at `now`. Pure.
+pub(crate) fn stop_budget(now: Instant, deadline: Instant, wanted: Duration) -> Duration {
+    deadline.saturating_duration_since(now).saturating_sub(STOP_MARGIN).min(wanted)
+}
+
 /// A handle to the hub, given to [`Driver::run`](crate::Driver::run). Cheap to clone.
 ///
 /// Messages reported while the hub is unreachable wait (bounded) and are sent when the
@@ -96,6 +104,9 @@ pub struct Hub {
     /// Cancelled once the SDK hands this `run` no more hub requests and those in flight are
     /// done (see [`Hub::requests_done`]).
     pub(crate) idle: CancellationToken,
+    /// When this `run` must have returned, fixed by the first to ask once it must stop (the
+    /// SDK as it starts waiting, or [`Hub::stop_deadline`]): never after the SDK aborts it.
+    pub(crate) stop_by: Arc<OnceLock<Instant>>,
 }
 
 /// Resolves when the hub has answered an inbound; see [`Acceptance`]. Hand it to
@@ -138,6 +149,29 @@ impl Hub {
     /// True while a hub connection is up and its handshake is done.
     pub fn is_connected(&self) -> bool {
         self.shared.is_connected()
+    }
+
+    /// The instant by which `run` must have returned, once it has been asked to stop (its
+    /// shutdown token fired); `None` before. It is the launch's drain time
+    /// ([`DriverLaunchConfig::drain_timeout`]) counted from the first time it is asked for
+    /// (by `run`, or by the SDK as it starts waiting for `run`), and the SDK never aborts a
+    /// `run` before it. Steps a driver takes after the request — a goodbye to the platform,
+    /// closing its connection — fit in what is left, less a margin ([`Hub::stop_budget`]),
+    /// so they never cost the rest of the stop.
+    pub fn stop_deadline(&self) -> Option<Instant> {
+        self.stop.is_cancelled().then(|| {
+            *self.stop_by.get_or_init(|| Instant::now() + self.shared.launch.drain_timeout)
+        })
+    }
+
+    /// How long a step of a stopping `run` may wait for the platform: `wanted`, but never
+    /// past the [stop deadline](Hub::stop_deadline) less [`STOP_MARGIN`] (zero once that
+    /// has passed); `wanted` while `run` has not been asked to stop.
+    pub fn stop_budget(&self, wanted: Duration) -> Duration {
+        match self.stop_deadline() {
+            Some(deadline) => stop_budget(Instant::now(), deadline, wanted),
+            None => wanted,
+        }
     }
 
     /// Resolves once the SDK will hand this `run` no more posts, effects, commands or
@@ -424,5 +458,24 @@ impl Shared {
         if freed > 0 {
             self.slots.add_permits(freed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_step_gets_what_it_wants_but_never_the_margin_before_the_deadline() {
+        let now = Instant::now();
+        let (s, ms) = (Duration::from_secs, Duration::from_millis);
+        // A far deadline: the step's own time.
+        assert_eq!(stop_budget(now, now + s(30), s(3)), s(3));
+        // A near one: what is left, less the margin.
+        assert_eq!(stop_budget(now, now + ms(2900), s(3)), ms(2400));
+        assert_eq!(stop_budget(now, now + ms(1500), s(3)), ms(1000));
+        // Less than the margin left, or past: nothing.
+        assert_eq!(stop_budget(now, now + ms(400), s(3)), Duration::ZERO);
+        assert_eq!(stop_budget(now + s(1), now, s(3)), Duration::ZERO);
     }
 }

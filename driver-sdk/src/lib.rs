@@ -49,7 +49,7 @@ pub use driver::{
     EffectRequest, OperatorAction, OperatorActionError, Post, PostError, PostKind,
 };
 pub use health::LinkState;
-pub use hub::{Hub, HubError, InboundTicket, IntoInbound, MAX_PENDING_INBOUND};
+pub use hub::{Hub, HubError, InboundTicket, IntoInbound, MAX_PENDING_INBOUND, STOP_MARGIN};
 pub use inbound::{Inbound, InboundError};
 pub use launch::DriverLaunchConfig;
 pub use pending::Acceptance;

@@ -2,7 +2,7 @@
 //! starts the platform side ([`Driver::run`]) only once the hub has accepted the driver and
 //! stops it while the hub refuses it, and drains on shutdown.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use channeld_link::Backoff;
@@ -218,11 +218,13 @@ struct PlatformSide<D> {
     running: Option<Running>,
 }
 
-/// A `run` in progress: its task, its stop token and its requests-done token.
+/// A `run` in progress: its task, its stop token, its requests-done token and the deadline
+/// of its stop ([`Hub::stop_deadline`]).
 struct Running {
     task: JoinHandle<Result<(), DriverError>>,
     stop: CancellationToken,
     idle: CancellationToken,
+    stop_by: Arc<OnceLock<std::time::Instant>>,
 }
 
 impl<D: Driver> PlatformSide<D> {
@@ -239,12 +241,18 @@ impl<D: Driver> PlatformSide<D> {
         let idle = CancellationToken::new();
         // A new run reports its own link state; an old one's is stale.
         self.shared.lock().health = None;
-        let hub = Hub { shared: self.shared.clone(), stop: stop.clone(), idle: idle.clone() };
+        let stop_by = Arc::new(OnceLock::new());
+        let hub = Hub {
+            shared: self.shared.clone(),
+            stop: stop.clone(),
+            idle: idle.clone(),
+            stop_by: stop_by.clone(),
+        };
         let driver = self.driver.clone();
         let token = stop.clone();
         debug!(channel = %self.shared.launch.channel, "the hub accepted the driver; starting the platform side");
         let task = tokio::spawn(async move { driver.run(hub, token).await });
-        self.running = Some(Running { task, stop, idle });
+        self.running = Some(Running { task, stop, idle, stop_by });
     }
 
     /// Waits for `run` to return by itself. Only polled while running.
@@ -276,9 +284,13 @@ impl<D: Driver> PlatformSide<D> {
     }
 
     /// Asks `run` to stop, tells it no more hub requests come, and waits up to `drain`;
-    /// aborts it after that.
+    /// aborts it after that. The deadline `run` sees ([`Hub::stop_deadline`]) is never
+    /// later: fixed now unless `run` asked for it earlier, when its token fired.
     async fn stop(&mut self, drain: Duration) -> Result<(), RunError> {
-        let Some(Running { mut task, stop, idle }) = self.running.take() else { return Ok(()) };
+        let Some(Running { mut task, stop, idle, stop_by }) = self.running.take() else {
+            return Ok(());
+        };
+        stop_by.get_or_init(|| std::time::Instant::now() + drain);
         stop.cancel();
         idle.cancel();
         match tokio::time::timeout(drain, &mut task).await {

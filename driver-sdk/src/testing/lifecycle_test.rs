@@ -4,7 +4,7 @@
 //! refused channels end the driver with a configuration error.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use channeld_protocol::types::{Capabilities, DeliveryReceipt};
 use channeld_protocol::{ChannelId, Id};
@@ -234,4 +234,55 @@ async fn a_socket_path_that_is_a_directory_ends_the_driver_with_a_configuration_
     let err = ended.unwrap_err();
     assert_eq!(err.exit_code(), 78, "{err}");
     assert!(err.to_string().contains("CHANNELD_SOCKET"), "{err}");
+}
+
+/// Reports the stop deadline it sees as it starts, then the one it sees once asked to stop
+/// (with when that was); then takes all but `spare` of that deadline before it returns.
+struct Lingerer {
+    seen: mpsc::UnboundedSender<(Option<Instant>, Instant)>,
+    spare: Duration,
+}
+
+impl Driver for Lingerer {
+    fn declaration(&self) -> Declaration {
+        Declaration::new(Capabilities { receive: true, ..Default::default() })
+    }
+
+    async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
+        let _ = self.seen.send((hub.stop_deadline(), Instant::now()));
+        shutdown.cancelled().await;
+        let asked = Instant::now();
+        let deadline = hub.stop_deadline();
+        let _ = self.seen.send((deadline, asked));
+        if let Some(deadline) = deadline {
+            tokio::time::sleep_until(tokio::time::Instant::from_std(deadline - self.spare)).await;
+        }
+        Ok(())
+    }
+
+    async fn post(&self, _post: Post) -> Result<DeliveryReceipt, PostError> {
+        Err(PostError::failed("this driver posts nothing", false))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_run_learns_its_deadline_and_is_not_aborted_before_it() {
+    let hub = FakeHub::bind().await;
+    let (seen, mut saw) = mpsc::unbounded_channel();
+    let driver = Lingerer { seen, spare: Duration::from_millis(300) };
+    let task = DriverTask::spawn(driver, hub.launch_config(CHANNEL));
+    let mut conn = hub.accept().await;
+    conn.handshake(AckMode::Extensions).await;
+    let (before, _) = saw.recv().await.expect("run started");
+    assert_eq!(before, None, "no deadline before the stop");
+    let (stopped, ()) = tokio::join!(task.stop(), async {
+        conn.expect_stop().await;
+    });
+    // It used all but 0.3 s of its deadline and was not aborted.
+    stopped.unwrap();
+    let (after, asked) = saw.recv().await.expect("run stopped");
+    let deadline = after.expect("a deadline once asked to stop");
+    // The drain time, counted from about when the run was asked to stop.
+    let left = deadline.saturating_duration_since(asked);
+    assert!(left <= super::DRAIN && left >= super::DRAIN - Duration::from_secs(1), "{left:?}");
 }

@@ -382,7 +382,7 @@ impl AmqpDriver {
 
         match end {
             ConsumeEnd::Shutdown => {
-                self.stop_consuming(&channel, acks).await;
+                self.stop_consuming(hub, &channel, acks).await;
             }
             ConsumeEnd::Lost(_) => {
                 // The ackers of these deliveries are stale: settle them now (they log it).
@@ -413,8 +413,8 @@ impl AmqpDriver {
     /// Stops taking deliveries, gives the hub a moment to answer the ones it has, and closes
     /// the consuming channel, which requeues whatever is still unacknowledged. The connection
     /// and the publishing channel stay up for replies sent while the driver drains.
-    async fn stop_consuming(&self, channel: &Channel, acks: PendingAcks) {
-        let deadline = tokio::time::Instant::now() + self.config.drain_grace;
+    async fn stop_consuming(&self, hub: &Hub, channel: &Channel, acks: PendingAcks) {
+        let deadline = tokio::time::Instant::now() + hub.stop_budget(self.config.drain_grace);
         let tag = ShortString::from(self.config.consumer_tag());
         match timeout_at(deadline, channel.basic_cancel(tag, BasicCancelOptions::default())).await {
             Ok(Ok(())) => {}
@@ -429,7 +429,7 @@ impl AmqpDriver {
                 "the hub did not answer every delivery in time; the broker will redeliver them"
             );
         }
-        let closing = tokio::time::Instant::now() + CLOSE_WITHIN;
+        let closing = tokio::time::Instant::now() + hub.stop_budget(CLOSE_WITHIN);
         match timeout_at(closing, channel.close(REPLY_SUCCESS, "OK".into())).await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => debug!(error = %err, "closing the consuming channel failed"),
@@ -746,7 +746,7 @@ impl Driver for AmqpDriver {
         let connection = lock(&self.connection).take();
         if let Some(connection) = connection {
             let closing = connection.close(REPLY_SUCCESS, "driver stopping".into());
-            match tokio::time::timeout(CLOSE_WITHIN, closing).await {
+            match tokio::time::timeout(hub.stop_budget(CLOSE_WITHIN), closing).await {
                 Ok(Ok(())) => debug!(%channel, "broker connection closed"),
                 Ok(Err(err)) => {
                     debug!(%channel, error = %err, "closing the broker connection failed")

@@ -150,14 +150,15 @@ pub(crate) async fn run(
 
     // Stopping: the hub's answers settle what was reported, posts in flight finish on
     // this pool, then it closes and the state is written a last time.
-    let unanswered = acks.drain(config.drain_grace).await;
+    let unanswered = acks.drain(hub.stop_budget(config.drain_grace)).await;
     if unanswered > 0 {
         info!(unanswered, "left unanswered; the relays bring them again after a restart");
     }
     hub.requests_done().await;
     driver.live.send_replace(None);
     driver.stragglers.close();
-    let _ = tokio::time::timeout(config.drain_grace, driver.stragglers.wait()).await;
+    let _ =
+        tokio::time::timeout(hub.stop_budget(config.drain_grace), driver.stragglers.wait()).await;
     driver.stragglers.reopen();
     stopping.cancel();
     client.shutdown().await;

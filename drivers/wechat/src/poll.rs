@@ -39,18 +39,6 @@ pub const MAX_POLL_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `msg/notifystop` goes out while the SDK drains: it may take at most this long.
 pub const NOTIFY_STOP_TIMEOUT: Duration = Duration::from_secs(3);
-/// What a stop leaves of the SDK's drain deadline when it sends `msg/notifystop` last, so
-/// `run` returns before the SDK aborts it.
-pub const STOP_MARGIN: Duration = Duration::from_millis(500);
-
-/// How long `msg/notifystop` may take once the stop has spent `spent` of the drain deadline
-/// `drain`; `None` when nothing is left for it. Pure: the notice is best effort and never
-/// holds the stop past the deadline.
-pub fn stop_notice_budget(drain: Duration, spent: Duration) -> Option<Duration> {
-    let left = drain.saturating_sub(spent).saturating_sub(STOP_MARGIN);
-    (!left.is_zero()).then(|| left.min(NOTIFY_STOP_TIMEOUT))
-}
-
 /// Reports the link state (the platform turns it into health).
 pub trait LinkReport: Send + Sync + std::fmt::Debug {
     fn link(&self, link: Link);
@@ -158,9 +146,7 @@ impl Poller<'_> {
         }
         // Answers still coming settle what the hub took; the cursor stays where it was, so a
         // message answered only now comes again and is recognised as a replay.
-        let stopping = Instant::now();
-        let drain = hub.launch().drain_timeout;
-        acks.drain(drain / 2).await;
+        acks.drain(hub.stop_budget(hub.launch().drain_timeout / 2)).await;
         if let Err(err) = self.store.save_seen().await {
             warn!(error = %err, "replay set not saved at shutdown; the hub will see some replays");
         }
@@ -169,12 +155,11 @@ impl Poller<'_> {
         else {
             return;
         };
-        match stop_notice_budget(drain, stopping.elapsed()) {
-            Some(budget) => {
-                let timeout = self.config.request_timeout.min(budget);
-                self.notify(&credentials, op::NOTIFY_STOP, timeout).await;
-            }
-            None => info!("msg/notifystop not sent: the stop used its drain time"),
+        let budget = hub.stop_budget(self.config.request_timeout.min(NOTIFY_STOP_TIMEOUT));
+        if budget.is_zero() {
+            info!("msg/notifystop not sent: the stop used its drain time");
+        } else {
+            self.notify(&credentials, op::NOTIFY_STOP, budget).await;
         }
     }
 
@@ -354,25 +339,5 @@ impl Settle for BatchAck {
             Acceptance::Unresolved => false,
         };
         self.answers.answered(last_word);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_stop_notice_gets_what_the_drain_leaves_and_never_more_than_its_cap() {
-        let s = Duration::from_secs;
-        let ms = Duration::from_millis;
-        // A long drain: the notice keeps its own cap.
-        assert_eq!(stop_notice_budget(s(30), s(1)), Some(NOTIFY_STOP_TIMEOUT));
-        // A short one: what is left, less the margin.
-        assert_eq!(stop_notice_budget(s(3), ms(100)), Some(ms(2400)));
-        assert_eq!(stop_notice_budget(s(3), ms(1500)), Some(ms(1000)));
-        // Nothing left: no notice.
-        assert_eq!(stop_notice_budget(s(3), ms(2500)), None);
-        assert_eq!(stop_notice_budget(s(3), s(4)), None);
-        assert_eq!(stop_notice_budget(Duration::ZERO, Duration::ZERO), None);
     }
 }

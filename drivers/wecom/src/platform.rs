@@ -329,7 +329,10 @@ impl Driver for WeComDriver {
         // Placeholders still waiting for the hub's answer are not worth a delay.
         pending.drain(Duration::ZERO).await;
         self.replies.tasks().close();
-        if tokio::time::timeout(STOP_GRACE, self.replies.tasks().wait()).await.is_err() {
+        if tokio::time::timeout(hub.stop_budget(STOP_GRACE), self.replies.tasks().wait())
+            .await
+            .is_err()
+        {
             debug!("progress sends still running at stop");
         }
         *self.phase() = Phase::Idle;
