@@ -64,6 +64,21 @@ impl Rig {
         MessageTarget::new(ChannelId::new(CHANNEL).unwrap(), Id::new(user).unwrap())
     }
 
+    /// A new login, as `channeld-wechat login` saves it.
+    fn save_login(&self, token: &str) {
+        StateDir::open(self.state.path())
+            .unwrap()
+            .save_login(&StoredLogin {
+                bot_token: token.into(),
+                bot_id: "bot@im.bot".into(),
+                user_id: None,
+                base_url: None,
+                saved_at_ms: 0,
+                previous_tokens: Vec::new(),
+            })
+            .unwrap();
+    }
+
     fn cursor(&self) -> String {
         StateDir::open(self.state.path()).unwrap().load_cursor().unwrap()
     }
@@ -256,17 +271,7 @@ async fn an_expired_token_pauses_polling_until_a_new_login_appears() {
     assert!(err.message.contains("auth_expired"), "{}", err.message);
 
     rig.fake.set_bot_token("renewed");
-    StateDir::open(rig.state.path())
-        .unwrap()
-        .save_login(&StoredLogin {
-            bot_token: "renewed".into(),
-            bot_id: "bot@im.bot".into(),
-            user_id: None,
-            base_url: None,
-            saved_at_ms: 0,
-            previous_tokens: Vec::new(),
-        })
-        .unwrap();
+    rig.save_login("renewed");
     rig.health(HealthState::Ready, "after the new login").await;
     let records = rig
         .fake
@@ -400,17 +405,7 @@ async fn a_stop_during_an_unanswered_notifystart_ends_at_once() {
     // server never answers.
     rig.fake.set_op_mode("msg/notifystart", Mode::Silent);
     rig.fake.set_bot_token("renewed");
-    StateDir::open(rig.state.path())
-        .unwrap()
-        .save_login(&StoredLogin {
-            bot_token: "renewed".into(),
-            bot_id: "bot@im.bot".into(),
-            user_id: None,
-            base_url: None,
-            saved_at_ms: 0,
-            previous_tokens: Vec::new(),
-        })
-        .unwrap();
+    rig.save_login("renewed");
     rig.fake
         .wait_for(WITHIN, "the second notifystart", |r| {
             (r.count("msg/notifystart") >= 2).then_some(())
