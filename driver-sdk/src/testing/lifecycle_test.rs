@@ -236,10 +236,12 @@ async fn a_socket_path_that_is_a_directory_ends_the_driver_with_a_configuration_
     assert!(err.to_string().contains("CHANNELD_SOCKET"), "{err}");
 }
 
-/// Reports the stop deadline it sees as it starts, then the one it sees once asked to stop
-/// (with when that was); then takes all but `spare` of that deadline before it returns.
+/// Reports the stop deadline it sees as it starts, then the one it sees `asks_after` it was
+/// asked to stop (with when it was asked); then takes all but `spare` of that deadline
+/// before it returns.
 struct Lingerer {
     seen: mpsc::UnboundedSender<(Option<Instant>, Instant)>,
+    asks_after: Duration,
     spare: Duration,
 }
 
@@ -252,6 +254,7 @@ impl Driver for Lingerer {
         let _ = self.seen.send((hub.stop_deadline(), Instant::now()));
         shutdown.cancelled().await;
         let asked = Instant::now();
+        tokio::time::sleep(self.asks_after).await;
         let deadline = hub.stop_deadline();
         let _ = self.seen.send((deadline, asked));
         if let Some(deadline) = deadline {
@@ -267,9 +270,20 @@ impl Driver for Lingerer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_run_learns_its_deadline_and_is_not_aborted_before_it() {
+    lingers_until_its_deadline(Duration::ZERO).await;
+}
+
+/// A `run` that asks late gets the deadline the SDK fixed when it began to wait, not one
+/// counted from its own question (which the SDK would not honour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_asks_late_gets_the_deadline_the_sdk_waits_for() {
+    lingers_until_its_deadline(Duration::from_millis(700)).await;
+}
+
+async fn lingers_until_its_deadline(asks_after: Duration) {
     let hub = FakeHub::bind().await;
     let (seen, mut saw) = mpsc::unbounded_channel();
-    let driver = Lingerer { seen, spare: Duration::from_millis(300) };
+    let driver = Lingerer { seen, asks_after, spare: Duration::from_millis(300) };
     let task = DriverTask::spawn(driver, hub.launch_config(CHANNEL));
     let mut conn = hub.accept().await;
     conn.handshake(AckMode::Extensions).await;

@@ -39,6 +39,7 @@ pub const MAX_POLL_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `msg/notifystop` goes out while the SDK drains: it may take at most this long.
 pub const NOTIFY_STOP_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Reports the link state (the platform turns it into health).
 pub trait LinkReport: Send + Sync + std::fmt::Debug {
     fn link(&self, link: Link);
