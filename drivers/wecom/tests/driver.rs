@@ -223,6 +223,25 @@ async fn enter_chat_is_welcomed_within_the_window() {
     rig.stop().await;
 }
 
+/// A server that stops answering must not hold a stop past the hub's drain: a welcome still
+/// waiting for its acknowledgement would wait out the ack timeout (5 s, longer than the fake
+/// hub's 3-s drain); the stop closes the connection and gives it up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_acknowledges_a_last_send_does_not_hold_the_stop_past_the_drain() {
+    let rig = Rig::start(&[("WECOM_WELCOME_TEXT", "Hi!")], |_| {}).await;
+    rig.fake.set_slow(Some(Duration::from_secs(60)));
+    rig.fake.push_event(payloads::enter_chat("e-1", "wangwu")).unwrap();
+    rig.fake
+        .wait_for("the welcome sent", WITHIN, |record| {
+            (!record.received_cmd("aibot_respond_welcome_msg").is_empty()).then_some(())
+        })
+        .await;
+    let began = Instant::now();
+    // `stop` fails if `run` is aborted at the fake hub's drain deadline.
+    rig.stop().await;
+    assert!(began.elapsed() < channeld_driver_sdk::testing::DRAIN, "{:?}", began.elapsed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sends_over_the_pace_queue_and_go_later_instead_of_failing() {
     let mut rig = Rig::start(&[], |config| {
