@@ -169,6 +169,8 @@ pub struct RabbitMq {
     epmd_port: u16,
     epmd: Child,
     server: Option<Child>,
+    /// Frozen by [`pause`](RabbitMq::pause) (SIGSTOP) and not resumed yet.
+    paused: bool,
 }
 
 impl RabbitMq {
@@ -208,7 +210,8 @@ impl RabbitMq {
             let _ = epmd.wait();
             panic!("{why}");
         }
-        let mut broker = Self { dir, node, port, dist_port, epmd_port, epmd, server: None };
+        let mut broker =
+            Self { dir, node, port, dist_port, epmd_port, epmd, server: None, paused: false };
         // Free ports are picked before the node binds them: a test starting beside this one
         // may take one first, and the node then fails at boot. Such a boot is tried again
         // on new ports (a node that fails for another reason fails every time).
@@ -379,6 +382,7 @@ impl RabbitMq {
 
     /// Stops the node (its data stays); [`start_node`](Self::start_node) brings it back.
     pub fn stop_node(&mut self) {
+        self.resume();
         if self.server.is_none() {
             return;
         }
@@ -396,6 +400,32 @@ impl RabbitMq {
     pub fn start_node(&mut self) {
         assert!(self.server.is_none(), "the node is already running");
         self.boot();
+    }
+
+    /// Freezes the node (SIGSTOP to its processes): its connections stay open and nothing
+    /// on them is answered, as with a broker that hangs. [`resume`](Self::resume) (or drop)
+    /// thaws it.
+    pub fn pause(&mut self) {
+        self.signal_tree(libc::SIGSTOP);
+        self.paused = true;
+    }
+
+    /// Thaws a node frozen by [`pause`](Self::pause).
+    pub fn resume(&mut self) {
+        if self.paused {
+            self.signal_tree(libc::SIGCONT);
+            self.paused = false;
+        }
+    }
+
+    /// Sends `sig` to the server process and every process under it.
+    fn signal_tree(&self, sig: i32) {
+        let Some(server) = self.server.as_ref() else { return };
+        let mut pending = vec![server.id()];
+        while let Some(pid) = pending.pop() {
+            pending.extend(children_of(pid));
+            signal(pid, sig);
+        }
     }
 
     /// Stops and starts the node: every connection breaks and durable queues come back.
