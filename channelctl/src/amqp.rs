@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use channeld_control::{RemoteSend, RemoteSendOutcome, SEND_MESSAGE_TYPE};
+use channeld_control::{RemoteSendOutcome, SEND_MESSAGE_TYPE, SendArgs};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
@@ -113,7 +113,7 @@ pub(crate) fn fresh_key() -> String {
 pub(crate) async fn send(
     broker: &BrokerUrl,
     queue: &str,
-    send: &RemoteSend,
+    send: &SendArgs,
     budget: Duration,
 ) -> Result<RemoteSendOutcome, AmqpError> {
     let key = send.idempotency_key.clone().unwrap_or_default();

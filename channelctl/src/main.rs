@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use channeld_control::{Op, RemoteSend, Request, Response, StatusResult, code};
+use channeld_control::{Op, Request, Response, SendArgs, StatusResult, code};
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -281,7 +281,7 @@ fn main() -> ExitCode {
     }
     let (op, wait_budget) = match &cli.command {
         Cmd::Send { instance, conversation, thread, no_wait, timeout, key, text } => (
-            Op::Send {
+            Op::Send(SendArgs {
                 instance: instance.clone(),
                 conversation: conversation.clone(),
                 thread: thread.clone(),
@@ -290,7 +290,7 @@ fn main() -> ExitCode {
                 wait: !no_wait,
                 timeout_ms: Some(timeout.saturating_mul(1000)),
                 idempotency_key: key.clone(),
-            },
+            }),
             Duration::from_secs(timeout + 10),
         ),
         Cmd::Health { instance } => {
@@ -391,30 +391,11 @@ fn main() -> ExitCode {
     };
     let answer = match cli.amqp.as_deref() {
         Some(broker) => {
-            let Op::Send {
-                instance,
-                conversation,
-                thread,
-                text,
-                metadata,
-                wait,
-                timeout_ms,
-                idempotency_key,
-            } = op
-            else {
+            let Op::Send(mut send) = op else {
                 eprintln!("channelctl: --amqp works with send only");
                 return ExitCode::from(2);
             };
-            let send = RemoteSend {
-                instance,
-                conversation,
-                thread,
-                text,
-                metadata,
-                wait,
-                timeout_ms,
-                idempotency_key: Some(idempotency_key.unwrap_or_else(amqp::fresh_key)),
-            };
+            send.idempotency_key = Some(send.idempotency_key.unwrap_or_else(amqp::fresh_key));
             runtime.block_on(send_over_amqp(broker, &cli.amqp_queue, &send, wait_budget))
         }
         None => {
@@ -477,7 +458,7 @@ fn main() -> ExitCode {
 async fn send_over_amqp(
     broker: &str,
     queue: &str,
-    send: &RemoteSend,
+    send: &SendArgs,
     budget: Duration,
 ) -> Result<Response, u8> {
     let (broker, argv_password) = amqp::BrokerUrl::resolve(broker).map_err(|err| {

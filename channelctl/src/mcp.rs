@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use channeld_control::{
-    CompleteResult, InboxResult, Op, ReadEntry, ReadResult, Request, RespondResult, SendResult,
-    StatusResult,
+    CompleteResult, InboxResult, Op, ReadEntry, ReadResult, Request, RespondResult, SendArgs,
+    SendResult, StatusResult,
 };
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ContentBlock, Implementation, ListToolsResult,
@@ -199,7 +199,7 @@ pub(crate) fn op_for(name: &str, args: &Map<String, Value>) -> Result<(Op, Durat
         }
         "channel_complete" => Op::Complete { locator: required(args, "locator")? },
         "channel_send" => {
-            let op = Op::Send {
+            let op = Op::Send(SendArgs {
                 instance: required(args, "instance")?,
                 conversation: required(args, "conversation")?,
                 thread: string(args, "thread")?,
@@ -208,7 +208,7 @@ pub(crate) fn op_for(name: &str, args: &Map<String, Value>) -> Result<(Op, Durat
                 wait: true,
                 timeout_ms: None,
                 idempotency_key: string(args, "idempotency_key")?,
-            };
+            });
             return Ok((op, Duration::from_secs(300)));
         }
         "channel_status" => Op::Status {

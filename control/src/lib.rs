@@ -71,23 +71,7 @@ pub struct Request {
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Op {
     /// A proactive message through an instance's driver.
-    Send {
-        instance: String,
-        conversation: String,
-        #[serde(default)]
-        thread: Option<String>,
-        text: String,
-        #[serde(default)]
-        metadata: BTreeMap<String, String>,
-        /// Wait for the receipt (default true).
-        #[serde(default = "yes")]
-        wait: bool,
-        #[serde(default)]
-        timeout_ms: Option<u64>,
-        /// The same key never sends twice: a repeat returns the first send's record.
-        #[serde(default)]
-        idempotency_key: Option<String>,
-    },
+    Send(SendArgs),
     /// Probe one instance's driver.
     Health { instance: String },
     /// Instances' state, in instance-id order, one page at a time.
@@ -413,13 +397,14 @@ pub const DEFAULT_SEND_QUEUE: &str = "channeld.sends";
 pub const SEND_MESSAGE_TYPE: &str = "channeld.send";
 pub const SEND_OUTCOME_TYPE: &str = "channeld.send_outcome";
 
-/// A message on the hub's AMQP send queue (`[hub.amqp_sends]`, PROTOCOL.md "Sends over
-/// RabbitMQ"): the control `send` op's fields, without `id` and `op`. The idempotency key is
-/// required (the body's, else the message's `message_id` property): RabbitMQ may deliver a
-/// message twice, and the key makes the second delivery answer without posting again.
+/// The control `send` op's fields ([`Op::Send`]), and a message on the hub's AMQP send queue
+/// (`[hub.amqp_sends]`, PROTOCOL.md "Sends over RabbitMQ"), which carries them without `id`
+/// and `op`. On the queue the idempotency key is required (the body's, else the message's
+/// `message_id` property): RabbitMQ may deliver a message twice, and the key makes the second
+/// delivery answer without posting again.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RemoteSend {
+pub struct SendArgs {
     pub instance: String,
     pub conversation: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -430,29 +415,15 @@ pub struct RemoteSend {
     /// Wait for the receipt before answering (default true).
     #[serde(default = "yes")]
     pub wait: bool,
+    /// How long to wait for the receipt (the hub's default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// The same key never sends twice: a repeat returns the first send's record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
 }
 
-impl RemoteSend {
-    /// The control op it stands for.
-    pub fn into_op(self) -> Op {
-        Op::Send {
-            instance: self.instance,
-            conversation: self.conversation,
-            thread: self.thread,
-            text: self.text,
-            metadata: self.metadata,
-            wait: self.wait,
-            timeout_ms: self.timeout_ms,
-            idempotency_key: self.idempotency_key,
-        }
-    }
-}
-
-/// The hub's answer to a [`RemoteSend`], published to the message's `reply_to` with its
+/// The hub's answer to a [`SendArgs`], published to the message's `reply_to` with its
 /// `correlation_id`: what the control socket would have answered, without the request id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteSendOutcome {
@@ -698,7 +669,7 @@ mod tests {
     #[test]
     fn remote_sends_and_outcomes_have_their_documented_json() {
         let line = r#"{"instance":"mqtt.lab","conversation":"ops","text":"deploy 881 finished","idempotency_key":"deploy-881"}"#;
-        let send: RemoteSend = serde_json::from_str(line).unwrap();
+        let send: SendArgs = serde_json::from_str(line).unwrap();
         assert!(send.wait);
         assert_eq!(send.idempotency_key.as_deref(), Some("deploy-881"));
         let back = serde_json::to_string(&send).unwrap();
@@ -706,7 +677,7 @@ mod tests {
             back,
             r#"{"instance":"mqtt.lab","conversation":"ops","text":"deploy 881 finished","wait":true,"idempotency_key":"deploy-881"}"#
         );
-        assert!(matches!(send.into_op(), Op::Send { wait: true, .. }));
+        assert!(matches!(Op::Send(send), Op::Send(SendArgs { wait: true, .. })));
         let repeated = RemoteSendOutcome::sent(SendResult {
             request_id: "out-7".into(),
             state: "queued".into(),
@@ -728,7 +699,7 @@ mod tests {
             r#"{"ok":false,"error":{"code":"conflict","message":"m"}}"#
         );
         assert!(
-            serde_json::from_str::<RemoteSend>(
+            serde_json::from_str::<SendArgs>(
                 r#"{"instance":"a.b","conversation":"c","text":"t","id":1}"#
             )
             .is_err()
@@ -749,7 +720,7 @@ mod tests {
     #[test]
     fn every_request_round_trips_through_its_json_line() {
         let ops = [
-            Op::Send {
+            Op::Send(SendArgs {
                 instance: "a.b".into(),
                 conversation: "c".into(),
                 thread: None,
@@ -758,7 +729,7 @@ mod tests {
                 wait: true,
                 timeout_ms: Some(5),
                 idempotency_key: Some("k".into()),
-            },
+            }),
             Op::Health { instance: "a.b".into() },
             Op::Status { instance: None, after: None, limit: None },
             Op::Status {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use channeld_control::{ErrorBody, SendResult, code};
+use channeld_control::{ErrorBody, SendArgs, SendResult, code};
 use channeld_protocol::types::{MessageBody, MessageTarget, OutboundMessage};
 use channeld_protocol::{ChannelId, Id};
 use tracing::debug;
@@ -17,27 +17,23 @@ use crate::send::{SendError, SendOutcome};
 /// Longest idempotency key.
 pub const MAX_IDEMPOTENCY_KEY: usize = 256;
 
-/// What a caller asks to send (the control `send` op's fields).
-#[derive(Debug, Clone)]
-pub struct Ask {
-    pub instance: String,
-    pub conversation: String,
-    pub thread: Option<String>,
-    pub text: String,
-    pub metadata: BTreeMap<String, String>,
-    pub wait: bool,
-    pub timeout_ms: Option<u64>,
-    pub idempotency_key: Option<String>,
-}
-
 fn refused(code: &str, message: String) -> ErrorBody {
     ErrorBody { code: code.to_owned(), message, request_id: None }
 }
 
-/// Sends `ask` as the control op `send` does: through the outbox, idempotent by key.
-pub async fn send(hub: &Hub, ask: Ask) -> Result<SendResult, ErrorBody> {
-    let Ask { instance, conversation, thread, text, metadata, wait, timeout_ms, idempotency_key } =
-        ask;
+/// Sends what a caller asked for as the control op `send` does: through the outbox,
+/// idempotent by key.
+pub async fn send(hub: &Hub, ask: SendArgs) -> Result<SendResult, ErrorBody> {
+    let SendArgs {
+        instance,
+        conversation,
+        thread,
+        text,
+        metadata,
+        wait,
+        timeout_ms,
+        idempotency_key,
+    } = ask;
     let message = outbound(&instance, &conversation, thread, text, metadata)
         .map_err(|message| refused(code::INVALID_REQUEST, message))?;
     if let Some(key) = &idempotency_key

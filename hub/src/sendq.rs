@@ -20,7 +20,7 @@ use channeld_agent_exec::amqp::{
     PublishError, confirm_channel, declare_run_queue, json_properties, publish_confirmed,
 };
 use channeld_control::{
-    ErrorBody, MAX_CONTROL_LINE, RemoteSend, RemoteSendOutcome, SEND_OUTCOME_TYPE, code,
+    ErrorBody, MAX_CONTROL_LINE, RemoteSendOutcome, SEND_OUTCOME_TYPE, SendArgs, code,
 };
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -36,7 +36,7 @@ use tracing::{debug, info, warn};
 use crate::config::AmqpSendsConfig;
 use crate::hub::Hub;
 use crate::metrics::{AmqpSendsState, RemoteSendOutcome as Outcome};
-use crate::proactive::{self, Ask};
+use crate::proactive;
 
 /// Pause between broker reconnects (doubling up to the maximum).
 const RECONNECT_MIN: Duration = Duration::from_millis(200);
@@ -132,30 +132,22 @@ async fn session(
 }
 
 /// A message's send, as [`proactive::send`] takes it, or why it is not one.
-fn parse(data: &[u8], message_id: Option<&str>) -> Result<Ask, String> {
+fn parse(data: &[u8], message_id: Option<&str>) -> Result<SendArgs, String> {
     if data.len() > MAX_CONTROL_LINE {
         return Err(format!("the message is over {MAX_CONTROL_LINE} bytes"));
     }
-    let send: RemoteSend =
+    let mut send: SendArgs =
         serde_json::from_slice(data).map_err(|err| format!("not a send message: {err}"))?;
-    let idempotency_key =
-        send.idempotency_key.or_else(|| message_id.filter(|id| !id.is_empty()).map(str::to_owned));
-    if idempotency_key.is_none() {
+    if send.idempotency_key.is_none() {
+        send.idempotency_key = message_id.filter(|id| !id.is_empty()).map(str::to_owned);
+    }
+    if send.idempotency_key.is_none() {
         return Err("idempotency_key is required (or the message_id property): a message may be delivered twice".into());
     }
     if send.timeout_ms.is_some_and(|ms| ms > MAX_REMOTE_WAIT_MS) {
         return Err(format!("timeout_ms must be at most {MAX_REMOTE_WAIT_MS}"));
     }
-    Ok(Ask {
-        instance: send.instance,
-        conversation: send.conversation,
-        thread: send.thread,
-        text: send.text,
-        metadata: send.metadata,
-        wait: send.wait,
-        timeout_ms: send.timeout_ms,
-        idempotency_key,
-    })
+    Ok(send)
 }
 
 /// Sends one message and answers it; the message is settled here.

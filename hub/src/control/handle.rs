@@ -29,7 +29,7 @@ use crate::ledger::{
     LedgerError, OutboxRecord, OutboxState, OutboxSummary, ReplyCount, ReplyRecord, ReplyState,
 };
 use crate::operator::{self, OperatorError};
-use crate::proactive::{self, Ask};
+use crate::proactive;
 use crate::send::SendError;
 
 /// The response line for one request. Every op but `send` (the hot one) awaits its work boxed, so this future — which the
@@ -37,31 +37,10 @@ use crate::send::SendError;
 pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
     let id = request.id;
     match request.op {
-        Op::Send {
-            instance,
-            conversation,
-            thread,
-            text,
-            metadata,
-            wait,
-            timeout_ms,
-            idempotency_key,
-        } => {
-            let ask = Ask {
-                instance,
-                conversation,
-                thread,
-                text,
-                metadata,
-                wait,
-                timeout_ms,
-                idempotency_key,
-            };
-            match proactive::send(hub, ask).await {
-                Ok(result) => success(id, result),
-                Err(error) => failure(id, &error.code, error.message, error.request_id),
-            }
-        }
+        Op::Send(ask) => match proactive::send(hub, ask).await {
+            Ok(result) => success(id, result),
+            Err(error) => failure(id, &error.code, error.message, error.request_id),
+        },
         Op::Health { instance } => match hub.instance(&instance) {
             Some(inst) => {
                 let health = Box::pin(crate::health::probe(hub, &inst)).await;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use channeld_control::{ErrorBody, MAX_CONTROL_LINE, Op, Request, Response, code};
+use channeld_control::{ErrorBody, MAX_CONTROL_LINE, Op, Request, Response, SendArgs, code};
 use channeld_link::spawn_writer;
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use serde::Serialize;
@@ -246,19 +246,17 @@ fn parse_request(line: &[u8]) -> Result<Request, serde_json::Error> {
         true
     }
     if let Ok(send) = serde_json::from_slice::<SendLine>(line) {
-        return Ok(Request {
-            id: send.id,
-            op: Op::Send {
-                instance: send.instance,
-                conversation: send.conversation,
-                thread: send.thread,
-                text: send.text,
-                metadata: send.metadata,
-                wait: send.wait,
-                timeout_ms: send.timeout_ms,
-                idempotency_key: send.idempotency_key,
-            },
-        });
+        let args = SendArgs {
+            instance: send.instance,
+            conversation: send.conversation,
+            thread: send.thread,
+            text: send.text,
+            metadata: send.metadata,
+            wait: send.wait,
+            timeout_ms: send.timeout_ms,
+            idempotency_key: send.idempotency_key,
+        };
+        return Ok(Request { id: send.id, op: Op::Send(args) });
     }
     serde_json::from_slice::<Request>(line)
 }
