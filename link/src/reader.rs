@@ -24,6 +24,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         Self { inner, framer: LineFramer::new(max_line), eof: false }
     }
 
+    /// The byte stream it reads from.
+    pub fn get_ref(&self) -> &R {
+        &self.inner
+    }
+
     /// The next frame, a decode error for a bad line, or `Ok(None)` when the peer closed.
     ///
     /// A bad line never ends the stream: the caller answers it and keeps reading. This method

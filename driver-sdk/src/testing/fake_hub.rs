@@ -219,6 +219,23 @@ impl FakeConnection {
         }
     }
 
+    /// Shuts the socket's read side down, as a hub that went away after writing would look
+    /// to the driver: the driver's next write fails (`EPIPE`), while what this connection
+    /// still writes reaches it. Panics if the socket refuses.
+    pub fn stop_reading(&self) {
+        use std::os::fd::AsFd;
+        let fd = self
+            .reader
+            .get_ref()
+            .as_ref()
+            .as_fd()
+            .try_clone_to_owned()
+            .unwrap_or_else(|err| panic!("fake hub: cannot duplicate the socket: {err}"));
+        std::os::unix::net::UnixStream::from(fd)
+            .shutdown(std::net::Shutdown::Read)
+            .unwrap_or_else(|err| panic!("fake hub: cannot shut the read side down: {err}"));
+    }
+
     /// Sends `accepted` for an inbound (the `accepted` extension).
     pub async fn accept_inbound(&self, event_id: impl AsRef<str>) {
         let event_id = id(event_id.as_ref());

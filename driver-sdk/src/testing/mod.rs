@@ -69,3 +69,5 @@ mod lifecycle_test;
 mod requests_test;
 #[cfg(test)]
 mod self_test;
+#[cfg(test)]
+mod session_test;

@@ -1,0 +1,89 @@
+//! The session when its connection to the hub breaks: frames the hub wrote before it went
+//! away still reach the driver after the driver's write failed, so an inbound the hub
+//! accepted is not reported again after the reconnect.
+
+use std::time::Duration;
+
+use channeld_protocol::types::{Capabilities, DeliveryReceipt};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{AckMode, DriverTask, FakeHub};
+use crate::driver::{Declaration, Driver, DriverError, Post, PostError};
+use crate::hub::Hub;
+use crate::inbound::Inbound;
+use crate::pending::Acceptance;
+
+/// Reports an inbound with each event id the test sends it, and hands back its ticket's
+/// outcome.
+struct Reporter {
+    texts: tokio::sync::Mutex<mpsc::Receiver<&'static str>>,
+    outcomes: mpsc::UnboundedSender<(&'static str, Acceptance)>,
+}
+
+impl Driver for Reporter {
+    fn declaration(&self) -> Declaration {
+        Declaration::new(Capabilities { receive: true, ..Default::default() })
+    }
+
+    async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
+        let mut texts = self.texts.lock().await;
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                event = texts.recv() => match event {
+                    Some(event) => event,
+                    None => return Ok(()),
+                },
+            };
+            let inbound = Inbound::text("alice", "alice", event).id(event);
+            let ticket = hub.inbound(inbound).await.expect("reported");
+            let outcomes = self.outcomes.clone();
+            tokio::spawn(async move {
+                let _ = outcomes.send((event, ticket.outcome().await));
+            });
+        }
+    }
+
+    async fn post(&self, _post: Post) -> Result<DeliveryReceipt, PostError> {
+        Err(PostError::Failed { reason: "no platform".into(), retryable: false })
+    }
+}
+
+/// The hub reads `m-1`, stops reading and only then — after the driver's write of `m-2` has
+/// failed — writes `accepted` for `m-1` and closes. The session reads what the hub wrote
+/// after the failure: `m-1` is accepted and only `m-2` is reported again after the
+/// reconnect. Ending the session at the failed write instead reports both again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_written_after_the_driver_s_write_failed_is_still_read() {
+    let fake = FakeHub::bind().await;
+    let (texts, rx) = mpsc::channel(4);
+    let (outcomes, mut outcome) = mpsc::unbounded_channel();
+    let driver = Reporter { texts: tokio::sync::Mutex::new(rx), outcomes };
+    let task = DriverTask::spawn(driver, fake.launch_config("test.session"));
+    let mut conn = fake.accept().await;
+    conn.handshake(AckMode::Extensions).await;
+
+    texts.send("m-1").await.unwrap();
+    assert_eq!(conn.expect_inbound().await.event_id.as_str(), "m-1");
+    conn.stop_reading();
+    texts.send("m-2").await.unwrap();
+    // The write of m-2 fails at once; the hub's answer to m-1 comes well inside the time
+    // the session keeps reading after it (250 ms).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // A session that ended at the failed write has closed its socket: this panics with
+    // "Broken pipe".
+    conn.accept_inbound("m-1").await;
+    conn.disconnect();
+
+    let (event, accepted) = outcome.recv().await.unwrap();
+    assert_eq!((event, &accepted), ("m-1", &Acceptance::Accepted { duplicate: false }));
+    let mut again = fake.accept().await;
+    again.handshake(AckMode::Extensions).await;
+    assert_eq!(again.expect_inbound().await.event_id.as_str(), "m-2", "m-1 was reported again");
+    again.accept_inbound("m-2").await;
+    let (event, accepted) = outcome.recv().await.unwrap();
+    assert_eq!((event, &accepted), ("m-2", &Acceptance::Accepted { duplicate: false }));
+    let (stopped, _) = tokio::join!(task.stop(), again.expect_stop());
+    assert!(stopped.is_ok(), "{stopped:?}");
+}
