@@ -104,6 +104,7 @@ impl FakeHub {
                     negotiated: Extensions::default(),
                     events: Vec::new(),
                     health_reports: Vec::new(),
+                    probes: 0,
                 }
             }
             Ok(Err(err)) => panic!("fake hub: accept on {} failed: {err}", self.socket.display()),
@@ -129,6 +130,8 @@ pub struct FakeConnection {
     negotiated: Extensions,
     events: Vec<LifecycleEvent>,
     health_reports: Vec<Health>,
+    /// Health probes [`wait_health`](FakeConnection::wait_health) sent (their ids).
+    probes: u64,
 }
 
 impl FakeConnection {
@@ -361,6 +364,31 @@ impl FakeConnection {
         match self.recv(what).await {
             Frame::Error(err) if err.request_id.is_none() => err,
             other => unexpected(what, &other),
+        }
+    }
+
+    /// Probes the driver's health every 20 ms until an answer satisfies `wanted`, and
+    /// returns that answer; panics naming `what`, with the last answer, after `within`.
+    pub async fn wait_health(
+        &mut self,
+        within: Duration,
+        what: &str,
+        wanted: impl Fn(&Health) -> bool,
+    ) -> Health {
+        let deadline = Instant::now() + within;
+        loop {
+            self.probes += 1;
+            let request_id = format!("fake-hub-probe-{}", self.probes);
+            self.health_request(&request_id).await;
+            let health = self.expect_health_response(&request_id).await;
+            if wanted(&health) {
+                return health;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fake hub: the driver's health was not {what} within {within:?}: last {health:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 

@@ -28,17 +28,8 @@ async fn a_broker_that_hangs_does_not_hold_the_stop_past_the_drain() {
     let task = DriverTask::spawn(AmqpDriver::new(config), launch);
     let mut conn = hub.accept().await;
     conn.handshake(AckMode::Extensions).await;
-    let deadline = Instant::now() + WITHIN;
-    for probe in 0.. {
-        let id = format!("probe-{probe}");
-        conn.health_request(&id).await;
-        let health = conn.expect_health_response(&id).await;
-        if health.state == HealthState::Ready {
-            break;
-        }
-        assert!(Instant::now() < deadline, "never consuming: {health:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    conn.wait_health(WITHIN, "Ready (consuming)", |health| health.state == HealthState::Ready)
+        .await;
 
     tokio::task::block_in_place(|| broker.pause());
     let began = Instant::now();

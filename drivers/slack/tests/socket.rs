@@ -2,7 +2,7 @@
 //! way a socket ends shows in health, how the driver replaces it, and the `resume` operator
 //! action (the frame `channelctl resume` sends once the hub side is wired) ending a slow retry.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use channeld_driver_sdk::protocol::types::{Health, HealthState};
 use channeld_driver_sdk::testing::{AckMode, DriverTask, FakeConnection, FakeHub};
@@ -17,7 +17,6 @@ struct Setup {
     _hub: FakeHub,
     conn: FakeConnection,
     task: DriverTask,
-    probes: u32,
 }
 
 async fn setup(options: FakeSlackOptions) -> Setup {
@@ -41,24 +40,13 @@ async fn setup_with(fake: FakeSlack) -> Setup {
     let mut conn = hub.accept().await;
     let hello = conn.handshake(AckMode::Extensions).await;
     assert!(hello.operator_actions.iter().any(|name| name == "resume"), "resume is declared");
-    Setup { fake, _hub: hub, conn, task, probes: 0 }
+    Setup { fake, _hub: hub, conn, task }
 }
 
 impl Setup {
     /// Probes until the health satisfies `wanted`.
     async fn health(&mut self, what: &str, wanted: impl Fn(&Health) -> bool) -> Health {
-        let deadline = Instant::now() + WITHIN;
-        loop {
-            self.probes += 1;
-            let request = format!("probe-{}", self.probes);
-            self.conn.health_request(&request).await;
-            let health = self.conn.expect_health_response(&request).await;
-            if wanted(&health) {
-                return health;
-            }
-            assert!(Instant::now() < deadline, "health never {what}: last {health:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.conn.wait_health(WITHIN, what, wanted).await
     }
 
     async fn ready(&mut self) {

@@ -85,21 +85,8 @@ impl Rig {
 
     /// Probes until the driver reports `state`; returns the report.
     async fn health(&mut self, state: HealthState, what: &str) -> Health {
-        let deadline = Instant::now() + WITHIN;
-        for probe in 0.. {
-            let id = format!("probe-{probe}");
-            self.conn.health_request(&id).await;
-            let health = self.conn.expect_health_response(&id).await;
-            if health.state == state {
-                return health;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "not {state:?} ({what}) within {WITHIN:?}: {health:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        unreachable!()
+        let what = format!("{state:?} ({what})");
+        self.conn.wait_health(WITHIN, &what, |health| health.state == state).await
     }
 
     async fn stop(mut self) {

@@ -60,17 +60,7 @@ impl Rig {
         what: &str,
         done: impl Fn(&channeld_driver_sdk::protocol::types::Health) -> bool,
     ) {
-        let deadline = Instant::now() + WITHIN;
-        for probe in 0.. {
-            let request_id = format!("probe-{probe}");
-            self.conn.health_request(&request_id).await;
-            let health = self.conn.expect_health_response(&request_id).await;
-            if done(&health) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "{what} not reached: {health:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.conn.wait_health(WITHIN, what, done).await;
     }
 
     async fn command(&self, request_id: &str, command: Command, conversation: &str) {
