@@ -10,15 +10,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::{AckMode, DriverTask, FakeHub};
 use crate::driver::{Declaration, Driver, DriverError, Post, PostError};
-use crate::hub::Hub;
+use crate::hub::{Hub, InboundTicket};
 use crate::inbound::Inbound;
 use crate::pending::Acceptance;
 
-/// Reports an inbound with each event id the test sends it, and hands back its ticket's
-/// outcome.
+/// Reports an inbound with each event id the test sends it, and hands its ticket to the test.
 struct Reporter {
     texts: tokio::sync::Mutex<mpsc::Receiver<&'static str>>,
-    outcomes: mpsc::UnboundedSender<(&'static str, Acceptance)>,
+    tickets: mpsc::UnboundedSender<InboundTicket>,
 }
 
 impl Driver for Reporter {
@@ -38,10 +37,7 @@ impl Driver for Reporter {
             };
             let inbound = Inbound::text("alice", "alice", event).id(event);
             let ticket = hub.inbound(inbound).await.expect("reported");
-            let outcomes = self.outcomes.clone();
-            tokio::spawn(async move {
-                let _ = outcomes.send((event, ticket.outcome().await));
-            });
+            let _ = self.tickets.send(ticket);
         }
     }
 
@@ -58,14 +54,15 @@ impl Driver for Reporter {
 async fn an_accepted_written_after_the_driver_s_write_failed_is_still_read() {
     let fake = FakeHub::bind().await;
     let (texts, rx) = mpsc::channel(4);
-    let (outcomes, mut outcome) = mpsc::unbounded_channel();
-    let driver = Reporter { texts: tokio::sync::Mutex::new(rx), outcomes };
+    let (tickets, mut ticket) = mpsc::unbounded_channel();
+    let driver = Reporter { texts: tokio::sync::Mutex::new(rx), tickets };
     let task = DriverTask::spawn(driver, fake.launch_config("test.session"));
     let mut conn = fake.accept().await;
     conn.handshake(AckMode::Extensions).await;
 
     texts.send("m-1").await.unwrap();
     assert_eq!(conn.expect_inbound().await.event_id.as_str(), "m-1");
+    let first = ticket.recv().await.unwrap();
     conn.stop_reading();
     texts.send("m-2").await.unwrap();
     // The write of m-2 fails at once; the hub's answer to m-1 comes well inside the time
@@ -76,14 +73,14 @@ async fn an_accepted_written_after_the_driver_s_write_failed_is_still_read() {
     conn.accept_inbound("m-1").await;
     conn.disconnect();
 
-    let (event, accepted) = outcome.recv().await.unwrap();
-    assert_eq!((event, &accepted), ("m-1", &Acceptance::Accepted { duplicate: false }));
+    assert_eq!(first.outcome().await, Acceptance::Accepted { duplicate: false });
+    let second = ticket.recv().await.unwrap();
+    assert_eq!(second.event_id().as_str(), "m-2");
     let mut again = fake.accept().await;
     again.handshake(AckMode::Extensions).await;
     assert_eq!(again.expect_inbound().await.event_id.as_str(), "m-2", "m-1 was reported again");
     again.accept_inbound("m-2").await;
-    let (event, accepted) = outcome.recv().await.unwrap();
-    assert_eq!((event, &accepted), ("m-2", &Acceptance::Accepted { duplicate: false }));
+    assert_eq!(second.outcome().await, Acceptance::Accepted { duplicate: false });
     let (stopped, _) = tokio::join!(task.stop(), again.expect_stop());
     assert!(stopped.is_ok(), "{stopped:?}");
 }

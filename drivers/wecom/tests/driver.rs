@@ -213,17 +213,28 @@ async fn enter_chat_is_welcomed_within_the_window() {
     rig.stop().await;
 }
 
-/// A server that stops answering must not hold a stop past the hub's drain: a welcome still
-/// waiting for its acknowledgement would wait out the ack timeout (5 s, longer than the fake
-/// hub's 3-s drain); the stop closes the connection and gives it up.
+/// A send still waiting at the stop must not hold it past the hub's drain. A welcome
+/// waiting for its acknowledgement ends when the stop closes the connection; one waiting
+/// for the conversation's next turn under the pace limit would, once it had its turn, wait up
+/// to 4 s for a connection that no longer comes back (the fake hub drains for 3 s). The
+/// stop waits for such sends only as long as the drain leaves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_that_never_acknowledges_a_last_send_does_not_hold_the_stop_past_the_drain() {
-    let rig = Rig::start(&[("WECOM_WELCOME_TEXT", "Hi!")], |_| {}).await;
-    rig.fake.set_slow(Some(Duration::from_secs(60)));
+async fn sends_still_waiting_at_the_stop_do_not_hold_it_past_the_drain() {
+    let rig = Rig::start(&[("WECOM_WELCOME_TEXT", "Hi!")], |config| {
+        config.pace.per_minute = 1;
+        config.pace.minute = Duration::from_millis(2500);
+    })
+    .await;
     rig.fake.push_event(payloads::enter_chat("e-1", "wangwu")).unwrap();
+    rig.fake.wait_for("the first welcome", WITHIN, |record| record.welcomes.first().cloned()).await;
+    // The second welcome waits for the conversation's next turn; the third is sent and never
+    // acknowledged.
+    rig.fake.push_event(payloads::enter_chat("e-2", "wangwu")).unwrap();
+    rig.fake.set_slow(Some(Duration::from_secs(60)));
+    rig.fake.push_event(payloads::enter_chat("e-3", "lisi")).unwrap();
     rig.fake
-        .wait_for("the welcome sent", WITHIN, |record| {
-            (!record.received_cmd("aibot_respond_welcome_msg").is_empty()).then_some(())
+        .wait_for("the unanswered welcome sent", WITHIN, |record| {
+            (record.received_cmd("aibot_respond_welcome_msg").len() >= 2).then_some(())
         })
         .await;
     let began = Instant::now();
