@@ -9,8 +9,9 @@
 //! - Records (worker → `reply_to`): [`Record`] as JSON, `correlation_id` = run id.
 //! - A command answer (hub → the command record's `reply_to`): [`CommandReply`] as JSON,
 //!   `correlation_id` = command id, `type` [`COMMAND_RESULT_TYPE`].
-//! - A cancel (hub → the fanout exchange `<queue>.cancel`, [`cancel_exchange_name`], to which
-//!   every worker binds its private queue): [`CancelRun`] as JSON, `type` [`CANCEL_TYPE`].
+//! - A cancel (hub → the stream `<queue>.cancels`, [`cancel_stream_name`], which every worker
+//!   reads from its start when it connects and then follows): [`CancelRun`] as JSON, `type`
+//!   [`CANCEL_TYPE`]. A worker's own [`CancelSync`] marks where its catch-up ends.
 
 use std::collections::BTreeMap;
 
@@ -96,21 +97,81 @@ pub const COMMAND_RESULT_TYPE: &str = "channeld.command_result";
 /// The `type` property of a cancel.
 pub const CANCEL_TYPE: &str = "channeld.cancel";
 
-/// The fanout exchange that carries a run queue's cancels to every worker: `<queue>.cancel`.
-pub fn cancel_exchange_name(queue: &str) -> String {
-    format!("{queue}.cancel")
+/// The `type` property of a worker's catch-up marker on the cancel stream.
+pub const CANCEL_SYNC_TYPE: &str = "channeld.cancel_sync";
+
+/// The stream that carries a run queue's cancels: `<queue>.cancels`. A stream, not a fanout
+/// exchange: a worker that connects after a cancel still reads it (from the stream's start)
+/// before it takes a run, so a run cancelled while it waited in the run queue never starts.
+pub fn cancel_stream_name(queue: &str) -> String {
+    format!("{queue}.cancels")
 }
 
-/// Declares a run queue's cancel exchange (durable, fanout) as both sides expect it.
-pub async fn declare_cancel_exchange(channel: &Channel, queue: &str) -> lapin::Result<()> {
-    channel
-        .exchange_declare(
-            cancel_exchange_name(queue).as_str().into(),
-            ExchangeKind::Fanout,
-            ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
-            FieldTable::default(),
-        )
-        .await
+/// How much of the cancel stream RabbitMQ keeps: the newest 16 MiB (about 150,000 cancels)
+/// and nothing older than a week, dropped a 1-MiB segment at a time.
+const CANCEL_STREAM_MAX_BYTES: i64 = 16 * 1024 * 1024;
+const CANCEL_STREAM_SEGMENT_BYTES: i64 = 1024 * 1024;
+const CANCEL_STREAM_MAX_AGE: &str = "7D";
+
+/// Declares a run queue's cancel stream as both sides expect it (durable,
+/// `x-queue-type = stream`, bounded retention).
+pub async fn declare_cancel_stream(channel: &Channel, queue: &str) -> lapin::Result<()> {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("stream")),
+    );
+    arguments.insert(
+        ShortString::from("x-max-length-bytes"),
+        AMQPValue::LongLongInt(CANCEL_STREAM_MAX_BYTES),
+    );
+    arguments.insert(
+        ShortString::from("x-stream-max-segment-size-bytes"),
+        AMQPValue::LongLongInt(CANCEL_STREAM_SEGMENT_BYTES),
+    );
+    arguments.insert(
+        ShortString::from("x-max-age"),
+        AMQPValue::LongString(LongString::from(CANCEL_STREAM_MAX_AGE)),
+    );
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(cancel_stream_name(queue).as_str().into(), durable, arguments).await?;
+    Ok(())
+}
+
+/// The consumer arguments that read the cancel stream from its first retained message.
+pub fn cancel_stream_from_start() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-stream-offset"),
+        AMQPValue::LongString(LongString::from("first")),
+    );
+    arguments
+}
+
+/// A worker's marker on the cancel stream: once it reads its own marker back, it has read
+/// every cancel published before it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelSync {
+    pub sync: String,
+}
+
+/// What a message on the cancel stream is, by its `type` property and body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OnCancelStream {
+    Cancel(CancelRun),
+    Sync(CancelSync),
+    /// Another type, or a body that does not parse: skipped (a newer hub's message).
+    Other,
+}
+
+impl OnCancelStream {
+    pub fn read(kind: Option<&str>, body: &[u8]) -> Self {
+        match kind {
+            Some(CANCEL_TYPE) => serde_json::from_slice(body).map_or(Self::Other, Self::Cancel),
+            Some(CANCEL_SYNC_TYPE) => serde_json::from_slice(body).map_or(Self::Other, Self::Sync),
+            _ => Self::Other,
+        }
+    }
 }
 
 /// A run cancelled at the hub: the worker running it stops its agent (SIGTERM to the process
@@ -338,6 +399,24 @@ impl CommandReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cancel_stream_tells_cancels_from_markers_and_skips_the_rest() {
+        assert_eq!(
+            OnCancelStream::read(Some(CANCEL_TYPE), br#"{"run_id":"run-1"}"#),
+            OnCancelStream::Cancel(CancelRun { run_id: "run-1".into() })
+        );
+        assert_eq!(
+            OnCancelStream::read(Some(CANCEL_SYNC_TYPE), br#"{"sync":"w:1-7"}"#),
+            OnCancelStream::Sync(CancelSync { sync: "w:1-7".into() })
+        );
+        assert_eq!(OnCancelStream::read(Some(CANCEL_TYPE), b"{}"), OnCancelStream::Other);
+        assert_eq!(
+            OnCancelStream::read(Some("channeld.other"), br#"{"run_id":"x"}"#),
+            OnCancelStream::Other
+        );
+        assert_eq!(OnCancelStream::read(None, br#"{"run_id":"x"}"#), OnCancelStream::Other);
+    }
 
     #[test]
     fn a_url_setting_lists_the_nodes_in_order() {

@@ -1,7 +1,8 @@
 //! Cancelling a run of the `amqp` runtime reaches the `channeld-worker` running it, through a
 //! real RabbitMQ: the agent (which ignores SIGTERM) is gone soon after the cancel and the
 //! driver gets the run's one ending, `error` `aborted`, as with the exec runtime; a run
-//! cancelled while it waited in the run queue is never started when a worker picks it.
+//! cancelled while it waited in the run queue is never started when a worker picks it, even
+//! a worker that connected only after the cancel.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -59,6 +60,24 @@ fn expect_aborted(frame: Frame, event_id: &str) {
 
 struct Worker(Child);
 
+impl Worker {
+    /// Starts a worker taking one run at a time from `queue`, logging to `log`.
+    fn start(url: &str, queue: &str, agent: &Path, log: &Path) -> Self {
+        let out = std::fs::File::create(log).unwrap();
+        Self(
+            Command::new(workspace_bin("channeld-worker"))
+                .args(["--queue", queue, "--concurrency", "1", "--"])
+                .arg(agent)
+                .env("CHANNELD_AMQP_URL", url)
+                .stdout(out.try_clone().unwrap())
+                .stderr(out)
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("start channeld-worker"),
+        )
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -81,19 +100,8 @@ async fn a_cancel_stops_the_workers_agent_and_a_queued_cancelled_run_never_start
         &[("CANCEL_TEST_AMQP_URL", &url)],
     );
     let worker_log = dir.path().join("worker.log");
-    let out = std::fs::File::create(&worker_log).unwrap();
     // One run at a time: a second run waits in the run queue.
-    let _worker = Worker(
-        Command::new(workspace_bin("channeld-worker"))
-            .args(["--queue", "cancel.runs", "--concurrency", "1", "--"])
-            .arg(&agent)
-            .env("CHANNELD_AMQP_URL", &url)
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start channeld-worker"),
-    );
+    let _worker = Worker::start(&url, "cancel.runs", &agent, &worker_log);
     let log = || std::fs::read_to_string(&worker_log).unwrap_or_default();
     wait_for("the worker being ready", || log().contains("worker ready"));
 
@@ -131,4 +139,46 @@ async fn a_cancel_stops_the_workers_agent_and_a_queued_cancelled_run_never_start
     assert_eq!(reply.request_id.as_str(), "quick-1");
     assert_eq!(reply.message.body.text_str(), "reply quick-1");
     assert!(log().contains("run cancelled by the hub: stopping its agent"), "{}", log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cancelled_before_any_worker_connected_never_starts() {
+    let rabbit = RabbitMq::start();
+    let url = rabbit.guest_url();
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(dir.path());
+    let hub = HubProcess::start_with_env(
+        &format!(
+            "[runtime.remote]\nkind = \"amqp\"\nurl = \"env:CANCEL_TEST_AMQP_URL\"\n\
+             queue = \"early.runs\"\nreply_queue = \"early.replies\"\ntimeout_secs = 120\n\
+             [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"remote\"\n"
+        ),
+        &[("CANCEL_TEST_AMQP_URL", &url)],
+    );
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "cancel"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    // No worker yet: the run waits in the run queue, and is cancelled there.
+    driver.inbound(ONE, "slow-early", "alice", "room-a", "first").await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+    wait_for("slow-early waiting in the run queue", || {
+        rabbit.queue_counts("early.runs").is_some_and(|(ready, _)| ready == 1)
+    });
+    let out = hub.ctl_async(&["cancel", ONE, "slow-early"]);
+    expect_aborted(driver.frame().await, "slow-early");
+    assert_eq!(out.await.unwrap().status.code(), Some(0));
+
+    // A worker that connects only now reads the cancel before it takes the run.
+    let worker_log = dir.path().join("worker.log");
+    let _worker = Worker::start(&url, "early.runs", &agent, &worker_log);
+    let log = || std::fs::read_to_string(&worker_log).unwrap_or_default();
+    wait_for("the worker skipping slow-early", || log().contains("before it started: not run"));
+    assert!(!dir.path().join("pid-slow-early").exists(), "the cancelled queued run started");
+    assert!(!log().contains("run started"), "{}", log());
+
+    driver.inbound(ONE, "quick-1", "alice", "room-a", "and now?").await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+    let reply = expect_deliver(driver.frame().await);
+    assert_eq!(reply.request_id.as_str(), "quick-1");
+    assert_eq!(reply.message.body.text_str(), "reply quick-1");
 }

@@ -4,9 +4,10 @@
 //! record. A run message is acknowledged only after its final record was confirmed by the
 //! broker, so a worker that dies mid-run leaves the run to RabbitMQ, which redelivers it to
 //! another worker (`redelivered`, `CHANNELD_REDELIVERED=1`). A run the hub cancels (the
-//! fanout exchange `<queue>.cancel`, bound to the worker's private queue) has its agent's
-//! process group stopped as the exec runtime does it, or — not started yet — is never run;
-//! either ends with an `aborted` final record. See README "Scaling out".
+//! stream `<queue>.cancels`, read from its start at every connect before any run is taken,
+//! then followed) has its agent's process group stopped as the exec runtime does it, or —
+//! not started yet — is never run; either ends with an `aborted` final record. See README
+//! "Scaling out".
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::process::ExitCode;
@@ -15,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use channeld_agent_exec::amqp::{
-    self, CANCEL_TYPE, CancelRun, CommandReply, Outcome, Record, cancel_exchange_name,
-    confirm_channel, declare_cancel_exchange, declare_run_queue, json_properties,
-    publish_confirmed,
+    self, CANCEL_SYNC_TYPE, CancelSync, CommandReply, OnCancelStream, Outcome, Record,
+    cancel_stream_from_start, cancel_stream_name, confirm_channel, declare_cancel_stream,
+    declare_run_queue, json_properties, publish_confirmed,
 };
 use channeld_agent_exec::{AgentRun, ExecSpec, RunIo, StdinMode, StreamItem};
 use channeld_protocol::Id;
@@ -27,7 +28,7 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    BasicRejectOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicRejectOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, LongString};
 use lapin::{Channel, ConnectionProperties};
@@ -44,6 +45,10 @@ const ENV_URL: &str = "CHANNELD_AMQP_URL";
 /// Pause between reconnects to the broker (doubling up to the maximum).
 const RECONNECT_MIN: Duration = Duration::from_millis(200);
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// Deliveries of the cancel stream on their way at once (a stream consumer needs a prefetch).
+const CANCEL_PREFETCH: u16 = 256;
+/// How long reading the cancel stream up to this connection's marker may take.
+const CATCH_UP_LIMIT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Parser)]
 #[command(
@@ -107,8 +112,14 @@ enum WorkerError {
     Concurrency,
     #[error("broker: {0}")]
     Broker(#[from] lapin::Error),
-    #[error("the broker cancelled the run queue's consumer")]
-    Cancelled,
+    #[error("the broker cancelled the {0} consumer")]
+    Cancelled(&'static str),
+    #[error("the cancel stream: {0}")]
+    CancelStream(#[from] amqp::PublishError),
+    #[error(
+        "the cancel stream was not read up to this connection's marker within {CATCH_UP_LIMIT:?}"
+    )]
+    CatchUp,
     #[error("cannot watch for SIGTERM/SIGINT: {0}")]
     Signals(std::io::Error),
 }
@@ -148,6 +159,8 @@ struct Worker {
     failed: AtomicU64,
     redelivered: AtomicU64,
     cancelled: AtomicU64,
+    /// Connections made so far (names this connection's cancel stream marker).
+    sessions: AtomicU64,
     /// Survives reconnects: a cancel heard before a connection was lost still counts.
     cancels: Arc<Mutex<Cancels>>,
     /// Records published without holding a run up (started, effects), at most
@@ -272,6 +285,7 @@ async fn start(args: Args) -> Result<(), WorkerError> {
         failed: AtomicU64::new(0),
         redelivered: AtomicU64::new(0),
         cancelled: AtomicU64::new(0),
+        sessions: AtomicU64::new(0),
         cancels: Arc::default(),
         aside: TaskTracker::new(),
         aside_slots: Arc::new(Semaphore::new(ASIDE_RECORDS)),
@@ -325,22 +339,16 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
     declare_run_queue(&consume, &worker.queue).await?;
     consume.basic_qos(worker.concurrency, BasicQosOptions::default()).await?;
     let publish = confirm_channel(&connection).await?;
-    // Command answers for this worker's runs and the hub's cancels: a private queue that goes
-    // with the connection, bound to the run queue's cancel exchange.
+    // Every cancel published before this connection is read before the first run is taken.
+    let Some(mut cancels_in) = follow_cancels(worker, &connection, &publish, stop).await? else {
+        let _ = connection.close(200, "worker stopping".into()).await;
+        return Ok(());
+    };
+    // Command answers for this worker's runs: a private queue that goes with the connection.
     let commands = connection.create_channel().await?;
     let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
     let command_queue =
         commands.queue_declare("".into(), private, FieldTable::default()).await?.name().to_string();
-    declare_cancel_exchange(&commands, &worker.queue).await?;
-    commands
-        .queue_bind(
-            command_queue.as_str().into(),
-            cancel_exchange_name(&worker.queue).as_str().into(),
-            "".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
     let mut answers = commands
         .basic_consume(
             command_queue.as_str().into(),
@@ -378,12 +386,19 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
                     runs.spawn(run.handle(delivery));
                 }
                 Some(Err(err)) => break Some(WorkerError::Broker(err)),
-                None => break Some(WorkerError::Cancelled),
+                None => break Some(WorkerError::Cancelled("run queue's")),
             },
             answer = answers.next() => match answer {
-                Some(Ok(delivery)) => private_message(&waiters, &cancels, &delivery),
+                Some(Ok(delivery)) => answer_command(&waiters, &delivery),
                 Some(Err(err)) => break Some(WorkerError::Broker(err)),
-                None => break Some(WorkerError::Cancelled),
+                None => break Some(WorkerError::Cancelled("command answers'")),
+            },
+            cancel = cancels_in.next() => match cancel {
+                Some(Ok(delivery)) => {
+                    on_cancel_stream(&cancels, &delivery).await;
+                }
+                Some(Err(err)) => break Some(WorkerError::Broker(err)),
+                None => break Some(WorkerError::Cancelled("cancel stream's")),
             },
             Some(_) = runs.join_next() => {}
             _ = health.tick() => log_health(worker, runs.len(), true),
@@ -404,7 +419,10 @@ async fn session(worker: &Arc<Worker>, stop: &CancellationToken) -> Result<(), W
         tokio::select! {
             _ = runs.join_next() => {}
             answer = answers.next() => {
-                if let Some(Ok(delivery)) = answer { private_message(&waiters, &cancels, &delivery) }
+                if let Some(Ok(delivery)) = answer { answer_command(&waiters, &delivery) }
+            }
+            cancel = cancels_in.next() => {
+                if let Some(Ok(delivery)) = cancel { on_cancel_stream(&cancels, &delivery).await; }
             }
             () = tokio::time::sleep_until(deadline) => {
                 warn!(running = runs.len(), "stop timeout: handing the running runs back to the queue");
@@ -431,22 +449,74 @@ fn log_health(worker: &Worker, running: usize, connected: bool) {
     );
 }
 
-/// A message on the private queue: a command's answer, or a cancel from the hub.
-fn private_message(waiters: &Waiters, cancels: &Mutex<Cancels>, delivery: &Delivery) {
-    let is_cancel =
-        delivery.properties.kind().as_ref().is_some_and(|kind| kind.as_str() == CANCEL_TYPE);
-    if !is_cancel {
-        return answer_command(waiters, delivery);
-    }
-    match serde_json::from_slice::<CancelRun>(&delivery.data) {
-        Ok(CancelRun { run_id }) => {
-            if lock(cancels).cancel(&run_id) {
-                info!(%run_id, "run cancelled by the hub: stopping its agent");
-            } else {
-                debug!(%run_id, "cancel of a run not running here (remembered)");
+/// Follows the run queue's cancel stream from its start: publishes this connection's marker
+/// and reads (and applies) every cancel up to it, so a run cancelled before this worker
+/// connected is known as cancelled before any run is taken. `None` when the worker was
+/// stopped meanwhile.
+async fn follow_cancels(
+    worker: &Worker,
+    connection: &lapin::Connection,
+    publish: &Channel,
+    stop: &CancellationToken,
+) -> Result<Option<lapin::Consumer>, WorkerError> {
+    let channel = connection.create_channel().await?;
+    declare_cancel_stream(&channel, &worker.queue).await?;
+    channel.basic_qos(CANCEL_PREFETCH, BasicQosOptions::default()).await?;
+    let stream = cancel_stream_name(&worker.queue);
+    let mut consumer = channel
+        .basic_consume(
+            stream.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            cancel_stream_from_start(),
+        )
+        .await?;
+    let session = worker.sessions.fetch_add(1, Ordering::Relaxed);
+    let marker = CancelSync { sync: format!("{}#{session}", worker.name) };
+    let body = serde_json::to_vec(&marker).expect("markers serialize");
+    publish_confirmed(publish, &stream, &body, json_properties(CANCEL_SYNC_TYPE, &marker.sync))
+        .await?;
+    let read_up_to_marker = async {
+        while let Some(delivery) = consumer.next().await {
+            let delivery = delivery?;
+            if on_cancel_stream(&worker.cancels, &delivery).await == Some(marker.clone()) {
+                return Ok(());
             }
         }
-        Err(err) => warn!(error = %err, "unreadable cancel ignored"),
+        Err(WorkerError::Cancelled("cancel stream's"))
+    };
+    tokio::select! {
+        read = tokio::time::timeout(CATCH_UP_LIMIT, read_up_to_marker) => {
+            read.map_err(|_| WorkerError::CatchUp)??;
+            debug!(marker = %marker.sync, "cancel stream read up to this connection's marker");
+            Ok(Some(consumer))
+        }
+        () = stop.cancelled() => Ok(None),
+    }
+}
+
+/// A message on the cancel stream: a cancel is applied (the run stopped if it runs here,
+/// remembered either way); a worker's marker is returned.
+async fn on_cancel_stream(cancels: &Mutex<Cancels>, delivery: &Delivery) -> Option<CancelSync> {
+    // A stream consumer's acks only return credit; the message stays in the stream.
+    if let Err(err) = delivery.acker.ack(BasicAckOptions::default()).await {
+        debug!(error = %err, "cancel stream ack failed");
+    }
+    let kind = delivery.properties.kind().as_ref().map(|kind| kind.as_str());
+    match OnCancelStream::read(kind, &delivery.data) {
+        OnCancelStream::Cancel(cancel) => {
+            if lock(cancels).cancel(&cancel.run_id) {
+                info!(run_id = %cancel.run_id, "run cancelled by the hub: stopping its agent");
+            } else {
+                debug!(run_id = %cancel.run_id, "cancel of a run not running here (remembered)");
+            }
+            None
+        }
+        OnCancelStream::Sync(marker) => Some(marker),
+        OnCancelStream::Other => {
+            debug!(?kind, "message on the cancel stream skipped");
+            None
+        }
     }
 }
 

@@ -10,9 +10,10 @@
 //! the worker's command queue), and the first final record ends the run. A run is taken
 //! once: a second final record (a redelivered run finished twice) and one that arrives after
 //! the run timed out are logged and ignored. A cancelled run is cancelled on the workers too
-//! (the fanout exchange `<queue>.cancel`): the one running it stops its agent, one that
-//! picks it later skips it, and a `started` record of a run cancelled earlier is answered
-//! with the cancel again.
+//! (the stream `<queue>.cancels`, which a worker reads from its start before it takes a
+//! run): the one running it stops its agent, one that picks it later — connected before the
+//! cancel or after it — skips it, and a `started` record of a run cancelled earlier (a cancel
+//! that could not be published) is answered with the cancel again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -21,9 +22,9 @@ use std::time::Duration;
 use channeld_agent_exec::AgentRun;
 use channeld_agent_exec::amqp::{
     CANCEL_TYPE, COMMAND_RESULT_TYPE, CancelRun, CommandReply, ENV_HEADER, Outcome, PublishError,
-    RUN_MESSAGE_TYPE, Record, cancel_exchange_name, confirm_channel, connect_first,
-    declare_cancel_exchange, declare_reply_queue, declare_run_queue, env_header, json_properties,
-    publish_confirmed, publish_confirmed_to,
+    RUN_MESSAGE_TYPE, Record, cancel_stream_name, confirm_channel, connect_first,
+    declare_cancel_stream, declare_reply_queue, declare_run_queue, env_header, json_properties,
+    publish_confirmed,
 };
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
@@ -132,7 +133,7 @@ impl Client {
         let channel = confirm_channel(&connection).await?;
         declare_run_queue(&channel, &self.target.queue).await?;
         declare_reply_queue(&channel, &self.target.reply_queue).await?;
-        declare_cancel_exchange(&channel, &self.target.queue).await?;
+        declare_cancel_stream(&channel, &self.target.queue).await?;
         *publisher = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -205,17 +206,14 @@ impl Client {
     async fn cancel_remote(&self, run_id: &str) {
         let body = serde_json::to_vec(&CancelRun { run_id: run_id.to_owned() })
             .expect("cancels serialize");
-        let exchange = cancel_exchange_name(&self.target.queue);
+        let stream = cancel_stream_name(&self.target.queue);
         let send = async {
             let channel = self.publisher().await.map_err(PublishError::from)?;
             let properties = json_properties(CANCEL_TYPE, run_id);
-            publish_confirmed_to(&channel, &exchange, "", &body, properties).await
+            publish_confirmed(&channel, &stream, &body, properties).await
         };
         match tokio::time::timeout(CANCEL_SEND_TIMEOUT, send).await {
             Ok(Ok(())) => debug!(runtime = %self.name, %run_id, "cancel sent to the workers"),
-            Ok(Err(PublishError::Unroutable(_))) => {
-                debug!(runtime = %self.name, %run_id, "no worker connected to cancel the run on")
-            }
             Ok(Err(err)) => {
                 warn!(runtime = %self.name, %run_id, error = %err, "cancel not sent to the workers; its result will be ignored")
             }
@@ -257,7 +255,8 @@ impl Client {
         let ended = lock(&self.memory).ended.get(record.run_id()).copied();
         match (&record, ended) {
             (Record::Started { run_id, worker }, Some(Ended::Cancelled)) => {
-                // A worker that missed the cancel (connected after it) picked the run.
+                // A worker picked the run without having read its cancel (the cancel could not
+                // be published, or raced the pick).
                 info!(runtime = %self.name, %run_id, %worker, "a cancelled run was picked by a worker; cancelling it again");
                 self.cancel_remote(run_id).await;
             }
@@ -342,7 +341,7 @@ async fn consume_once(client: &Client, pause: &mut Duration) -> lapin::Result<()
 }
 
 /// Runs `request` on the workers behind `config`'s run queue. A cancel ends the wait
-/// (`RunError::Aborted`) once the cancel was sent to the workers (`<queue>.cancel`): the
+/// (`RunError::Aborted`) once the cancel was sent to the workers (`<queue>.cancels`): the
 /// worker running the run stops its agent, one that picks it later does not start it, and
 /// the hub ignores whatever result still comes.
 pub(super) async fn run(
