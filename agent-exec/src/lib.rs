@@ -36,7 +36,7 @@ pub const METADATA_ENV_PREFIX: &str = "env.";
 pub const CANCEL_GRACE: Duration = Duration::from_secs(3);
 
 /// The environment namespace of a driver family: `bcn` → `BCN_`.
-fn env_namespace(family: &str) -> String {
+pub fn env_namespace(family: &str) -> String {
     family
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
@@ -51,6 +51,13 @@ fn env_allowed(namespace: &str, name: &str, value: &str) -> bool {
         && name.starts_with(namespace)
         && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
         && !value.contains('\0')
+}
+
+/// Whether `name=value` may reach an agent of a `family` driver, from inbound metadata or a
+/// driver's `agent_env`: the name in the family's namespace (see [`metadata_env`]), the
+/// value without NUL.
+pub fn env_entry_allowed(family: &str, name: &str, value: &str) -> bool {
+    env_allowed(&env_namespace(family), name, value)
 }
 
 /// The environment a run gets from its inbound's metadata: each `env.<NAME>` entry whose

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use channeld_protocol::ext::{
-    CANCEL, CancelRequest, CancelResult, Extensions, HISTORY, HistoryEntry, HistoryRequest,
+    AgentEnv, CANCEL, CancelRequest, CancelResult, Extensions, HISTORY, HistoryEntry,
+    HistoryRequest,
 };
 use channeld_protocol::frame::{ErrorFrame, EventFrame, HealthReport, InboundEventFrame};
 use channeld_protocol::types::{Health, InboundMessage, IncomingEvent, LifecycleEvent};
@@ -229,6 +230,41 @@ impl Hub {
         }
     }
 
+    /// What the hub agreed to on the current connection; `None` while not connected.
+    pub fn negotiated(&self) -> Option<Extensions> {
+        self.shared.lock().negotiated
+    }
+
+    /// Sets the environment of this instance's agent runs (extension `agent_env`): what the
+    /// platform session hands its agent tools, such as BCN's `bot.connect` `env` with the bot
+    /// token. The hub keeps it in memory only (never in its ledger or logs) and exports the
+    /// entries in the driver family's namespace (`BCN_…` for `bcn`) to every run started
+    /// after it. Replaces the previous set; sent now if connected and again after each
+    /// reconnect, before any inbound is sent again. A hub without the extension gets nothing
+    /// ([`HubError::NotNegotiated`]); it is kept for a later hub that has it.
+    pub fn agent_env(
+        &self,
+        env: std::collections::BTreeMap<String, String>,
+    ) -> Result<(), HubError> {
+        let frame = AgentEnv { env };
+        let sink = {
+            let mut state = self.shared.lock();
+            let unchanged = state.agent_env.as_ref() == Some(&frame);
+            state.agent_env = Some(frame.clone());
+            match state.negotiated {
+                Some(ext) if !ext.agent_env => {
+                    return Err(HubError::NotNegotiated(channeld_protocol::ext::AGENT_ENV));
+                }
+                Some(_) if !unchanged => state.sink.clone(),
+                _ => None,
+            }
+        };
+        if let Some(sink) = sink {
+            let _ = sink.try_send(&Frame::AgentEnv(frame));
+        }
+        Ok(())
+    }
+
     /// The newest `limit` entries (omitted: the hub's default, 50) of a conversation's history
     /// (and thread), oldest first, as the hub keeps them (extension `history`): the inbound
     /// texts it admitted and the replies posted. Empty when the hub knows nothing of it.
@@ -370,6 +406,9 @@ pub(crate) struct SessionState {
     pub negotiated: Option<Extensions>,
     pub pending: PendingTable,
     pub health: Option<Health>,
+    /// The runs' environment the driver set ([`Hub::agent_env`]), sent after each handshake
+    /// that negotiated `agent_env`.
+    pub agent_env: Option<AgentEnv>,
     pub connected_since: Option<Instant>,
     /// Requests to the hub waiting for their answer, by request id; dropped (answered
     /// `Disconnected`) when the connection ends.
@@ -401,6 +440,7 @@ impl Shared {
                 negotiated: None,
                 pending: PendingTable::default(),
                 health: None,
+                agent_env: None,
                 connected_since: None,
                 requests: HashMap::new(),
             }),

@@ -59,7 +59,9 @@ pub(crate) enum SessionEnd {
 }
 
 impl Shared {
-    fn connected(&self, sink: FrameSink, negotiated: Extensions) -> (Vec<Frame>, Option<Frame>) {
+    /// Takes the new connection; returns the frames that state what the driver set (health,
+    /// the runs' environment) and then the inbound to send again, in that order.
+    fn connected(&self, sink: FrameSink, negotiated: Extensions) -> (Vec<Frame>, Vec<Frame>) {
         let mut state = self.lock();
         state.sink = Some(sink);
         state.negotiated = Some(negotiated);
@@ -69,7 +71,9 @@ impl Shared {
                 health: sanitise(h, negotiated),
             })
         });
-        (state.pending.frames_in_order(), health)
+        let agent_env =
+            state.agent_env.clone().filter(|_| negotiated.agent_env).map(Frame::AgentEnv);
+        (health.into_iter().chain(agent_env).collect(), state.pending.frames_in_order())
     }
 
     fn disconnected(&self) {
@@ -146,9 +150,9 @@ impl<D: Driver> Session<D> {
         if admissions.send(Admission::Accepted).await.is_err() {
             return SessionEnd::Finished;
         }
-        let (resend, health) = self.shared.connected(sink.clone(), negotiated);
-        if let Some(health) = health {
-            let _ = sink.try_send(&health);
+        let (stated, resend) = self.shared.connected(sink.clone(), negotiated);
+        for frame in stated {
+            let _ = sink.try_send(&frame);
         }
         for frame in resend {
             if sink.send(&frame).await.is_err() {

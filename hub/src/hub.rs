@@ -34,6 +34,7 @@ pub const HUB_EXTENSIONS: Extensions = Extensions {
     history: true,
     cancel: true,
     stream: true,
+    agent_env: true,
 };
 
 /// The hub's name and version, sent in `hello_ack`.

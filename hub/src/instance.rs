@@ -2,11 +2,12 @@
 //! change, health, counters, session generations, the run queue and the supervised driver
 //! process; and the registry of the instances served.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use channeld_protocol::ext::{AgentEnv, MAX_AGENT_ENV_ENTRIES, MAX_AGENT_ENV_VALUE};
 use channeld_protocol::types::{Health, HealthState};
 use tokio_util::sync::CancellationToken;
 
@@ -127,6 +128,10 @@ pub struct Instance {
     process: Mutex<Option<ProcessView>>,
     /// Which denied senders were sent the deny notice, and when.
     notices: Mutex<NoticeLimiter>,
+    /// The environment the driver's platform session gives runs (extension `agent_env`):
+    /// in memory only — never in the ledger, a log or `channelctl` — until the driver sends
+    /// another or the hub stops.
+    agent_env: Mutex<Arc<BTreeMap<String, String>>>,
 }
 
 impl Instance {
@@ -139,6 +144,7 @@ impl Instance {
             metrics,
             policy: Mutex::new(Arc::new(policy)),
             removed: CancellationToken::new(),
+            agent_env: Mutex::default(),
             live: Mutex::new(None),
             health: Mutex::new(HealthView {
                 health: Health::new(HealthState::Unavailable, Some("no driver connected".into())),
@@ -179,6 +185,20 @@ impl Instance {
     }
 
     /// The live driver connection, if any.
+    /// The environment the driver gave its runs (extension `agent_env`); empty if none.
+    pub fn agent_env(&self) -> Arc<BTreeMap<String, String>> {
+        lock(&self.agent_env).clone()
+    }
+
+    /// Replaces the runs' environment with the driver's `agent_env`, or refuses it whole
+    /// ([`check_agent_env`]); returns how many entries it holds.
+    pub fn set_agent_env(&self, frame: AgentEnv) -> Result<usize, String> {
+        check_agent_env(self.config.id.family(), &frame)?;
+        let count = frame.env.len();
+        *lock(&self.agent_env) = Arc::new(frame.env);
+        Ok(count)
+    }
+
     pub fn live(&self) -> Option<Arc<Connection>> {
         lock(&self.live).clone().filter(|conn| !conn.closed.is_cancelled())
     }
@@ -311,4 +331,34 @@ impl Registry {
         *current = Arc::new(next);
         removed
     }
+}
+
+/// Why an `agent_env` frame is refused, naming the entries (never a value): more than
+/// [`MAX_AGENT_ENV_ENTRIES`], a value longer than [`MAX_AGENT_ENV_VALUE`] or holding NUL, a
+/// name outside the driver family's namespace (`BCN_…` for `bcn`).
+pub fn check_agent_env(family: &str, frame: &AgentEnv) -> Result<(), String> {
+    if frame.env.len() > MAX_AGENT_ENV_ENTRIES {
+        return Err(format!(
+            "agent_env has {} entries; at most {MAX_AGENT_ENV_ENTRIES} are taken",
+            frame.env.len()
+        ));
+    }
+    let refused: Vec<&str> = frame
+        .env
+        .iter()
+        .filter(|(name, value)| {
+            value.len() > MAX_AGENT_ENV_VALUE
+                || !channeld_agent_exec::env_entry_allowed(family, name, value)
+        })
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let namespace = channeld_agent_exec::env_namespace(family);
+    Err(format!(
+        "agent_env refused: {} (names must be {namespace}… in A-Z, 0-9, _; values at most \
+         {MAX_AGENT_ENV_VALUE} bytes, without NUL)",
+        refused.join(", ")
+    ))
 }

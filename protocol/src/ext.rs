@@ -56,6 +56,17 @@ pub const STREAM: &str = "stream";
 /// number of `stream` frames sent before it), as a decimal string. Only with `stream`.
 pub const STREAM_SEQ_KEY: &str = "stream_seq";
 
+/// `agent_env` frames (driver → hub): environment a driver's platform session hands its
+/// agent runs (BCN's `bot.connect` `env`, whose bot token `bcs-cli` needs). The hub holds it
+/// in memory only — never in the ledger, never logged — and exports it to the instance's
+/// runs started after it, instead of the values riding in every inbound's metadata.
+pub const AGENT_ENV: &str = "agent_env";
+
+/// The most entries one `agent_env` frame may carry.
+pub const MAX_AGENT_ENV_ENTRIES: usize = 64;
+/// The longest value of an `agent_env` entry, in bytes.
+pub const MAX_AGENT_ENV_VALUE: usize = 8192;
+
 /// Every extension this implementation understands, in a stable order.
 pub const ALL: &[&str] = &[
     ACCEPTED,
@@ -67,6 +78,7 @@ pub const ALL: &[&str] = &[
     HISTORY,
     CANCEL,
     STREAM,
+    AGENT_ENV,
 ];
 
 /// A set of negotiated extensions.
@@ -81,6 +93,7 @@ pub struct Extensions {
     pub history: bool,
     pub cancel: bool,
     pub stream: bool,
+    pub agent_env: bool,
 }
 
 impl Extensions {
@@ -96,6 +109,7 @@ impl Extensions {
             history: true,
             cancel: true,
             stream: true,
+            agent_env: true,
         }
     }
 
@@ -113,6 +127,7 @@ impl Extensions {
                 HISTORY => set.history = true,
                 CANCEL => set.cancel = true,
                 STREAM => set.stream = true,
+                AGENT_ENV => set.agent_env = true,
                 _ => {}
             }
         }
@@ -131,6 +146,7 @@ impl Extensions {
             history: self.history && offered.history,
             cancel: self.cancel && offered.cancel,
             stream: self.stream && offered.stream,
+            agent_env: self.agent_env && offered.agent_env,
         }
     }
 
@@ -150,6 +166,7 @@ impl Extensions {
             self.history,
             self.cancel,
             self.stream,
+            self.agent_env,
         ];
         ALL.iter().zip(flags).filter(|(_, on)| *on).map(|(name, _)| (*name).to_owned()).collect()
     }
@@ -253,6 +270,23 @@ pub struct CancelResult {
     /// The event's state now: `aborted`, or how its run had ended (`replied`, `delivered`,
     /// `failed`).
     pub state: String,
+}
+
+/// Extension frame `agent_env` (driver → hub): the whole environment the driver's platform
+/// session gives the instance's agent runs, replacing the one sent before (an empty `env`
+/// clears it). At most [`MAX_AGENT_ENV_ENTRIES`] entries of at most
+/// [`MAX_AGENT_ENV_VALUE`] bytes; the hub takes only names in the driver family's namespace
+/// (`BCN_…` for `bcn`) and refuses the frame otherwise. Its `Debug` shows the names only:
+/// the values are secrets.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentEnv {
+    pub env: std::collections::BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for AgentEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentEnv").field("env", &self.env.keys().collect::<Vec<_>>()).finish()
+    }
 }
 
 /// How a streamed run ended without a reply.
@@ -429,6 +463,21 @@ mod tests {
             Err(CommandRefusal::ToolControlNotDeclared)
         );
         assert_eq!(declared(&["commands", "tool_control"], &[]).command_gate(&invoke), Ok(()));
+    }
+
+    #[test]
+    fn an_agent_env_frame_round_trips_and_its_debug_shows_names_only() {
+        let line = r#"{"abi":"cortexfs.channel.socket/v1","frame":{"type":"agent_env","env":{"BCN_BOT_TOKEN":"tok-abc123","BCN_BOT_UUID":"bot-1"}}}"#;
+        let frame = crate::decode(line.as_bytes()).expect("decodes");
+        let crate::Frame::AgentEnv(env) = &frame else { panic!("{frame:?}") };
+        assert_eq!(env.env["BCN_BOT_TOKEN"], "tok-abc123");
+        let encoded = crate::encode(&frame).unwrap();
+        assert_eq!(std::str::from_utf8(&encoded).unwrap().trim_end(), line);
+        let shown = format!("{frame:?}");
+        assert!(shown.contains("BCN_BOT_TOKEN"), "{shown}");
+        assert!(!shown.contains("tok-abc123"), "{shown}");
+        assert!(Extensions::from_names(&[AGENT_ENV]).agent_env);
+        assert_eq!(Extensions::from_names(&[AGENT_ENV]).names(), [AGENT_ENV]);
     }
 
     #[test]

@@ -9,7 +9,9 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
-use crate::ext::{CancelRequest, CancelResult, HistoryRequest, HistoryResult, StreamFrame};
+use crate::ext::{
+    AgentEnv, CancelRequest, CancelResult, HistoryRequest, HistoryResult, StreamFrame,
+};
 use crate::ids::{ChannelId, Id};
 use crate::types::{
     Actions, Capabilities, Command, CommandResult, ControlAction, DeliveryReceipt, Effect, Health,
@@ -282,6 +284,8 @@ pub enum Frame {
     CancelResult(CancelResult),
     /// Extension `stream`.
     Stream(StreamFrame),
+    /// Extension `agent_env`.
+    AgentEnv(AgentEnv),
 }
 
 impl Frame {
@@ -316,6 +320,7 @@ impl Frame {
             Frame::Cancel(_) => "cancel",
             Frame::CancelResult(_) => "cancel_result",
             Frame::Stream(_) => "stream",
+            Frame::AgentEnv(_) => "agent_env",
         }
     }
 
@@ -515,6 +520,7 @@ fn decode_body(ty: &str, raw: &str) -> Result<Frame, DecodeError> {
         "cancel" => Frame::Cancel(parse("cancel", raw)?),
         "cancel_result" => Frame::CancelResult(parse("cancel_result", raw)?),
         "stream" => Frame::Stream(parse("stream", raw)?),
+        "agent_env" => Frame::AgentEnv(parse("agent_env", raw)?),
         other => return Err(DecodeError::UnknownType(truncate(other, 64))),
     })
 }

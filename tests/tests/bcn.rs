@@ -3,7 +3,7 @@
 //! starts no run, the bot identity kept across a BCN restart, a heartbeat timeout and a driver
 //! restart (the stored token), refused bots (`auth_rejected`), version negotiation with a
 //! deprecation notice, an unsupported version, the `env` of `bot.connect` in the agent's
-//! environment, and `chat.abort` of ended, unknown and foreign runs.
+//! environment (through `agent_env`, never in the hub's ledger), and `chat.abort` of ended, unknown and foreign runs.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -297,10 +297,16 @@ async fn an_unsupported_version_is_setup_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_env_of_bot_connect_reaches_the_agent_and_sessions_stay_apart() {
     let dir = TempDir::new().unwrap();
+    // The token goes to a file of the test's, not into the reply (which the ledger keeps).
+    let token_file = dir.path().join("token");
     let agent = write_script(
         dir.path(),
         "agent.sh",
-        "cat > /dev/null\necho \"uuid=$BCN_BOT_UUID path_kept=${PATH:+yes}\"\n",
+        &format!(
+            "cat > /dev/null\nprintf '%s' \"$BCN_BOT_TOKEN\" > '{}'\n\
+             echo \"uuid=$BCN_BOT_UUID path_kept=${{PATH:+yes}}\"\n",
+            token_file.display()
+        ),
     );
     let fake = FakeBcn::start(FakeConfig::default()).await;
     let hub = hub(Some(&agent));
@@ -315,6 +321,22 @@ async fn the_env_of_bot_connect_reaches_the_agent_and_sessions_stay_apart() {
         format!("uuid={uuid} path_kept=yes"),
         "{last}"
     );
+    // The bot token reached the agent through the hub's `agent_env`, held in its memory: it
+    // is in none of the ledger's files (the inbound's metadata no longer carries it) and
+    // not in the hub's log.
+    let token = std::fs::read_to_string(&token_file).unwrap();
+    assert!(token.starts_with("tok-"), "the agent saw BCN_BOT_TOKEN={token:?}");
+    let state = hub.dir.path().join("state");
+    for entry in std::fs::read_dir(&state).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            !bytes.windows(token.len()).any(|w| w == token.as_bytes()),
+            "the bot token is in {}",
+            path.display()
+        );
+    }
+    assert!(!hub.log().contains(&token), "the bot token is in the hub's log");
 
     // chat.abort: an ended run is idempotent success with no ids; another session's run and
     // an unknown run are protocol errors.

@@ -67,6 +67,7 @@ const BRIDGE_EXTENSIONS: Extensions = Extensions {
     history: false,
     cancel: false,
     stream: false,
+    agent_env: false,
 };
 
 /// Lines to stdout, written by one task in order.

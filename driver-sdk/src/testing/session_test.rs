@@ -1,9 +1,11 @@
 //! The session when its connection to the hub breaks: frames the hub wrote before it went
 //! away still reach the driver after the driver's write failed, so an inbound the hub
-//! accepted is not reported again after the reconnect.
+//! accepted is not reported again after the reconnect; the runs' environment a driver set
+//! is stated again on each new connection, before the resent inbound.
 
 use std::time::Duration;
 
+use channeld_protocol::Frame;
 use channeld_protocol::types::{Capabilities, DeliveryReceipt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -81,6 +83,59 @@ async fn an_accepted_written_after_the_driver_s_write_failed_is_still_read() {
     assert_eq!(again.expect_inbound().await.event_id.as_str(), "m-2", "m-1 was reported again");
     again.accept_inbound("m-2").await;
     assert_eq!(second.outcome().await, Acceptance::Accepted { duplicate: false });
+    let (stopped, _) = tokio::join!(task.stop(), again.expect_stop());
+    assert!(stopped.is_ok(), "{stopped:?}");
+}
+
+/// Sets the runs' environment, then reports `m-1`.
+struct EnvSetter {
+    tickets: mpsc::UnboundedSender<InboundTicket>,
+}
+
+impl Driver for EnvSetter {
+    fn declaration(&self) -> Declaration {
+        Declaration::new(Capabilities { receive: true, ..Default::default() })
+    }
+
+    async fn run(&self, hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
+        let env = [("TEST_TOKEN".to_owned(), "tok-1".to_owned())].into();
+        hub.agent_env(env).expect("kept for the hub");
+        let ticket = hub.inbound(Inbound::text("alice", "alice", "m-1").id("m-1")).await;
+        let _ = self.tickets.send(ticket.expect("reported"));
+        shutdown.cancelled().await;
+        Ok(())
+    }
+
+    async fn post(&self, _post: Post) -> Result<DeliveryReceipt, PostError> {
+        Err(PostError::Failed { reason: "no platform".into(), retryable: false })
+    }
+}
+
+/// The environment a driver set reaches every hub connection once, before the inbound the
+/// session sends again after a reconnect (so the run of a resent inbound has it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_env_is_sent_again_after_a_reconnect_before_the_resent_inbound() {
+    let fake = FakeHub::bind().await;
+    let (tickets, mut ticket) = mpsc::unbounded_channel();
+    let task = DriverTask::spawn(EnvSetter { tickets }, fake.launch_config("test.env"));
+    let expect_env = |frame: Frame| match frame {
+        Frame::AgentEnv(env) => assert_eq!(env.env["TEST_TOKEN"], "tok-1"),
+        other => panic!("expected agent_env, got {other:?}"),
+    };
+    let mut conn = fake.accept().await;
+    conn.handshake(AckMode::Extensions).await;
+    assert!(conn.negotiated().agent_env);
+    expect_env(conn.next_frame().await);
+    assert_eq!(conn.expect_inbound().await.event_id.as_str(), "m-1");
+    let first = ticket.recv().await.unwrap();
+    conn.disconnect();
+
+    let mut again = fake.accept().await;
+    again.handshake(AckMode::Extensions).await;
+    expect_env(again.next_frame().await);
+    assert_eq!(again.expect_inbound().await.event_id.as_str(), "m-1");
+    again.accept_inbound("m-1").await;
+    assert_eq!(first.outcome().await, Acceptance::Accepted { duplicate: false });
     let (stopped, _) = tokio::join!(task.stop(), again.expect_stop());
     assert!(stopped.is_ok(), "{stopped:?}");
 }

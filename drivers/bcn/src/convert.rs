@@ -13,7 +13,7 @@
 //! | `bcn.session_context` | `session_context`, as compact JSON |
 //! | `bcn.timeout_ms` | `timeout_ms` |
 //! | `bcn.protocol_version` | the negotiated protocol version |
-//! | `env.<NAME>` | each `env` entry of `bot.connect` (the exec runtime exports `BCN_*` ones) |
+//! | `env.<NAME>` | each `env` entry of `bot.connect`, only for a hub without the `agent_env` extension (channeld gets them once, in `agent_env`, and keeps them out of its ledger); the exec runtime exports `BCN_*` ones |
 
 use std::collections::BTreeMap;
 

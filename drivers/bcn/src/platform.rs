@@ -145,6 +145,11 @@ impl Handler for Shared {
         info!(bot_uuid = %connected.bot_uuid, is_new = connected.is_new, negotiated, "connected to BCN");
         *lock(&self.context) = Context { protocol_version: negotiated, env: connected.env.clone() };
         if let Some(hub) = lock(&self.hub).as_ref() {
+            // The env (with the bot token) goes to the hub once, held in its memory; only a
+            // hub without `agent_env` gets it in each inbound's metadata instead.
+            if let Err(err) = hub.agent_env(connected.env.clone()) {
+                info!(error = %err, "the hub takes the BCN env only in each inbound's metadata");
+            }
             hub.link_state(self.up_state(connected, negotiated));
         }
         self.current.send_replace(Some(sender));
@@ -183,7 +188,13 @@ impl Shared {
         let params: ChatParams = serde_json::from_value(request.params)
             .map_err(|err| ErrorBody::new(code::INVALID_REQUEST, format!("chat.send: {err}")))?;
         let run_id = format!("run-{:016x}", fastrand::u64(..));
-        let context = lock(&self.context).clone();
+        let mut context = lock(&self.context).clone();
+        let hub_lacks_agent_env =
+            lock(&self.hub).as_ref().and_then(Hub::negotiated).is_some_and(|ext| !ext.agent_env);
+        if !hub_lacks_agent_env {
+            // The hub has it from `agent_env`: the token stays out of the ledger's records.
+            context.env.clear();
+        }
         let message = convert::inbound_message(&self.config.channel, &run_id, &params, &context)
             .map_err(|err| ErrorBody::new(code::INVALID_REQUEST, format!("chat.send: {err}")))?;
         self.runs.start(&run_id, &params.session_key, params.bcs_group_id.clone());

@@ -148,6 +148,7 @@ fn request(
         redelivered,
         control_socket: hub.config.control_socket.clone(),
         locator: admitted.locator(entry).encode(&hub.locator_key()),
+        agent_env: inst.agent_env(),
     }
 }
 

@@ -103,9 +103,13 @@ pub(super) fn agent_run(
         serde_json::to_value(&envelope).map_err(|err| RunError::Envelope(err.to_string()))?;
     let mut run =
         AgentRun::from_envelope(value).map_err(|err| RunError::Envelope(err.to_string()))?;
-    if let RunInput::Message { message } = &request.input {
-        run.set_metadata_env(metadata_env(request.instance.family(), &message.metadata));
-    }
+    let from_metadata = match &request.input {
+        RunInput::Message { message } => metadata_env(request.instance.family(), &message.metadata),
+        _ => Vec::new(),
+    };
+    // The driver's `agent_env` over the inbound's metadata: later entries win.
+    let from_driver = request.agent_env.iter().map(|(name, value)| (name.as_str(), value.as_str()));
+    run.set_metadata_env(from_metadata.into_iter().chain(from_driver));
     Ok(run)
 }
 

@@ -7,7 +7,9 @@ mod amqp;
 mod echo;
 mod exec;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use channeld_protocol::types::{
     Actions, Capabilities, InboundMessage, IncomingEvent, Metadata, Participant,
@@ -49,6 +51,9 @@ pub struct RunRequest {
     pub control_socket: PathBuf,
     /// The inbound's locator (for `read`, `respond`, `complete`).
     pub locator: String,
+    /// The environment the instance's driver gave its runs (extension `agent_env`), checked
+    /// when it was set; over the inbound's metadata environment.
+    pub agent_env: Arc<BTreeMap<String, String>>,
 }
 
 /// What a run produced.

@@ -333,6 +333,17 @@ async fn read_frames<R: AsyncRead + Unpin>(
                     let _ = conn.sink.send(&answer).await;
                 });
             }
+            Frame::AgentEnv(env) if conn.declaration.extensions.agent_env => {
+                let names: Vec<String> = env.env.keys().cloned().collect();
+                match inst.set_agent_env(env) {
+                    Ok(_) => info!(instance = %inst.config.id, ?names, "agent environment set"),
+                    Err(why) => {
+                        warn!(instance = %inst.config.id, %why, "agent environment refused");
+                        let answer = Frame::error(None, "invalid_agent_env", why, false);
+                        let _ = conn.sink.try_send(&answer);
+                    }
+                }
+            }
             Frame::Event(_) => {}
             Frame::Hello(hello) => {
                 let answer = Frame::error(

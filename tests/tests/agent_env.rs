@@ -1,0 +1,130 @@
+//! Extension `agent_env` through the real `channeld`: a driver hands its runs an environment
+//! once (BCN's `bot.connect` `env`, with the bot token), the exec agent sees it — over the
+//! inbound's metadata environment — every run after it, it is replaced by the next frame,
+//! a name outside the driver family's namespace is refused whole with `invalid_agent_env`,
+//! and the value is neither in the ledger's files nor in the hub's log.
+
+use std::path::{Path, PathBuf};
+
+use channeld_protocol::Frame;
+use channeld_protocol::ext::AgentEnv;
+use channeld_protocol::frame::Inbound;
+use channeld_tests::peer::{caps, expect_deliver, id, message};
+use channeld_tests::{HubProcess, RawPeer, write_script};
+
+const ONE: &str = "envtest.one";
+const SECRET: &str = "tok-5f1c0ffee-secret";
+
+/// Answers `token=<$ENVTEST_TOKEN reversed> other=<$ENVTEST_OTHER>`: reversed, so the reply
+/// (which the ledger keeps) does not hold the secret itself.
+fn agent(dir: &Path) -> PathBuf {
+    write_script(
+        dir,
+        "agent.sh",
+        "IFS= read -r line\n\
+         token=$(printf '%s\\n' \"${ENVTEST_TOKEN:-none}\" | rev)\n\
+         echo \"token=$token other=${ENVTEST_OTHER:-none}\"\n",
+    )
+}
+
+fn reversed(text: &str) -> String {
+    text.chars().rev().collect()
+}
+
+fn env(entries: &[(&str, &str)]) -> Frame {
+    Frame::AgentEnv(AgentEnv {
+        env: entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+    })
+}
+
+/// Sends an inbound whose metadata sets `env.ENVTEST_TOKEN` and `env.ENVTEST_OTHER`, and
+/// returns the reply's text.
+async fn ask(driver: &mut RawPeer, event_id: &str) -> String {
+    let mut msg = message(ONE, event_id, "alice", "room", "hi");
+    msg.metadata.insert("env.ENVTEST_TOKEN".into(), "from-metadata".into());
+    msg.metadata.insert("env.ENVTEST_OTHER".into(), "meta-other".into());
+    driver.send(Frame::Inbound(Inbound { event_id: id(event_id), message: msg })).await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+    let reply = expect_deliver(driver.frame().await);
+    assert_eq!(reply.request_id.as_str(), event_id);
+    reply.message.body.text_str().to_owned()
+}
+
+/// Every file under `dir`, read whole (the ledger's database, its log, its lock).
+fn files_under(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            found.extend(files_under(&path));
+        } else if let Ok(bytes) = std::fs::read(&path) {
+            found.push((path, bytes));
+        }
+    }
+    found
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drivers_agent_env_reaches_its_runs_and_stays_out_of_the_ledger() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent(dir.path());
+    let hub = HubProcess::start(&format!(
+        "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 30\n\
+         [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
+        agent.display()
+    ));
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
+    let Frame::HelloAck(ack) = driver.frame().await else { panic!("no hello_ack") };
+    assert!(ack.extensions.iter().any(|e| e == "agent_env"), "{:?}", ack.extensions);
+
+    // Before any agent_env: the metadata environment only.
+    assert_eq!(
+        ask(&mut driver, "e-1").await,
+        format!("token={} other=meta-other", reversed("from-metadata"))
+    );
+
+    driver.send(env(&[("ENVTEST_TOKEN", SECRET)])).await;
+    assert_eq!(
+        ask(&mut driver, "e-2").await,
+        format!("token={} other=meta-other", reversed(SECRET))
+    );
+
+    // Refused whole, naming the entry: the set before stays.
+    driver.send(env(&[("ENVTEST_TOKEN", "other"), ("PATH", "/tmp/evil")])).await;
+    let err = driver.error().await;
+    assert_eq!(err.code, "invalid_agent_env");
+    assert!(err.message.contains("PATH"), "{}", err.message);
+    assert!(!err.message.contains("/tmp/evil"), "{}", err.message);
+    assert_eq!(
+        ask(&mut driver, "e-3").await,
+        format!("token={} other=meta-other", reversed(SECRET))
+    );
+
+    // Replaced by the next frame; an empty one clears it.
+    driver.send(env(&[("ENVTEST_TOKEN", "rotated")])).await;
+    assert_eq!(
+        ask(&mut driver, "e-4").await,
+        format!("token={} other=meta-other", reversed("rotated"))
+    );
+    driver.send(env(&[])).await;
+    assert_eq!(
+        ask(&mut driver, "e-5").await,
+        format!("token={} other=meta-other", reversed("from-metadata"))
+    );
+
+    // The value never reached a file: not the ledger's database or its log, not the hub's
+    // log (which runs at debug level in these tests).
+    let state = hub.dir.path().join("state");
+    let files = files_under(&state);
+    assert!(!files.is_empty(), "no ledger files under {}", state.display());
+    for (path, bytes) in files {
+        assert!(!contains(&bytes, SECRET), "the secret is in {}", path.display());
+    }
+    assert!(hub.log().contains("agent environment set"), "{}", hub.log());
+    assert!(!hub.log().contains(SECRET), "the secret is in the hub's log");
+}
