@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use channeld_link::FrameReader;
 use channeld_protocol::ext::{
-    CancelRequest, CancelResult, Extensions, HistoryEntry, HistoryRequest, HistoryResult,
+    AgentEnv, CancelRequest, CancelResult, Extensions, HistoryEntry, HistoryRequest, HistoryResult,
 };
 use channeld_protocol::frame::{
     Accepted, CommandResultFrame, Delivery, ErrorFrame, Hello, HelloAck, Inbound, Lifecycle,
@@ -104,6 +104,7 @@ impl FakeHub {
                     negotiated: Extensions::default(),
                     events: Vec::new(),
                     health_reports: Vec::new(),
+                    agent_envs: Vec::new(),
                     probes: 0,
                 }
             }
@@ -119,7 +120,8 @@ impl FakeHub {
 /// One driver connection as the fake hub sees it.
 ///
 /// Reads are exact: each `expect_*` helper takes the next frame (skipping only unsolicited
-/// `event` and `health` frames) and panics if it is not the one expected. Writes go straight
+/// `event`, `health` and `agent_env` frames, which it records) and panics if it is not the
+/// one expected. Writes go straight
 /// to the socket, so a frame sent before dropping the connection reaches the driver before
 /// its end of file.
 #[derive(Debug)]
@@ -130,6 +132,7 @@ pub struct FakeConnection {
     negotiated: Extensions,
     events: Vec<LifecycleEvent>,
     health_reports: Vec<Health>,
+    agent_envs: Vec<AgentEnv>,
     /// Health probes [`wait_health`](FakeConnection::wait_health) sent (their ids).
     probes: u64,
 }
@@ -193,6 +196,11 @@ impl FakeConnection {
     /// Unsolicited `health` reports received so far.
     pub fn health_reports(&self) -> &[Health] {
         &self.health_reports
+    }
+
+    /// `agent_env` frames received so far (extension `agent_env`), in order.
+    pub fn agent_envs(&self) -> &[AgentEnv] {
+        &self.agent_envs
     }
 
     /// Sends one frame; panics if the driver is gone.
@@ -464,6 +472,7 @@ impl FakeConnection {
             match frame {
                 Frame::Event(event) => self.events.push(event.event),
                 Frame::Health(report) => self.health_reports.push(report.health),
+                Frame::AgentEnv(env) => self.agent_envs.push(env),
                 frame => return Some(frame),
             }
         }
@@ -490,6 +499,10 @@ struct Shown<'a>(&'a Frame);
 impl fmt::Display for Shown<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const MAX: usize = 2000;
+        if let Frame::AgentEnv(env) = self.0 {
+            // Its values are secrets: the names only.
+            return write!(f, "{env:?}");
+        }
         match encode(self.0) {
             Ok(line) => {
                 let line = String::from_utf8_lossy(&line);

@@ -5,12 +5,11 @@
 
 use std::time::Duration;
 
-use channeld_protocol::Frame;
 use channeld_protocol::types::{Capabilities, DeliveryReceipt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{AckMode, DriverTask, FakeHub};
+use super::{AckMode, DriverTask, FakeConnection, FakeHub};
 use crate::driver::{Declaration, Driver, DriverError, Post, PostError};
 use crate::hub::{Hub, InboundTicket};
 use crate::inbound::Inbound;
@@ -118,22 +117,24 @@ async fn the_agent_env_is_sent_again_after_a_reconnect_before_the_resent_inbound
     let fake = FakeHub::bind().await;
     let (tickets, mut ticket) = mpsc::unbounded_channel();
     let task = DriverTask::spawn(EnvSetter { tickets }, fake.launch_config("test.env"));
-    let expect_env = |frame: Frame| match frame {
-        Frame::AgentEnv(env) => assert_eq!(env.env["TEST_TOKEN"], "tok-1"),
-        other => panic!("expected agent_env, got {other:?}"),
+    // The fake hub records `agent_env` frames as it reads past them: one recorded by the
+    // time the inbound is read came before it.
+    let sent_env = |conn: &FakeConnection| {
+        let envs: Vec<_> = conn.agent_envs().iter().map(|e| e.env["TEST_TOKEN"].clone()).collect();
+        assert_eq!(envs, ["tok-1"]);
     };
     let mut conn = fake.accept().await;
     conn.handshake(AckMode::Extensions).await;
     assert!(conn.negotiated().agent_env);
-    expect_env(conn.next_frame().await);
     assert_eq!(conn.expect_inbound().await.event_id.as_str(), "m-1");
+    sent_env(&conn);
     let first = ticket.recv().await.unwrap();
     conn.disconnect();
 
     let mut again = fake.accept().await;
     again.handshake(AckMode::Extensions).await;
-    expect_env(again.next_frame().await);
     assert_eq!(again.expect_inbound().await.event_id.as_str(), "m-1");
+    sent_env(&again);
     again.accept_inbound("m-1").await;
     assert_eq!(first.outcome().await, Acceptance::Accepted { duplicate: false });
     let (stopped, _) = tokio::join!(task.stop(), again.expect_stop());
