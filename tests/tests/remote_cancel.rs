@@ -58,6 +58,18 @@ fn expect_aborted(frame: Frame, event_id: &str) {
     }
 }
 
+/// A hub whose instance [`ONE`] runs on the `amqp` runtime over `<queue>.runs`.
+fn hub(url: &str, queue: &str) -> HubProcess {
+    HubProcess::start_with_env(
+        &format!(
+            "[runtime.remote]\nkind = \"amqp\"\nurl = \"env:CANCEL_TEST_AMQP_URL\"\n\
+             queue = \"{queue}.runs\"\nreply_queue = \"{queue}.replies\"\ntimeout_secs = 120\n\
+             [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"remote\"\n"
+        ),
+        &[("CANCEL_TEST_AMQP_URL", url)],
+    )
+}
+
 struct Worker(Child);
 
 impl Worker {
@@ -91,14 +103,7 @@ async fn a_cancel_stops_the_workers_agent_and_a_queued_cancelled_run_never_start
     let url = rabbit.guest_url();
     let dir = tempfile::tempdir().unwrap();
     let agent = agent(dir.path());
-    let hub = HubProcess::start_with_env(
-        &format!(
-            "[runtime.remote]\nkind = \"amqp\"\nurl = \"env:CANCEL_TEST_AMQP_URL\"\n\
-             queue = \"cancel.runs\"\nreply_queue = \"cancel.replies\"\ntimeout_secs = 120\n\
-             [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"remote\"\n"
-        ),
-        &[("CANCEL_TEST_AMQP_URL", &url)],
-    );
+    let hub = hub(&url, "cancel");
     let worker_log = dir.path().join("worker.log");
     // One run at a time: a second run waits in the run queue.
     let _worker = Worker::start(&url, "cancel.runs", &agent, &worker_log);
@@ -147,14 +152,7 @@ async fn a_run_cancelled_before_any_worker_connected_never_starts() {
     let url = rabbit.guest_url();
     let dir = tempfile::tempdir().unwrap();
     let agent = agent(dir.path());
-    let hub = HubProcess::start_with_env(
-        &format!(
-            "[runtime.remote]\nkind = \"amqp\"\nurl = \"env:CANCEL_TEST_AMQP_URL\"\n\
-             queue = \"early.runs\"\nreply_queue = \"early.replies\"\ntimeout_secs = 120\n\
-             [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"remote\"\n"
-        ),
-        &[("CANCEL_TEST_AMQP_URL", &url)],
-    );
+    let hub = hub(&url, "early");
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive"]), &["accepted", "cancel"]).await;
     assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
