@@ -201,8 +201,9 @@ impl AgentRun {
         Self::from_envelope(serde_json::from_slice(bytes)?)
     }
 
-    /// Sets the environment from the inbound's metadata: entries outside the family's
-    /// namespace (see [`metadata_env`]) are dropped, whoever built them.
+    /// Sets the environment a driver gives the run (the inbound's metadata, then the hub's
+    /// `agent_env`; a later entry wins): entries outside the family's namespace (see
+    /// [`metadata_env`]) are dropped, whoever built them.
     pub fn set_metadata_env<'a>(&mut self, env: impl IntoIterator<Item = (&'a str, &'a str)>) {
         let namespace = env_namespace(&self.family);
         self.metadata_env = env

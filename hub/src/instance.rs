@@ -184,21 +184,20 @@ impl Instance {
         lock(&self.runs).waiting()
     }
 
-    /// The live driver connection, if any.
     /// The environment the driver gave its runs (extension `agent_env`); empty if none.
     pub fn agent_env(&self) -> Arc<BTreeMap<String, String>> {
         lock(&self.agent_env).clone()
     }
 
     /// Replaces the runs' environment with the driver's `agent_env`, or refuses it whole
-    /// ([`check_agent_env`]); returns how many entries it holds.
-    pub fn set_agent_env(&self, frame: AgentEnv) -> Result<usize, String> {
+    /// ([`check_agent_env`]).
+    pub fn set_agent_env(&self, frame: AgentEnv) -> Result<(), String> {
         check_agent_env(self.config.id.family(), &frame)?;
-        let count = frame.env.len();
         *lock(&self.agent_env) = Arc::new(frame.env);
-        Ok(count)
+        Ok(())
     }
 
+    /// The live driver connection, if any.
     pub fn live(&self) -> Option<Arc<Connection>> {
         lock(&self.live).clone().filter(|conn| !conn.closed.is_cancelled())
     }
@@ -361,4 +360,34 @@ pub fn check_agent_env(family: &str, frame: &AgentEnv) -> Result<(), String> {
          {MAX_AGENT_ENV_VALUE} bytes, without NUL)",
         refused.join(", ")
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(entries: &[(&str, &str)]) -> AgentEnv {
+        AgentEnv { env: entries.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect() }
+    }
+
+    #[test]
+    fn an_agent_env_is_taken_whole_or_refused_naming_entries_never_values() {
+        assert_eq!(check_agent_env("bcn", &env(&[("BCN_BOT_TOKEN", "tok-1")])), Ok(()));
+        assert_eq!(check_agent_env("bcn", &env(&[])), Ok(()));
+        let refused = check_agent_env(
+            "bcn",
+            &env(&[("BCN_OK", "x"), ("PATH", "/evil"), ("BCN_NUL", "a\0b"), ("bcn_low", "x")]),
+        )
+        .unwrap_err();
+        assert!(refused.contains("BCN_NUL, PATH, bcn_low"), "{refused}");
+        assert!(!refused.contains("BCN_OK") && !refused.contains("/evil"), "{refused}");
+        let long = "x".repeat(MAX_AGENT_ENV_VALUE + 1);
+        assert!(check_agent_env("bcn", &env(&[("BCN_LONG", &long)])).is_err());
+        let just = "x".repeat(MAX_AGENT_ENV_VALUE);
+        assert_eq!(check_agent_env("bcn", &env(&[("BCN_LONG", &just)])), Ok(()));
+        let many: Vec<(String, String)> =
+            (0..=MAX_AGENT_ENV_ENTRIES).map(|n| (format!("BCN_V{n}"), "x".into())).collect();
+        let many = AgentEnv { env: many.into_iter().collect() };
+        assert!(check_agent_env("bcn", &many).unwrap_err().contains("entries"));
+    }
 }

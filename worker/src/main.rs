@@ -159,7 +159,11 @@ struct Worker {
     failed: AtomicU64,
     redelivered: AtomicU64,
     cancelled: AtomicU64,
-    /// Connections made so far (names this connection's cancel stream marker).
+    /// Random per process: with the connection count it names this connection's marker on
+    /// the cancel stream, which no other worker's may equal (two containers can share a
+    /// host name and a pid).
+    nonce: u64,
+    /// Connections made so far.
     sessions: AtomicU64,
     /// Survives reconnects: a cancel heard before a connection was lost still counts.
     cancels: Arc<Mutex<Cancels>>,
@@ -285,6 +289,11 @@ async fn start(args: Args) -> Result<(), WorkerError> {
         failed: AtomicU64::new(0),
         redelivered: AtomicU64::new(0),
         cancelled: AtomicU64::new(0),
+        nonce: {
+            use std::hash::{BuildHasher, Hasher};
+            // std seeds each `RandomState` from the OS's random source.
+            std::collections::hash_map::RandomState::new().build_hasher().finish()
+        },
         sessions: AtomicU64::new(0),
         cancels: Arc::default(),
         aside: TaskTracker::new(),
@@ -472,7 +481,7 @@ async fn follow_cancels(
         )
         .await?;
     let session = worker.sessions.fetch_add(1, Ordering::Relaxed);
-    let marker = CancelSync { sync: format!("{}#{session}", worker.name) };
+    let marker = CancelSync { sync: format!("{}#{:016x}-{session}", worker.name, worker.nonce) };
     let body = serde_json::to_vec(&marker).expect("markers serialize");
     publish_confirmed(publish, &stream, &body, json_properties(CANCEL_SYNC_TYPE, &marker.sync))
         .await?;

@@ -336,7 +336,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
             Frame::AgentEnv(env) if conn.declaration.extensions.agent_env => {
                 let names: Vec<String> = env.env.keys().cloned().collect();
                 match inst.set_agent_env(env) {
-                    Ok(_) => info!(instance = %inst.config.id, ?names, "agent environment set"),
+                    Ok(()) => info!(instance = %inst.config.id, ?names, "agent environment set"),
                     Err(why) => {
                         warn!(instance = %inst.config.id, %why, "agent environment refused");
                         let answer = Frame::error(None, "invalid_agent_env", why, false);
