@@ -606,6 +606,10 @@ pub struct InstanceStatus {
     /// Where the replies of its runs stand (ledger on; posted ones until pruned).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replies: Option<ReplyCounts>,
+    /// The names of the environment its driver gave its runs (extension `agent_env`), never
+    /// the values; absent when it gave none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agent_env: Vec<String>,
 }
 
 /// A supervised driver process, as `status` shows it.

@@ -94,6 +94,13 @@ async fn the_drivers_agent_env_reaches_its_runs_and_stays_out_of_the_ledger() {
         format!("token={} other=meta-other", reversed(SECRET))
     );
 
+    // `channelctl status` names the entries, never their values.
+    let out = hub.ctl(&["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
+    assert_eq!(status["instances"][0]["agent_env"], serde_json::json!(["ENVTEST_TOKEN"]));
+    assert!(!String::from_utf8_lossy(&out.stdout).contains(SECRET));
+
     // Refused whole, naming the entry: the set before stays.
     driver.send(env(&[("ENVTEST_TOKEN", "other"), ("PATH", "/tmp/evil")])).await;
     let err = driver.error().await;

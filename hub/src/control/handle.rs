@@ -477,6 +477,7 @@ async fn status(
                 replies: replies
                     .as_mut()
                     .map(|counts| counts.remove(inst.config.id.as_str()).unwrap_or_default()),
+                agent_env: inst.agent_env().keys().cloned().collect(),
             }
         });
     let (instances, next_after) = status_page(rows, limit, PAGE_BUDGET);
@@ -579,6 +580,7 @@ mod tests {
             last_error_ms: None,
             driver_process: None,
             replies: None,
+            agent_env: Vec::new(),
         }
     }
 
