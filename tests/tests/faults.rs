@@ -1,5 +1,7 @@
 //! Faults a real `channeld` meets in operation: a full disk under the ledger (a small tmpfs
-//! mounted for the test; the tests need root for `mount` and fail naming it otherwise), a
+//! mounted for the test: as root, or — run by another user — in a user and mount namespace of
+//! the test's own, `unshare --user --map-root-user --mount`; without either they fail naming
+//! what is missing), a
 //! state directory or database the hub cannot use (refused at start with exit status 74,
 //! naming the file and what to do), and the operator's `channeld ledger` tools.
 
@@ -15,6 +17,45 @@ use channeld_tests::{HubProcess, RawPeer, alive, workspace_bin};
 const ONE: &str = "test.one";
 const ECHO: &str = "[instance.\"test.one\"]\nallow = [\"alice\"]\n";
 
+/// Set in the test process [`as_root`] starts inside its own namespaces.
+const IN_NAMESPACE: &str = "CHANNELD_TEST_IN_USERNS";
+
+/// Whether this process may mount (it runs as root, in the machine's namespaces or in a user
+/// namespace of its own). Otherwise runs the test `name` again in a user and mount namespace
+/// where this user is root (`unshare --user --map-root-user --mount`), checks that it
+/// passed, and returns false: the caller returns at once. A tmpfs mounted there is seen by
+/// that test process and the hub it starts, and is gone with them.
+fn as_root(name: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var_os(IN_NAMESPACE).is_none(),
+        "not root inside the user namespace that should map this user to root"
+    );
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new("unshare")
+        .args(["--user", "--map-root-user", "--mount", "--propagation", "private"])
+        .arg(&exe)
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(IN_NAMESPACE, "1")
+        .output()
+        .unwrap_or_else(|err| {
+            panic!("not root, and `unshare` (util-linux) cannot be run to get a namespace: {err}")
+        });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{name} in a user and mount namespace of its own (not root: this test mounts a tmpfs, \
+         which needs root or unprivileged user namespaces, `sysctl user.max_user_namespaces`) \
+         ended with {}:\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains("1 passed"), "{name} did not run in the namespace:\n{stdout}");
+    false
+}
+
 /// A tmpfs of `size` mounted on a fresh directory; unmounted (lazily, so a process still
 /// holding a file cannot keep it) on drop.
 struct Tmpfs {
@@ -22,28 +63,22 @@ struct Tmpfs {
 }
 
 impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Self {
+    /// `options` besides the mode, e.g. `size=4m` or `size=1m,ro` (read-only from the
+    /// start: a remount is refused in a user namespace).
+    fn mount(dir: &Path, options: &str) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+            .args(["-t", "tmpfs", "-o", &format!("{options},mode=0700"), "tmpfs"])
             .arg(dir)
             .output()
             .expect("run mount");
         assert!(
             out.status.success(),
-            "these tests mount a small tmpfs and need root (CAP_SYS_ADMIN) for it: {}",
+            "these tests mount a small tmpfs and need root (CAP_SYS_ADMIN) for it, or a user \
+             namespace of their own (see `as_root`): {}",
             String::from_utf8_lossy(&out.stderr)
         );
         Self { dir: dir.to_owned() }
-    }
-
-    fn remount_read_only(&self) {
-        let out = Command::new("mount")
-            .args(["-o", "remount,ro"])
-            .arg(&self.dir)
-            .output()
-            .expect("run mount");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
     /// Fills what is left with a file; returns its path (remove it to give the space back).
@@ -89,8 +124,11 @@ fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_refuses_new_work_keeps_what_was_accepted_and_recovers_by_itself() {
+    if !as_root("a_full_disk_refuses_new_work_keeps_what_was_accepted_and_recovers_by_itself") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
-    let tmpfs = Tmpfs::mount(&dir.path().join("state"), "4m");
+    let tmpfs = Tmpfs::mount(&dir.path().join("state"), "size=4m");
     let hub = HubProcess::start_in(dir, ECHO);
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive", "send"]), &["accepted"]).await;
@@ -234,10 +272,12 @@ fn used_state(dir: &Path) -> PathBuf {
 
 #[test]
 fn a_read_only_state_directory_is_refused_naming_it() {
+    if !as_root("a_read_only_state_directory_is_refused_naming_it") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    let tmpfs = Tmpfs::mount(&state, "1m");
-    tmpfs.remount_read_only();
+    let _tmpfs = Tmpfs::mount(&state, "size=1m,ro");
     let (code, log) = refused_start(dir.path(), &state);
     assert_eq!(code, Some(74), "{log}");
     assert!(log.contains(&state.display().to_string()), "{log}");
