@@ -3,14 +3,15 @@
 //! starts no run, the bot identity kept across a BCN restart, a heartbeat timeout and a driver
 //! restart (the stored token), refused bots (`auth_rejected`), version negotiation with a
 //! deprecation notice, an unsupported version, the `env` of `bot.connect` in the agent's
-//! environment (through `agent_env`, never in the hub's ledger), and `chat.abort` of ended, unknown and foreign runs.
+//! environment (through `agent_env`, never in the hub's ledger; in each inbound's metadata for
+//! a hub without the extension), and `chat.abort` of ended, unknown and foreign runs.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use channeld_tests::fakes::bcn::{FakeBcn, FakeConfig, Record};
-use channeld_tests::{DriverProcess, HubProcess, write_script};
+use channeld_tests::{DriverProcess, HubProcess, files_holding, write_script};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -327,15 +328,7 @@ async fn the_env_of_bot_connect_reaches_the_agent_and_sessions_stay_apart() {
     let token = std::fs::read_to_string(&token_file).unwrap();
     assert!(token.starts_with("tok-"), "the agent saw BCN_BOT_TOKEN={token:?}");
     let state = hub.dir.path().join("state");
-    for entry in std::fs::read_dir(&state).unwrap() {
-        let path = entry.unwrap().path();
-        let bytes = std::fs::read(&path).unwrap_or_default();
-        assert!(
-            !bytes.windows(token.len()).any(|w| w == token.as_bytes()),
-            "the bot token is in {}",
-            path.display()
-        );
-    }
+    assert_eq!(files_holding(&state, &token), Vec::<std::path::PathBuf>::new(), "token on disk");
     assert!(!hub.log().contains(&token), "the bot token is in the hub's log");
 
     // chat.abort: an ended run is idempotent success with no ids; another session's run and
@@ -535,4 +528,39 @@ async fn history_answers_from_the_hub_also_after_a_hub_restart() {
     wait_status(&hub, &driver, "Ready after the hub restart", ready).await;
     let after = fake.response(&history(50), WITHIN).await;
     assert_eq!(texts(&after), expected, "{after}");
+}
+
+/// A hub without the `agent_env` extension (a reference hub, which answers no `hello`) gets
+/// `bot.connect`'s env in each inbound's metadata instead, and no `agent_env` frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_without_agent_env_gets_the_env_in_each_inbounds_metadata() {
+    use channeld_driver_sdk::testing::{AckMode, FakeHub};
+    use channeld_protocol::types::HealthState;
+
+    let fake = FakeBcn::start(FakeConfig::default()).await;
+    let hub = FakeHub::bind().await;
+    let state = TempDir::new().unwrap();
+    let mut driver = std::process::Command::new(channeld_tests::workspace_bin("channeld-bcn"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .envs(hub.launch_config(INSTANCE).to_env())
+        .env("CHANNELD_BCN_URL", fake.url())
+        .env("CHANNELD_BCN_STATE_DIR", state.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn channeld-bcn");
+    let mut conn = hub.accept().await;
+    conn.handshake(AckMode::Reference).await;
+    fake.wait_online(WITHIN).await;
+    conn.wait_health(WITHIN, "Ready", |h| h.state == HealthState::Ready).await;
+    fake.chat_send(SESSION, "who am I?").unwrap();
+    let inbound = conn.expect_inbound().await;
+    let metadata = &inbound.message.metadata;
+    assert!(metadata["env.BCN_BOT_TOKEN"].starts_with("tok-"), "{metadata:?}");
+    assert!(metadata.contains_key("env.BCN_BOT_UUID"), "{metadata:?}");
+    assert!(conn.agent_envs().is_empty(), "agent_env sent to a hub without it");
+    let _ = driver.kill();
+    let _ = driver.wait();
 }
