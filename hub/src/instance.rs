@@ -130,8 +130,12 @@ pub struct Instance {
     notices: Mutex<NoticeLimiter>,
     /// The environment the driver's platform session gives runs (extension `agent_env`):
     /// in memory only — never in the ledger, a log or `channelctl` — until the driver sends
-    /// another or the hub stops.
+    /// another or the hub stops. (The ledger keeps the names, for [`Self::agent_env_wait`].)
     agent_env: Mutex<Arc<BTreeMap<String, String>>>,
+    /// Set at a restart when the driver had given its runs an environment: runs wait for it
+    /// until the driver's first frame after its hello (the `agent_env` it sends again, or
+    /// anything else when it sends none) cancels the token.
+    agent_env_wait: Mutex<Option<CancellationToken>>,
 }
 
 impl Instance {
@@ -145,6 +149,7 @@ impl Instance {
             policy: Mutex::new(Arc::new(policy)),
             removed: CancellationToken::new(),
             agent_env: Mutex::default(),
+            agent_env_wait: Mutex::new(None),
             live: Mutex::new(None),
             health: Mutex::new(HealthView {
                 health: Health::new(HealthState::Unavailable, Some("no driver connected".into())),
@@ -195,6 +200,26 @@ impl Instance {
         check_agent_env(self.config.id.family(), &frame)?;
         *lock(&self.agent_env) = Arc::new(frame.env);
         Ok(())
+    }
+
+    /// Makes runs wait for the driver's environment (the ledger says its driver gave one
+    /// before the restart): until [`settle_agent_env`](Self::settle_agent_env).
+    pub fn await_agent_env(&self) {
+        lock(&self.agent_env_wait).get_or_insert_with(CancellationToken::new);
+    }
+
+    /// What a run waits for before it starts, if anything: cancelled once the driver's
+    /// environment is settled.
+    pub fn agent_env_wait(&self) -> Option<CancellationToken> {
+        lock(&self.agent_env_wait).clone()
+    }
+
+    /// The driver's environment is settled (it sent one, or a first frame that is not one, or
+    /// its hello did not take the extension): runs waiting for it start.
+    pub fn settle_agent_env(&self) {
+        if let Some(wait) = lock(&self.agent_env_wait).take() {
+            wait.cancel();
+        }
     }
 
     /// The live driver connection, if any.

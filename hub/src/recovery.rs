@@ -73,6 +73,17 @@ pub(crate) async fn restore(hub: &Arc<Hub>) {
         Err(err) => warn!(error = %err, "replies not restored"),
     }
     track_untracked_replies(hub, now).await;
+    match hub.ledger.agent_env_names().await {
+        Ok(names) => {
+            for (instance, names) in names {
+                if let Some(inst) = hub.instance(&instance) {
+                    info!(instance, ?names, "runs wait for the driver's agent environment");
+                    inst.await_agent_env();
+                }
+            }
+        }
+        Err(err) => warn!(error = %err, "agent environment names not loaded"),
+    }
     let recovered = match hub.ledger.recover(now).await {
         Ok(recovered) => recovered,
         Err(err) => {

@@ -2,9 +2,11 @@
 //! once (BCN's `bot.connect` `env`, with the bot token), the exec agent sees it — over the
 //! inbound's metadata environment — every run after it, it is replaced by the next frame,
 //! a name outside the driver family's namespace is refused whole with `invalid_agent_env`,
-//! and the value is neither in the ledger's files nor in the hub's log.
+//! and the value is neither in the ledger's files nor in the hub's log. A run a hub crash
+//! interrupted waits, after the restart, for the environment the driver sends again.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use channeld_protocol::Frame;
 use channeld_protocol::ext::AgentEnv;
@@ -113,4 +115,80 @@ async fn the_drivers_agent_env_reaches_its_runs_and_stays_out_of_the_ledger() {
     assert_eq!(files_holding(&state, SECRET), Vec::<PathBuf>::new(), "the secret is on disk");
     assert!(hub.log().contains("agent environment set"), "{}", hub.log());
     assert!(!hub.log().contains(SECRET), "the secret is in the hub's log");
+}
+
+/// Logs each start to `starts.log` with its token, then answers at once when `go` exists and
+/// otherwise sleeps (a run the test interrupts by killing the hub).
+fn slow_agent(dir: &Path) -> PathBuf {
+    let starts = dir.join("starts.log");
+    let go = dir.join("go");
+    write_script(
+        dir,
+        "slow.sh",
+        &format!(
+            "IFS= read -r line\n\
+             token=$(printf '%s\\n' \"${{ENVTEST_TOKEN:-none}}\" | rev)\n\
+             echo \"start token=$token\" >> '{}'\n\
+             [ -e '{}' ] || exec sleep 30\n\
+             echo \"token=$token\"\n",
+            starts.display(),
+            go.display()
+        ),
+    )
+}
+
+fn starts(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("starts.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_recovered_after_a_crash_waits_for_the_drivers_agent_env() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let agent = slow_agent(work.path());
+    let mut hub = HubProcess::start_in(
+        dir,
+        &format!(
+            "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 60\n\
+             [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
+            agent.display()
+        ),
+    );
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    driver.send(env(&[("ENVTEST_TOKEN", SECRET)])).await;
+    let msg = message(ONE, "e-1", "alice", "room", "hi");
+    driver.send(Frame::Inbound(Inbound { event_id: id("e-1"), message: msg })).await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while starts(work.path()).is_empty() {
+        assert!(Instant::now() < deadline, "the run did not start; log:\n{}", hub.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(starts(work.path()), vec![format!("start token={}", reversed(SECRET))]);
+
+    // A crash in the middle of the run; the next start recovers it.
+    hub.kill();
+    drop(driver);
+    std::fs::write(work.path().join("go"), "").unwrap();
+    hub.restart();
+    // No driver yet: the recovered run has no environment, so it waits.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(starts(work.path()).len(), 1, "the recovered run started without its environment");
+    assert!(hub.log().contains("runs wait for the driver's agent environment"), "{}", hub.log());
+
+    // The driver is back with its environment (a new token): the run starts with it.
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    driver.send(env(&[("ENVTEST_TOKEN", "rotated")])).await;
+    let reply = expect_deliver(driver.frame().await);
+    assert_eq!(reply.request_id.as_str(), "e-1");
+    assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("rotated")));
+    assert_eq!(starts(work.path()).len(), 2);
 }

@@ -274,6 +274,17 @@ pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun
         // Every line logged during the run (the runtime's too) carries the run's ids.
         let span = info_span!("run", instance = %inst.config.id, event_id = %queued.admitted.event_id, run_id = %queued.run_id);
         hub.clone().runs.spawn(async move {
+            if let Some(wait) = inst.agent_env_wait() {
+                // After a restart, until the driver gave its runs their environment again.
+                debug!("run waits for the driver's agent environment");
+                tokio::select! {
+                    () = wait.cancelled() => {}
+                    // Left for the next start, as a queued run is.
+                    () = hub.shutdown.cancelled() => return,
+                    // It ends as cancelled, without starting.
+                    () = queued.cancel.token.cancelled() => {}
+                }
+            }
             if queued.count_start {
                 let event_id = queued.admitted.event_id.to_string();
                 let counted = hub.ledger.start_run(inst.config.id.to_string(), event_id).await;

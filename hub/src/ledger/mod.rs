@@ -14,6 +14,7 @@
 
 mod checkpointer;
 mod cork;
+pub mod drivers;
 pub mod history;
 pub mod inbound;
 pub mod items;
@@ -823,6 +824,27 @@ impl Ledger {
         instance: String,
     ) -> impl Future<Output = Result<HashMap<String, u64>, LedgerError>> + Send + '_ {
         self.call(move |txn| sessions::generations(txn, &instance))
+    }
+
+    /// Queues the names of `instance`'s agent environment (none forgets it) for the next
+    /// batch, after the calls queued before it; a restart reads them back
+    /// ([`agent_env_names`](Self::agent_env_names)). Deferred: losing the last names to a
+    /// power loss costs only the wait of the runs recovered after it.
+    pub fn remember_agent_env(
+        &self,
+        instance: String,
+        names: Vec<String>,
+    ) -> impl Future<Output = Pending<()>> + Send + '_ {
+        self.queue_with(Commit::Deferred, move |txn| {
+            drivers::set_agent_env_names(txn, &instance, &names)
+        })
+    }
+
+    /// The names of each instance's agent environment as last remembered.
+    pub fn agent_env_names(
+        &self,
+    ) -> impl Future<Output = Result<HashMap<String, Vec<String>>, LedgerError>> + Send + '_ {
+        self.call(drivers::agent_env_names)
     }
 
     /// Adds a send, or returns the record that already holds its idempotency key. `commit`

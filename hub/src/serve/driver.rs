@@ -30,6 +30,10 @@ use crate::outbox::receipts;
 /// does not drain.
 const STOP_GRACE: Duration = Duration::from_secs(1);
 
+/// How long after a hello with `agent_env` runs that wait for the driver's environment (after
+/// a restart) wait at most, when it sends neither that nor an inbound.
+const AGENT_ENV_GRACE: Duration = Duration::from_secs(5);
+
 /// Where a connection's writes stand against the stall timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Stall {
@@ -136,6 +140,17 @@ async fn handshake(
         "driver connected"
     );
     inst.set_health(Health::new(HealthState::Ready, Some("driver connected".into())));
+    if !declaration.extensions.agent_env {
+        // It sends no environment: runs waiting for one (after a restart) start without it.
+        inst.settle_agent_env();
+    } else if inst.agent_env_wait().is_some() {
+        // Nor do they wait long for a driver that sends none (`env_settles`).
+        let inst = inst.clone();
+        hub.tasks.spawn(async move {
+            tokio::time::sleep(AGENT_ENV_GRACE).await;
+            inst.settle_agent_env();
+        });
+    }
     if hub.ledger.is_on() {
         // Hand the new driver the replies it is owed (retryable failures at once) and the
         // sends queued for it.
@@ -146,6 +161,14 @@ async fn handshake(
         });
     }
     Some(conn)
+}
+
+/// Whether `frame`, from a driver with `agent_env`, settles the environment of the runs that
+/// wait for it after a restart before it is handled: an inbound (the driver sends its
+/// environment before its first inbound, so it has none to send). The `agent_env` frame
+/// settles it too, once applied. Pure.
+fn env_settles(frame: &Frame) -> bool {
+    matches!(frame, Frame::Inbound(_) | Frame::InboundEvent(_))
 }
 
 /// Reads a driver's frames until it leaves, or the hub closes connections or a reload removes
@@ -188,6 +211,8 @@ async fn read_frames<R: AsyncRead + Unpin>(
     let writer_gone = conn.sink.closed();
     let write_blocked = conn.sink.write_blocked();
     tokio::pin!(closing, writer_gone, write_blocked);
+    // A driver with `agent_env` sends it before its first inbound, if at all (PROTOCOL.md).
+    let mut env_unsettled = conn.declaration.extensions.agent_env;
     loop {
         if first.is_none() && !reader.ready() {
             // About to wait for the socket: what the frames so far queued goes now.
@@ -258,6 +283,10 @@ async fn read_frames<R: AsyncRead + Unpin>(
             }
         };
         conn.touch();
+        if env_unsettled && env_settles(&frame) {
+            env_unsettled = false;
+            inst.settle_agent_env();
+        }
         match frame {
             Frame::Start(_) => debug!(instance = %inst.config.id, "driver started"),
             Frame::Stop(_) => {
@@ -336,13 +365,22 @@ async fn read_frames<R: AsyncRead + Unpin>(
             Frame::AgentEnv(env) if conn.declaration.extensions.agent_env => {
                 let names: Vec<String> = env.env.keys().cloned().collect();
                 match inst.set_agent_env(env) {
-                    Ok(()) => info!(instance = %inst.config.id, ?names, "agent environment set"),
+                    Ok(()) => {
+                        info!(instance = %inst.config.id, ?names, "agent environment set");
+                        // The names only, so runs a restart recovers wait for the values.
+                        // Queued in order with the frames' other calls; its commit is not
+                        // waited for (losing it costs only that wait).
+                        let id = inst.config.id.to_string();
+                        let _ = hub.ledger.remember_agent_env(id, names).await;
+                    }
                     Err(why) => {
                         warn!(instance = %inst.config.id, %why, "agent environment refused");
                         let answer = Frame::error(None, "invalid_agent_env", why, false);
                         let _ = conn.sink.try_send(&answer);
                     }
                 }
+                inst.settle_agent_env();
+                env_unsettled = false;
             }
             Frame::Event(_) => {}
             Frame::Hello(hello) => {
@@ -394,5 +432,20 @@ mod tests {
         assert_eq!(stall(Some(timeout), timeout), Stall::Close(timeout));
         assert_eq!(stall_check_every(timeout), Duration::from_secs(1));
         assert_eq!(stall_check_every(Duration::from_millis(500)), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn only_an_inbound_settles_the_agent_env_before_it_is_handled() {
+        use channeld_protocol::decode;
+        let inbound = decode(
+            br#"{"abi":"cortexfs.channel.socket/v1","frame":{"type":"inbound","event_id":"e-1","message":{"id":"m-1","target":{"channel":"t.one","conversation":"c"},"sender":{"id":"u"},"body":{"text":"hi"},"timestamp_ms":1700000000000,"metadata":{}}}}"#,
+        )
+        .unwrap();
+        assert!(env_settles(&inbound), "{inbound:?}");
+        let start =
+            Frame::Start(Lifecycle { request_id: channeld_protocol::Id::new("s-1").unwrap() });
+        assert!(!env_settles(&start));
+        let env = Frame::AgentEnv(channeld_protocol::ext::AgentEnv { env: Default::default() });
+        assert!(!env_settles(&env), "applied first, then settled");
     }
 }
