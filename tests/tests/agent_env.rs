@@ -145,11 +145,11 @@ fn starts(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_recovered_after_a_crash_waits_for_the_drivers_agent_env() {
+/// A hub whose driver gave its runs `ENVTEST_TOKEN` and whose run of `e-1` was interrupted by
+/// a crash, restarted without the driver: the recovered run waits (checked for 1.5 s).
+async fn crashed_mid_run(work: &Path) -> HubProcess {
     let dir = tempfile::tempdir().unwrap();
-    let work = tempfile::tempdir().unwrap();
-    let agent = slow_agent(work.path());
+    let agent = slow_agent(work);
     let mut hub = HubProcess::start_in(
         dir,
         &format!(
@@ -166,23 +166,30 @@ async fn a_run_recovered_after_a_crash_waits_for_the_drivers_agent_env() {
     driver.send(Frame::Inbound(Inbound { event_id: id("e-1"), message: msg })).await;
     assert!(matches!(driver.frame().await, Frame::Accepted(_)));
     let deadline = Instant::now() + Duration::from_secs(20);
-    while starts(work.path()).is_empty() {
+    while starts(work).is_empty() {
         assert!(Instant::now() < deadline, "the run did not start; log:\n{}", hub.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(starts(work.path()), vec![format!("start token={}", reversed(SECRET))]);
+    assert_eq!(starts(work), vec![format!("start token={}", reversed(SECRET))]);
 
     // A crash in the middle of the run; the next start recovers it.
     hub.kill();
     drop(driver);
-    std::fs::write(work.path().join("go"), "").unwrap();
+    std::fs::write(work.join("go"), "").unwrap();
     hub.restart();
     // No driver yet: the recovered run has no environment, so it waits.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(starts(work.path()).len(), 1, "the recovered run started without its environment");
+    assert_eq!(starts(work).len(), 1, "the recovered run started without its environment");
     assert!(hub.log().contains("runs wait for the driver's agent environment"), "{}", hub.log());
+    hub
+}
 
-    // The driver is back with its environment (a new token): the run starts with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_recovered_after_a_crash_waits_for_the_drivers_agent_env() {
+    let work = tempfile::tempdir().unwrap();
+    let hub = crashed_mid_run(work.path()).await;
+    // The driver is back with its environment (a new token), sent after its `start`: the
+    // run starts with it.
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
     assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
@@ -191,4 +198,31 @@ async fn a_run_recovered_after_a_crash_waits_for_the_drivers_agent_env() {
     assert_eq!(reply.request_id.as_str(), "e-1");
     assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("rotated")));
     assert_eq!(starts(work.path()).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_run_waits_no_longer_for_a_driver_that_sends_no_agent_env() {
+    let work = tempfile::tempdir().unwrap();
+    let hub = crashed_mid_run(work.path()).await;
+    // Back without the extension: it has no environment to send, so the run starts at once.
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    let reply = expect_deliver(driver.frame().await);
+    assert_eq!(reply.request_id.as_str(), "e-1");
+    assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("none")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_run_waits_at_most_the_grace_for_a_silent_driver() {
+    let work = tempfile::tempdir().unwrap();
+    let hub = crashed_mid_run(work.path()).await;
+    // Back with the extension, but it sends neither its environment nor an inbound: the run
+    // starts after the grace (5 s; `frame` waits up to 10), without the environment.
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    let reply = expect_deliver(driver.frame().await);
+    assert_eq!(reply.request_id.as_str(), "e-1");
+    assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("none")));
 }
