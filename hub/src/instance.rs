@@ -133,8 +133,7 @@ pub struct Instance {
     /// another or the hub stops. (The ledger keeps the names, for [`Self::agent_env_wait`].)
     agent_env: Mutex<Arc<BTreeMap<String, String>>>,
     /// Set at a restart when the driver had given its runs an environment: runs wait for it
-    /// until the driver's first frame after its hello (the `agent_env` it sends again, or
-    /// anything else when it sends none) cancels the token.
+    /// until it is settled (`settle_agent_env`), which cancels the token.
     agent_env_wait: Mutex<Option<CancellationToken>>,
 }
 
@@ -214,8 +213,9 @@ impl Instance {
         lock(&self.agent_env_wait).clone()
     }
 
-    /// The driver's environment is settled (it sent one, or a first frame that is not one, or
-    /// its hello did not take the extension): runs waiting for it start.
+    /// The driver's environment is settled: it sent one, or an inbound before any (it has
+    /// none), or a hello without the extension, or nothing for a grace after a hello with it
+    /// (`serve/driver.rs`). Runs waiting for it start.
     pub fn settle_agent_env(&self) {
         if let Some(wait) = lock(&self.agent_env_wait).take() {
             wait.cancel();

@@ -143,12 +143,16 @@ async fn handshake(
     if !declaration.extensions.agent_env {
         // It sends no environment: runs waiting for one (after a restart) start without it.
         inst.settle_agent_env();
-    } else if inst.agent_env_wait().is_some() {
-        // Nor do they wait long for a driver that sends none (`env_settles`).
-        let inst = inst.clone();
+    } else if let Some(wait) = inst.agent_env_wait() {
+        // Nor do they wait long for a driver that sends none (`env_settles`). The timer ends
+        // with the wait, or the hub's stop, whichever comes first.
+        let (inst, stopping) = (inst.clone(), hub.shutdown.clone());
         hub.tasks.spawn(async move {
-            tokio::time::sleep(AGENT_ENV_GRACE).await;
-            inst.settle_agent_env();
+            tokio::select! {
+                () = tokio::time::sleep(AGENT_ENV_GRACE) => inst.settle_agent_env(),
+                () = wait.cancelled() => {}
+                () = stopping.cancelled() => {}
+            }
         });
     }
     if hub.ledger.is_on() {
