@@ -184,19 +184,30 @@ async fn crashed_mid_run(work: &Path) -> HubProcess {
     hub
 }
 
+/// The driver back after the restart with `extensions`, sending `env_first` first if given.
+/// Returns
+/// the text of the recovered run's reply.
+async fn back(hub: &HubProcess, extensions: &[&str], env_first: Option<Frame>) -> String {
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), extensions).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    if let Some(frame) = env_first {
+        driver.send(frame).await;
+    }
+    let reply = expect_deliver(driver.frame().await);
+    assert_eq!(reply.request_id.as_str(), "e-1");
+    reply.message.body.text_str().to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_recovered_after_a_crash_waits_for_the_drivers_agent_env() {
     let work = tempfile::tempdir().unwrap();
     let hub = crashed_mid_run(work.path()).await;
     // The driver is back with its environment (a new token), sent after its `start`: the
     // run starts with it.
-    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
-    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
-    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
-    driver.send(env(&[("ENVTEST_TOKEN", "rotated")])).await;
-    let reply = expect_deliver(driver.frame().await);
-    assert_eq!(reply.request_id.as_str(), "e-1");
-    assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("rotated")));
+    let rotated = env(&[("ENVTEST_TOKEN", "rotated")]);
+    let text = back(&hub, &["accepted", "agent_env"], Some(rotated)).await;
+    assert_eq!(text, format!("token={}", reversed("rotated")));
     assert_eq!(starts(work.path()).len(), 2);
 }
 
@@ -205,12 +216,8 @@ async fn a_recovered_run_waits_no_longer_for_a_driver_that_sends_no_agent_env() 
     let work = tempfile::tempdir().unwrap();
     let hub = crashed_mid_run(work.path()).await;
     // Back without the extension: it has no environment to send, so the run starts at once.
-    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
-    driver.hello(ONE, caps(&["receive"]), &["accepted"]).await;
-    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
-    let reply = expect_deliver(driver.frame().await);
-    assert_eq!(reply.request_id.as_str(), "e-1");
-    assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("none")));
+    let text = back(&hub, &["accepted"], None).await;
+    assert_eq!(text, format!("token={}", reversed("none")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,10 +226,6 @@ async fn a_recovered_run_waits_at_most_the_grace_for_a_silent_driver() {
     let hub = crashed_mid_run(work.path()).await;
     // Back with the extension, but it sends neither its environment nor an inbound: the run
     // starts after the grace (5 s; `frame` waits up to 10), without the environment.
-    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
-    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
-    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
-    let reply = expect_deliver(driver.frame().await);
-    assert_eq!(reply.request_id.as_str(), "e-1");
-    assert_eq!(reply.message.body.text_str(), format!("token={}", reversed("none")));
+    let text = back(&hub, &["accepted", "agent_env"], None).await;
+    assert_eq!(text, format!("token={}", reversed("none")));
 }
