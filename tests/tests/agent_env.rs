@@ -185,8 +185,7 @@ async fn crashed_mid_run(work: &Path) -> HubProcess {
 }
 
 /// The driver back after the restart with `extensions`, sending `env_first` first if given.
-/// Returns
-/// the text of the recovered run's reply.
+/// Returns the text of the recovered run's reply.
 async fn back(hub: &HubProcess, extensions: &[&str], env_first: Option<Frame>) -> String {
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive"]), extensions).await;
