@@ -40,6 +40,7 @@ pub fn config(runtime_dir: &Path) -> HubConfig {
         liveness: Duration::from_secs(60),
         stall_timeout: Duration::from_secs(60),
         drain_timeout: Duration::from_secs(10),
+        agent_env_wait: Duration::from_secs(30),
         metrics_listen: None,
         amqp_sends: None,
         runtimes,

@@ -214,7 +214,7 @@ impl Instance {
     }
 
     /// The driver's environment is settled: it sent one, or an inbound before any (it has
-    /// none), or a hello without the extension, or nothing for a grace after a hello with it
+    /// none), or a hello without the extension, or nothing for `hub.agent_env_wait_secs` after a hello with it
     /// (`serve/driver.rs`). Runs waiting for it start.
     pub fn settle_agent_env(&self) {
         if let Some(wait) = lock(&self.agent_env_wait).take() {

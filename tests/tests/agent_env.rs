@@ -153,7 +153,8 @@ async fn crashed_mid_run(work: &Path) -> HubProcess {
     let mut hub = HubProcess::start_in(
         dir,
         &format!(
-            "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 60\n\
+            "[hub]\nagent_env_wait_secs = 2\n\
+             [runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 60\n\
              [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
             agent.display()
         ),
@@ -224,7 +225,7 @@ async fn a_recovered_run_waits_at_most_the_grace_for_a_silent_driver() {
     let work = tempfile::tempdir().unwrap();
     let hub = crashed_mid_run(work.path()).await;
     // Back with the extension, but it sends neither its environment nor an inbound: the run
-    // starts after the grace (5 s; `frame` waits up to 10), without the environment.
+    // starts after `agent_env_wait_secs` (2 s here), without the environment.
     let text = back(&hub, &["accepted", "agent_env"], None).await;
     assert_eq!(text, format!("token={}", reversed("none")));
 }

@@ -75,6 +75,7 @@ struct RawHub {
     liveness_secs: Option<u64>,
     stall_timeout_secs: Option<u64>,
     drain_timeout_secs: Option<u64>,
+    agent_env_wait_secs: Option<u64>,
     durability: Option<DurabilityMode>,
     retention_days: Option<u64>,
     outbox_ttl_secs: Option<u64>,
@@ -434,6 +435,9 @@ pub struct HubConfig {
     /// driver stopped reading) is closed; a third of it marks the instance Degraded.
     pub stall_timeout: Duration,
     pub drain_timeout: Duration,
+    /// After a restart, how long the runs recovered for an instance whose driver gave them an
+    /// environment (`agent_env`) wait for it once the driver said hello, at most.
+    pub agent_env_wait: Duration,
     /// Where `/metrics` is served; `None` (the default) turns metrics off.
     pub metrics_listen: Option<MetricsListen>,
     /// The AMQP send queue the hub consumes; `None` (the default) consumes none.
@@ -663,6 +667,7 @@ impl HubConfig {
             liveness: secs("hub.liveness_secs", hub.liveness_secs, 60)?,
             stall_timeout: secs("hub.stall_timeout_secs", hub.stall_timeout_secs, 60)?,
             drain_timeout: secs("hub.drain_timeout_secs", hub.drain_timeout_secs, 10)?,
+            agent_env_wait: secs("hub.agent_env_wait_secs", hub.agent_env_wait_secs, 30)?,
             metrics_listen: hub.metrics_listen.as_deref().map(MetricsListen::parse).transpose()?,
             amqp_sends: hub.amqp_sends.map(|raw| amqp_sends(raw, ledger_on)).transpose()?,
             runtimes,

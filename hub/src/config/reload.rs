@@ -77,6 +77,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
         ("hub.liveness_secs", running.liveness != new.liveness),
         ("hub.stall_timeout_secs", running.stall_timeout != new.stall_timeout),
         ("hub.drain_timeout_secs", running.drain_timeout != new.drain_timeout),
+        ("hub.agent_env_wait_secs", running.agent_env_wait != new.agent_env_wait),
         ("hub.metrics_listen", running.metrics_listen != new.metrics_listen),
         ("hub.amqp_sends", running.amqp_sends != new.amqp_sends),
     ]

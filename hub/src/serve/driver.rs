@@ -30,10 +30,6 @@ use crate::outbox::receipts;
 /// does not drain.
 const STOP_GRACE: Duration = Duration::from_secs(1);
 
-/// How long after a hello with `agent_env` runs that wait for the driver's environment (after
-/// a restart) wait at most, when it sends neither that nor an inbound.
-const AGENT_ENV_GRACE: Duration = Duration::from_secs(5);
-
 /// Where a connection's writes stand against the stall timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Stall {
@@ -144,12 +140,14 @@ async fn handshake(
         // It sends no environment: runs waiting for one (after a restart) start without it.
         inst.settle_agent_env();
     } else if let Some(wait) = inst.agent_env_wait() {
-        // Nor do they wait long for a driver that sends none (`env_settles`). The timer ends
-        // with the wait, or the hub's stop, whichever comes first.
-        let (inst, stopping) = (inst.clone(), hub.shutdown.clone());
+        // Nor do they wait longer than `hub.agent_env_wait_secs` for a driver that sends none
+        // (`env_settles`). The timer ends with the wait, or the hub's stop, whichever comes
+        // first.
+        let (inst, stopping, grace) =
+            (inst.clone(), hub.shutdown.clone(), hub.config.agent_env_wait);
         hub.tasks.spawn(async move {
             tokio::select! {
-                () = tokio::time::sleep(AGENT_ENV_GRACE) => inst.settle_agent_env(),
+                () = tokio::time::sleep(grace) => inst.settle_agent_env(),
                 () = wait.cancelled() => {}
                 () = stopping.cancelled() => {}
             }
