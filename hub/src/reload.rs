@@ -80,6 +80,8 @@ pub async fn apply(hub: &Arc<Hub>, new: HubConfig) {
 /// end (drivers hear `stop`), the watchdog stops asking for it, and its socket goes.
 fn stop_instance(hub: &Hub, inst: &Instance) {
     inst.removed.cancel();
+    // Its runs go on as the others do; none waits any longer for a driver that will not come.
+    inst.settle_agent_env();
     hub.metrics.forget(inst.config.id.as_str());
     hub.probes.retire(&accept_loop_name(inst));
     if let Err(err) = std::fs::remove_file(&inst.config.socket) {
