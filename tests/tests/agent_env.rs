@@ -229,3 +229,21 @@ async fn a_recovered_run_waits_at_most_the_grace_for_a_silent_driver() {
     let text = back(&hub, &["accepted", "agent_env"], None).await;
     assert_eq!(text, format!("token={}", reversed("none")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_run_cancelled_while_it_waits_never_starts() {
+    let work = tempfile::tempdir().unwrap();
+    let hub = crashed_mid_run(work.path()).await;
+    // Cancelled while it waits for the driver: answered at once (not after the cancel's
+    // 30-s wait for a run to stop), as cancelled.
+    let out = hub.ctl_async(&["cancel", ONE, "e-1"]).await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("e-1: cancelled"), "{out:?}");
+    // The driver is back with its environment: the run does not start after all.
+    let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
+    driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
+    assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
+    driver.send(env(&[("ENVTEST_TOKEN", "rotated")])).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(starts(work.path()).len(), 1, "the cancelled run started");
+}
