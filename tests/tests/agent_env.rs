@@ -56,7 +56,7 @@ async fn ask(driver: &mut RawPeer, event_id: &str) -> String {
 async fn the_drivers_agent_env_reaches_its_runs_and_stays_out_of_the_ledger() {
     let dir = tempfile::tempdir().unwrap();
     let agent = agent(dir.path());
-    let hub = HubProcess::start(&format!(
+    let mut hub = HubProcess::start(&format!(
         "[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 30\n\
          [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
         agent.display()
@@ -115,7 +115,17 @@ async fn the_drivers_agent_env_reaches_its_runs_and_stays_out_of_the_ledger() {
     assert_eq!(files_holding(&state, SECRET), Vec::<PathBuf>::new(), "the secret is on disk");
     assert!(hub.log().contains("agent environment set"), "{}", hub.log());
     assert!(!hub.log().contains(SECRET), "the secret is in the hub's log");
+
+    // The set was cleared last, so a restart makes no run wait for it.
+    drop(driver);
+    hub.restart();
+    tokio::task::block_in_place(|| hub.wait_log("hub ready", 2, Duration::from_secs(10)));
+    assert!(!hub.log().contains(WAITS), "{}", hub.log());
 }
+
+/// What the hub logs when the ledger says runs must wait for a driver's environment (before
+/// it logs `hub ready`).
+const WAITS: &str = "runs wait for the driver's agent environment";
 
 /// Logs each start to `starts.log` with its token, then answers at once when `go` exists and
 /// otherwise sleeps (a run the test interrupts by killing the hub).
@@ -145,20 +155,21 @@ fn starts(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// A hub running [`slow_agent`] for `instance`; runs wait at most 2 s for a silent driver.
+fn slow_config(work: &Path, instance: &str) -> String {
+    format!(
+        "[hub]\nagent_env_wait_secs = 2\n\
+         [runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 60\n\
+         [instance.\"{instance}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
+        slow_agent(work).display()
+    )
+}
+
 /// A hub whose driver gave its runs `ENVTEST_TOKEN` and whose run of `e-1` was interrupted by
 /// a crash, restarted without the driver: the recovered run waits (checked for 1.5 s).
 async fn crashed_mid_run(work: &Path) -> HubProcess {
     let dir = tempfile::tempdir().unwrap();
-    let agent = slow_agent(work);
-    let mut hub = HubProcess::start_in(
-        dir,
-        &format!(
-            "[hub]\nagent_env_wait_secs = 2\n\
-             [runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\ntimeout_secs = 60\n\
-             [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n",
-            agent.display()
-        ),
-    );
+    let mut hub = HubProcess::start_in(dir, &slow_config(work, ONE));
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
     driver.hello(ONE, caps(&["receive"]), &["accepted", "agent_env"]).await;
     assert!(matches!(driver.frame().await, Frame::HelloAck(_)));
@@ -181,7 +192,7 @@ async fn crashed_mid_run(work: &Path) -> HubProcess {
     // No driver yet: the recovered run has no environment, so it waits.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(starts(work).len(), 1, "the recovered run started without its environment");
-    assert!(hub.log().contains("runs wait for the driver's agent environment"), "{}", hub.log());
+    assert!(hub.log().contains(WAITS), "{}", hub.log());
     hub
 }
 
@@ -246,4 +257,19 @@ async fn a_recovered_run_cancelled_while_it_waits_never_starts() {
     driver.send(env(&[("ENVTEST_TOKEN", "rotated")])).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(starts(work.path()).len(), 1, "the cancelled run started");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_run_of_an_instance_a_reload_removes_waits_no_longer() {
+    let work = tempfile::tempdir().unwrap();
+    let hub = crashed_mid_run(work.path()).await;
+    // Its driver cannot come back: the run goes on, as the removed instance's other runs do.
+    std::fs::write(&hub.config, slow_config(work.path(), "envtest.two")).unwrap();
+    hub.signal(libc::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while starts(work.path()).len() < 2 {
+        assert!(Instant::now() < deadline, "the run still waits; log:\n{}", hub.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(starts(work.path())[1], format!("start token={}", reversed("none")));
 }
