@@ -95,7 +95,13 @@ async fn wait_ready(hub: &HubProcess, driver: &SlackDriver) {
     let deadline = Instant::now() + STEP;
     loop {
         let status = hub.instance_status(INSTANCE);
-        if status["connected"] == true && status["health"]["state"] == "Ready" {
+        // The driver's own report that its socket is up: the hub says Ready on its own as
+        // soon as the driver connects, before the driver opened a Slack connection.
+        let health = &status["health"];
+        if status["connected"] == true
+            && health["state"] == "Ready"
+            && health["status"]["transport"] == "connected"
+        {
             return;
         }
         assert!(Instant::now() < deadline, "not Ready within {STEP:?}: {status}\n{}", driver.log());
