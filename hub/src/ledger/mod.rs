@@ -28,6 +28,7 @@ pub mod sessions;
 pub mod state;
 mod store;
 mod syncer;
+mod walbuf;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

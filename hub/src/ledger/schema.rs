@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tracing::info;
 
 /// Schema migrations, applied in order; `PRAGMA user_version` records how many ran.
@@ -277,7 +277,11 @@ fn tune(conn: &Connection) -> rusqlite::Result<()> {
 /// Opens (or creates) the database file, checks it is whole (`quick_check`), migrates it,
 /// and returns it ready for the thread.
 pub fn open(path: &Path, durability: Durability) -> Result<Connection, OpenError> {
-    let mut conn = Connection::open(path)?;
+    // The write-combining layer for the log (`walbuf.rs`); SQLite's own VFS without it.
+    let mut conn = match super::walbuf::register() {
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, OpenFlags::default(), vfs)?,
+        None => Connection::open(path)?,
+    };
     conn.pragma_update(None, "journal_mode", "WAL")?;
     let sync = match durability {
         Durability::Strict | Durability::Full => "FULL",
