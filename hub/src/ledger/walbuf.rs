@@ -430,9 +430,9 @@ mod tests {
         assert_eq!(check, "ok");
     }
 
-    /// A transaction larger than what the layer holds, rolled back, then committed again,
-    /// and a checkpoint that restarts the log: the file ends whole and holds what was
-    /// committed, in the order it was.
+    /// A transaction larger than what the layer holds, whose spilled pages are spilled again
+    /// and read back before it ends, rolled back, then committed again, and a checkpoint that
+    /// restarts the log: the file ends whole and holds what was committed, in the order it was.
     #[test]
     fn large_and_rolled_back_transactions_leave_the_log_whole() {
         let dir = tempfile::tempdir().unwrap();
@@ -448,6 +448,14 @@ mod tests {
                 )
                 .unwrap();
             }
+            // Every page again: pages the small cache already spilled to the log are
+            // spilled anew over their own frames, behind frames the layer still holds.
+            tx.execute("UPDATE t SET body = zeroblob(4500)", []).unwrap();
+            // Read back every page inside the transaction: the ones the small cache spilled
+            // to the log are read from it, the last of them while the layer still held them.
+            let bytes: i64 =
+                tx.query_row("SELECT sum(length(body)) FROM t", [], |row| row.get(0)).unwrap();
+            assert_eq!(bytes, 200 * 4500);
             if keep { tx.commit().unwrap() } else { tx.rollback().unwrap() }
         };
         big(&mut conn, false);
@@ -462,6 +470,10 @@ mod tests {
             .query_row("SELECT count(*) FROM t WHERE body = x'07'", [], |r| r.get(0))
             .unwrap();
         assert_eq!(small, 10);
+        let zeros: i64 = reopened
+            .query_row("SELECT count(*) FROM t WHERE body = zeroblob(4500)", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(zeros, 190);
         let check: String = reopened.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
         assert_eq!(check, "ok");
     }
