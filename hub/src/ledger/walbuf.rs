@@ -178,6 +178,8 @@ unsafe extern "C" fn open(
         if rc != ffi::SQLITE_OK {
             return rc;
         }
+        #[cfg(test)]
+        tests::SEEN.with(|seen| seen.opened.set(seen.opened.get() + 1));
         ptr::write(
             ptr::addr_of_mut!((*file.cast::<WalFile>()).held),
             Held { start: 0, bytes: Vec::new(), commit: false },
@@ -247,6 +249,8 @@ unsafe extern "C" fn write(
             held.start = offset;
         }
         held.bytes.extend_from_slice(bytes);
+        #[cfg(test)]
+        tests::SEEN.with(|seen| seen.peak.set(seen.peak.get().max(held.bytes.len())));
         if held.commit && !header {
             held.commit = false;
             return flush(file);
@@ -376,9 +380,22 @@ unsafe extern "C" fn dl_sym(
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+
     use rusqlite::{Connection, OpenFlags, params};
 
-    use super::register;
+    use super::{FRAME_HEADER, HOLD_LIMIT, register};
+
+    /// What the layer did on this thread (SQLite calls a connection's files on the thread
+    /// that uses it): WAL files it opened, and the most bytes it held at once.
+    pub(super) struct Seen {
+        pub(super) opened: Cell<usize>,
+        pub(super) peak: Cell<usize>,
+    }
+
+    thread_local! {
+        pub(super) static SEEN: Seen = const { Seen { opened: Cell::new(0), peak: Cell::new(0) } };
+    }
 
     fn open(path: &std::path::Path) -> Connection {
         let vfs = register().expect("the layer registers");
@@ -458,8 +475,12 @@ mod tests {
             assert_eq!(bytes, 200 * 4500);
             if keep { tx.commit().unwrap() } else { tx.rollback().unwrap() }
         };
+        SEEN.with(|seen| seen.peak.set(0));
         big(&mut conn, false);
         assert_eq!(count(&conn), 0);
+        // About 1.2 MiB of frames went by; the layer held at most its limit and one frame.
+        let peak = SEEN.with(|seen| seen.peak.get());
+        assert!(peak > FRAME_HEADER && peak <= HOLD_LIMIT + 4096 + FRAME_HEADER, "held {peak}");
         big(&mut conn, true);
         conn.query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(())).unwrap();
         conn.execute("UPDATE t SET body = x'07' WHERE id < 10", []).unwrap();
@@ -476,5 +497,19 @@ mod tests {
         assert_eq!(zeros, 190);
         let check: String = reopened.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
         assert_eq!(check, "ok");
+    }
+
+    /// The ledger's own connection writes its log through the layer.
+    #[test]
+    fn the_ledger_database_is_opened_through_the_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = SEEN.with(|seen| seen.opened.get());
+        let conn = crate::ledger::schema::open(
+            &dir.path().join("ledger.sqlite3"),
+            crate::ledger::Durability::Full,
+        )
+        .unwrap();
+        conn.execute("INSERT INTO meta (key, value) VALUES ('walbuf', 'on')", []).unwrap();
+        assert_eq!(SEEN.with(|seen| seen.opened.get()), before + 1);
     }
 }
