@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use channeld_link::FrameSink;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use channeld_protocol::ext::{
@@ -365,7 +364,9 @@ impl Hub {
     }
 
     async fn submit(&self, event_id: Id, frame: Frame) -> Result<InboundTicket, HubError> {
-        channeld_protocol::encode(&frame).map_err(|err| HubError::TooLarge(err.to_string()))?;
+        // Encoded once: the size check and the write are the same line.
+        let line =
+            channeld_protocol::encode(&frame).map_err(|err| HubError::TooLarge(err.to_string()))?;
         if self.stop.is_cancelled() {
             return Err(HubError::ShuttingDown);
         }
@@ -374,18 +375,21 @@ impl Hub {
             () = self.stop.cancelled() => return Err(HubError::ShuttingDown),
         };
         let (tx, rx) = oneshot::channel();
+        let is_event = matches!(frame, Frame::InboundEvent(_));
         let send_on = {
             let mut state = self.shared.lock();
-            let fresh = state.pending.insert(event_id.clone(), frame.clone(), tx);
+            // The table keeps the frame for a resend after a reconnect.
+            let fresh = state.pending.insert(event_id.clone(), frame, tx);
             if fresh {
                 permit.forget();
             }
             if fresh && state.negotiated.is_some() { state.sink.clone() } else { None }
         };
         if let Some(sink) = send_on
-            && sink.send(&frame).await.is_ok()
+            && sink.send_encoded(line).await.is_ok()
+            && is_event
         {
-            self.shared.after_write(&frame);
+            self.shared.event_written(&event_id);
         }
         Ok(InboundTicket { event_id, rx })
     }
@@ -412,7 +416,7 @@ pub(crate) struct SessionState {
     pub connected_since: Option<Instant>,
     /// Requests to the hub waiting for their answer, by request id; dropped (answered
     /// `Disconnected`) when the connection ends.
-    pub requests: HashMap<Id, oneshot::Sender<Result<Frame, ErrorFrame>>>,
+    pub requests: foldhash::HashMap<Id, oneshot::Sender<Result<Frame, ErrorFrame>>>,
 }
 
 #[derive(Debug)]
@@ -442,7 +446,7 @@ impl Shared {
                 health: None,
                 agent_env: None,
                 connected_since: None,
-                requests: HashMap::new(),
+                requests: Default::default(),
             }),
             next_request: AtomicU64::new(1),
         }
@@ -485,10 +489,16 @@ impl Shared {
     /// reference hub sends nothing back for it.
     pub fn after_write(&self, frame: &Frame) {
         if let Frame::InboundEvent(event) = frame {
-            let accepted_ext = self.lock().negotiated.is_some_and(|ext| ext.accepted);
-            if !accepted_ext {
-                self.resolve(event.event_id.as_str(), Acceptance::Accepted { duplicate: false });
-            }
+            self.event_written(&event.event_id);
+        }
+    }
+
+    /// An `inbound_event` was written: without the `accepted` extension the hub answers
+    /// nothing for it, so the write is its acceptance.
+    fn event_written(&self, event_id: &Id) {
+        let accepted_ext = self.lock().negotiated.is_some_and(|ext| ext.accepted);
+        if !accepted_ext {
+            self.resolve(event_id.as_str(), Acceptance::Accepted { duplicate: false });
         }
     }
 

@@ -3,7 +3,11 @@
 //! Pure bookkeeping: the runtime decides when to (re)send; this table remembers what is
 //! outstanding, in arrival order, and who waits for each outcome.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+// foldhash, not SipHash: looked up several times per inbound; the keys are this driver's own
+// event ids, nothing an outsider chooses to collide.
+use foldhash::HashMap;
 use std::time::{Duration, Instant};
 
 use channeld_protocol::{Frame, Id};

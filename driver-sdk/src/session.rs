@@ -2,7 +2,10 @@
 //! dispatch of hub frames to the [`Driver`], heartbeats, resending unanswered inbound after a
 //! reconnect, and answering a redelivered `deliver`/`outbound` without posting twice.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+// foldhash, not SipHash: two lookups per post; the keys are the hub's request ids.
+use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -454,7 +457,9 @@ impl<D: Driver> Session<D> {
         let sink = sink.clone();
         self.tracker.spawn(async move {
             let Some(_permits) = permit.run().await else { return };
-            handle(driver, sink).await;
+            // Boxed: a driver's post or effect future (an HTTP request's state, often
+            // kilobytes) would otherwise size the task tokio copies on spawn.
+            Box::pin(handle(driver, sink)).await;
         });
     }
 

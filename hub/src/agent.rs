@@ -78,7 +78,7 @@ fn now_ms() -> u64 {
 
 /// The item a locator names, with what `read` shows of it.
 async fn resolve(hub: &Hub, locator: &str) -> Result<(Locator, ItemView), AgentError> {
-    let loc = Locator::decode(locator, &hub.locator_key())?;
+    let loc = Locator::decode(locator, hub.locator_key())?;
     if !hub.ledger.is_on() {
         return Err(LedgerError::Off.into());
     }
@@ -102,7 +102,7 @@ fn locator_of(hub: &Hub, item: &Item) -> Option<String> {
             event_id: id(&item.event_id)?,
             entry: Some(item.id),
         }
-        .encode(&hub.locator_key()),
+        .encode(hub.locator_key()),
     )
 }
 

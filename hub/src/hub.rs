@@ -82,6 +82,8 @@ pub struct Hub {
     pub remote: Remote,
     /// The AMQP send queue's consumer state (`[hub.amqp_sends]` set).
     pub amqp_sends: Option<Arc<AmqpSendsState>>,
+    /// What this hub's locators are bound to (its ledger's id), made once.
+    locator_key: LocatorKey,
 }
 
 impl Hub {
@@ -119,6 +121,7 @@ impl Hub {
             config.reply_ttl,
             config.receipt_timeout,
         ));
+        let locator_key = LocatorKey::new(ledger.id());
         Arc::new(Self {
             applied: tokio::sync::Mutex::new(config.clone()),
             config,
@@ -140,6 +143,7 @@ impl Hub {
             started: SystemTime::now(),
             remote: Remote::default(),
             amqp_sends,
+            locator_key,
         })
     }
 
@@ -149,7 +153,7 @@ impl Hub {
     }
 
     /// What this hub's locators are bound to: its ledger's id.
-    pub fn locator_key(&self) -> LocatorKey {
-        LocatorKey::new(self.ledger.id())
+    pub fn locator_key(&self) -> &LocatorKey {
+        &self.locator_key
     }
 }

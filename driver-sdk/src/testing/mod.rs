@@ -71,3 +71,5 @@ mod requests_test;
 mod self_test;
 #[cfg(test)]
 mod session_test;
+#[cfg(test)]
+mod submit_test;

@@ -186,7 +186,8 @@ async fn queue_record(
     place: &Place,
 ) -> Option<Pending<(Recorded, Synced)>> {
     let event_id = &admitted.event_id;
-    let (line, hash) = match (encode(&admitted.frame), fingerprint::fingerprint(&admitted.frame)) {
+    let frame = admitted.frame();
+    let (line, hash) = match (encode(&frame), fingerprint::fingerprint(&frame)) {
         (Ok(line), Some(hash)) => (line, hash),
         (Err(err), _) => {
             inst.metrics.inbound(InboundOutcome::Error);

@@ -36,12 +36,12 @@ use crate::runtime::{
 pub const HELP_TEXT: &str = "Commands: /help shows this text; /new starts a new conversation \
 session. Anything else goes to the agent.";
 
-/// What a run needs about one inbound, whichever frame carried it.
+/// What a run needs about one inbound, whichever frame carried it. The frame itself is not
+/// kept: [`Admitted::frame`] rebuilds it (its two fields are the event id and the input) for
+/// the ledger, so a run without one copies the message no more than it must.
 #[derive(Debug, Clone)]
 pub struct Admitted {
     pub event_id: Id,
-    /// The frame as received (recorded in the ledger to run it again after a crash).
-    pub frame: Frame,
     pub input: RunInput,
     pub sender: Option<Participant>,
     pub origin: MessageTarget,
@@ -51,23 +51,23 @@ pub struct Admitted {
 
 impl Admitted {
     pub fn message(inbound: Inbound, identity_isolation: bool) -> Self {
-        let message = &inbound.message;
+        let Inbound { event_id, message } = inbound;
         Self {
-            event_id: inbound.event_id.clone(),
+            event_id,
             origin: message.target.clone(),
             reply_to: Some(message.id.clone()),
             route: RouteKey::new(&message.target, message.sender.id.as_str(), identity_isolation),
             sender: Some(message.sender.clone()),
-            input: RunInput::Message { message: inbound.message.clone() },
-            frame: Frame::Inbound(inbound),
+            input: RunInput::Message { message },
         }
     }
 
     pub fn event(frame: InboundEventFrame, identity_isolation: bool) -> Self {
-        let context = frame.event.context();
+        let InboundEventFrame { event_id, event } = frame;
+        let context = event.context();
         let actor = context.participant.clone();
         Self {
-            event_id: frame.event_id.clone(),
+            event_id,
             origin: context.target.clone(),
             reply_to: None,
             route: RouteKey::new(
@@ -76,8 +76,21 @@ impl Admitted {
                 identity_isolation,
             ),
             sender: actor,
-            input: RunInput::Event { event: frame.event.clone() },
-            frame: Frame::InboundEvent(frame),
+            input: RunInput::Event { event },
+        }
+    }
+
+    /// The frame that carried it, as received (recorded in the ledger to run it again after
+    /// a crash): an `inbound` or `inbound_event` frame has no field besides these two.
+    pub fn frame(&self) -> Frame {
+        let event_id = self.event_id.clone();
+        match &self.input {
+            RunInput::Message { message } => {
+                Frame::Inbound(Inbound { event_id, message: message.clone() })
+            }
+            RunInput::Event { event } => {
+                Frame::InboundEvent(InboundEventFrame { event_id, event: event.clone() })
+            }
         }
     }
 
@@ -115,18 +128,24 @@ pub enum Work {
 
 /// A fresh run id (kept across a crash retry: the ledger stores it).
 pub fn new_run_id(hub: &Hub) -> String {
-    format!("run-{}", hub.ids.request("r"))
+    let id = hub.ids.request("r");
+    let mut run_id = String::with_capacity(4 + id.as_str().len());
+    run_id.push_str("run-");
+    run_id.push_str(id.as_str());
+    run_id
 }
 
+/// The run's request, made from the inbound it takes over (its input moves in, not copied),
+/// and the inbound's route, which a hub command still needs.
 fn request(
     hub: &Hub,
     inst: &Instance,
-    admitted: &Admitted,
+    admitted: Admitted,
     run_id: String,
     entry: Option<i64>,
     conn: Option<&Arc<Connection>>,
     redelivered: bool,
-) -> RunRequest {
+) -> (RunRequest, RouteKey) {
     let route_id = admitted.route.session_id(0);
     // A route's first session (generation 0) is its route id: hashed once, not twice.
     let session = match inst.generation(&route_id) {
@@ -136,20 +155,22 @@ fn request(
     let declaration = conn.map(|c| c.declaration).or_else(|| inst.live().map(|c| c.declaration));
     let (capabilities, actions) =
         declaration.map(|d| (d.capabilities, d.actions)).unwrap_or_default();
-    RunRequest {
+    let locator = admitted.locator(entry).encode(hub.locator_key());
+    let request = RunRequest {
         instance: inst.config.id.clone(),
         run_id,
         session,
-        event_id: admitted.event_id.clone(),
-        input: admitted.input.clone(),
-        sender: admitted.sender.clone(),
+        event_id: admitted.event_id,
+        input: admitted.input,
+        sender: admitted.sender,
         capabilities,
         actions,
         redelivered,
         control_socket: hub.config.control_socket.clone(),
-        locator: admitted.locator(entry).encode(&hub.locator_key()),
+        locator,
         agent_env: inst.agent_env(),
-    }
+    };
+    (request, admitted.route)
 }
 
 /// Whether the driver may hear of a run yet. A run whose inbound was just recorded may start
@@ -306,9 +327,9 @@ pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun
 /// next run of its session starts only after that, so replies keep the inbound order.
 async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queued) {
     let Queued { origin, admitted, run_id, entry, redelivered, work, cancel, gate, .. } = queued;
-    let admitted = &admitted;
-    let request = request(hub, inst, admitted, run_id, entry, origin.as_ref(), redelivered);
     let target = admitted.reply_target();
+    let (request, route) =
+        request(hub, inst, admitted, run_id, entry, origin.as_ref(), redelivered);
     let (began, event_id) = (Instant::now(), request.event_id.clone());
     inst.metrics.run_started();
     debug!(redelivered, "run started");
@@ -326,7 +347,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     let result = match work {
         _ if cancel.token.is_cancelled() => Err(RunError::Aborted),
         Work::Hub(command) => {
-            let text = answer(hub, inst, command, &admitted.route).await;
+            let text = answer(hub, inst, command, &route).await;
             Ok(RunOutput { reply: Some(text), ..RunOutput::default() })
         }
         Work::Runtime => {
