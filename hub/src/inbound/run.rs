@@ -637,6 +637,56 @@ mod tests {
         Frame::Accepted(Accepted { event_id: Id::new(event_id).unwrap(), duplicate: false })
     }
 
+    /// The ledger records the frame `Admitted` rebuilds (a run after a crash starts from it,
+    /// and a redelivery's fingerprint is compared with it): it must be the frame received,
+    /// every field of a message and of an event included.
+    #[test]
+    fn the_frame_recorded_for_an_inbound_is_the_frame_received() {
+        use channeld_protocol::ChannelId;
+        use channeld_protocol::types::{
+            Attachment, EventContext, InboundMessage, IncomingEvent, MessageBody,
+        };
+
+        let id = |text: &str| Id::new(text).unwrap();
+        let mut target = MessageTarget::new(ChannelId::new("slack.primary").unwrap(), id("C1"));
+        target.thread = Some(id("t-1"));
+        let ada = Participant {
+            id: id("U1"),
+            display_name: Some("Ada".into()),
+            handle: Some("ada".into()),
+        };
+        let attachment = Attachment {
+            url: "https://files.example/a.png".into(),
+            name: Some("a.png".into()),
+            mime: Some("image/png".into()),
+        };
+        let message = InboundMessage {
+            id: id("m-1"),
+            target: target.clone(),
+            sender: ada.clone(),
+            body: MessageBody::with_attachments("hi \"there\"".into(), vec![attachment]).unwrap(),
+            timestamp_ms: Some(1_700_000_000_123),
+            metadata: [("team".to_owned(), "T1".to_owned())].into(),
+        };
+        let inbound = Inbound { event_id: id("ev-1"), message };
+        assert_eq!(Admitted::message(inbound.clone(), true).frame(), Frame::Inbound(inbound),);
+
+        let context = EventContext {
+            target,
+            participant: Some(ada),
+            timestamp_ms: Some(1_700_000_000_456),
+            metadata: [("kind".to_owned(), "emoji".to_owned())].into(),
+        };
+        let event = IncomingEvent::Reaction {
+            context,
+            message_id: id("m-1"),
+            emoji: "+1".into(),
+            added: true,
+        };
+        let frame = InboundEventFrame { event_id: id("ev-2"), event };
+        assert_eq!(Admitted::event(frame.clone(), false).frame(), Frame::InboundEvent(frame));
+    }
+
     /// A shut gate holds effects (in order, at most `MAX_HELD`) and keeps the run's other
     /// frames waiting; its opener lets the held effects out first, then everything else.
     #[tokio::test]
