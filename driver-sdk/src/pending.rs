@@ -5,8 +5,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-// foldhash, not SipHash: looked up several times per inbound; the keys are this driver's own
-// event ids, nothing an outsider chooses to collide.
+// foldhash (seeded per map), not SipHash: looked up several times per inbound. The keys are
+// event ids a platform chose, but the table holds at most `MAX_PENDING_INBOUND` (256) of
+// them, so colliding keys cannot make a lookup long.
 use foldhash::HashMap;
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,9 @@
 
 use std::collections::VecDeque;
 
-// foldhash, not SipHash: two lookups per post; the keys are the hub's request ids.
+// foldhash (seeded per map), not SipHash: two lookups per post. The keys are request ids (a
+// reply's is its inbound's event id, which a platform chose); the maps hold at most the
+// handler queue and `RECENT_POSTS` (4,096) of them.
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
