@@ -38,7 +38,8 @@ session. Anything else goes to the agent.";
 
 /// What a run needs about one inbound, whichever frame carried it. The frame itself is not
 /// kept: [`Admitted::frame`] rebuilds it (its two fields are the event id and the input) for
-/// the ledger, so a run without one copies the message no more than it must.
+/// the ledger's record, and without a ledger the message moves from the decoded frame to the
+/// run's request uncopied.
 #[derive(Debug, Clone)]
 pub struct Admitted {
     pub event_id: Id,
