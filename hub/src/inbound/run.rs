@@ -106,18 +106,6 @@ impl Admitted {
     pub fn reply_target(&self) -> MessageTarget {
         reply_target(&self.origin, self.reply_to.clone())
     }
-
-    /// Its locator: structural ids only, never the text or a display name.
-    pub fn locator(&self, entry: Option<i64>) -> Locator {
-        Locator {
-            instance: self.origin.channel.clone(),
-            conversation: self.origin.conversation.clone(),
-            thread: self.origin.thread.clone(),
-            message: self.reply_to.clone(),
-            event_id: self.event_id.clone(),
-            entry,
-        }
-    }
 }
 
 /// Who answers a run.
@@ -147,23 +135,34 @@ fn request(
     conn: Option<&Arc<Connection>>,
     redelivered: bool,
 ) -> (RunRequest, RouteKey) {
-    let route_id = admitted.route.session_id(0);
+    let Admitted { event_id, input, sender, origin, reply_to, route } = admitted;
+    let route_id = route.session_id(0);
     // A route's first session (generation 0) is its route id: hashed once, not twice.
     let session = match inst.generation(&route_id) {
         0 => route_id,
-        generation => admitted.route.session_id(generation),
+        generation => route.session_id(generation),
     };
     let declaration = conn.map(|c| c.declaration).or_else(|| inst.live().map(|c| c.declaration));
     let (capabilities, actions) =
         declaration.map(|d| (d.capabilities, d.actions)).unwrap_or_default();
-    let locator = admitted.locator(entry).encode(hub.locator_key());
+    // Structural ids only, never the text or a display name; taken from the inbound, not
+    // copied.
+    let locator = Locator {
+        instance: origin.channel,
+        conversation: origin.conversation,
+        thread: origin.thread,
+        message: reply_to,
+        event_id: event_id.clone(),
+        entry,
+    }
+    .encode(hub.locator_key());
     let request = RunRequest {
         instance: inst.config.id.clone(),
         run_id,
         session,
-        event_id: admitted.event_id,
-        input: admitted.input,
-        sender: admitted.sender,
+        event_id,
+        input,
+        sender,
         capabilities,
         actions,
         redelivered,
@@ -171,7 +170,7 @@ fn request(
         locator,
         agent_env: inst.agent_env(),
     };
-    (request, admitted.route)
+    (request, route)
 }
 
 /// Whether the driver may hear of a run yet. A run whose inbound was just recorded may start
