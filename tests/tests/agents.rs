@@ -99,6 +99,12 @@ async fn a_body_free_wake_has_a_locator_and_no_text_and_read_shows_it_untrusted(
     assert!(envelope.get("message").is_none(), "{envelope}");
     let locator = envelope["locator"].as_str().expect("a locator").to_owned();
     assert!(locator.starts_with("raw:v1:"), "{locator}");
+    // The run's locator names the same item, with the same ids (conversation, message, event,
+    // entry), as the inbox's, which is made from the recorded item: `respond` replies to
+    // the message and the conversation a locator names.
+    let items = inbox(&hub, false);
+    assert_eq!(items.len(), 1, "{items:?}");
+    assert_eq!(items[0]["locator"], locator.as_str(), "{items:?}");
 
     // read: the text, marked untrusted, and the handled state.
     let read = json_out(&hub.ctl(&["read", &locator, "--json"]));
