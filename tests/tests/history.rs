@@ -140,6 +140,36 @@ async fn history_holds_each_exchange_in_order_and_survives_a_restart() {
     assert!(text.contains("assistant: q3"), "{text}");
 }
 
+/// The hub writes history behind the messages it comes from and holds the newest entries in
+/// memory for a moment: killed (SIGKILL) while it holds them, it rebuilds them from its
+/// records on the next start, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_the_hub_held_when_it_was_killed_is_rebuilt_in_order() {
+    let mut hub = HubProcess::start(&config());
+    let mut driver = connect(&hub, ONE, &["accepted", "reply_receipt", "history"]).await;
+    for n in 1..=3 {
+        exchange(&mut driver, ONE, &format!("k{n}"), "crash", &format!("q{n}")).await;
+    }
+    // Its `accepted` comes after its record's commit, and the receipts before it were
+    // recorded before it: every entry is committed, and the newest are still held.
+    driver.inbound(ONE, "k4", "alice", "crash", "q4").await;
+    assert!(matches!(driver.frame().await, Frame::Accepted(_)));
+    hub.restart();
+    let out = hub.ctl(&["history", ONE, "crash", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let view: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let entries: Vec<HistoryEntry> = serde_json::from_value(view["entries"].clone()).unwrap();
+    let mut expected: Vec<(HistoryRole, String)> = (1..=3)
+        .flat_map(|n| {
+            [(HistoryRole::User, format!("q{n}")), (HistoryRole::Assistant, format!("q{n}"))]
+        })
+        .collect();
+    expected.push((HistoryRole::User, "q4".into()));
+    assert_eq!(summary(&entries), expected);
+    assert_eq!(entries[5].message_id.as_deref(), Some("p-k3"), "the receipt's message id");
+    assert!(entries.windows(2).all(|w| w[0].id < w[1].id && w[0].at_ms <= w[1].at_ms));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receipt_and_the_next_message_sent_back_to_back_keep_their_order() {
     // The platform showed the reply before the person wrote again: the driver writes the

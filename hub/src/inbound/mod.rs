@@ -35,7 +35,6 @@ use crate::ledger::{NewHistory, NewInbound, NewItem, Pending, Recorded, Synced};
 use crate::metrics::InboundOutcome;
 use crate::runqueue::{Admission, Slot, Starts};
 use crate::runtime::RunInput;
-use channeld_protocol::ext::HistoryRole;
 use decide::{Action, InboundView, InstanceView, Lookup, Replay, decide, slash_command};
 use reply::{accept, refuse};
 use run::{Admitted, Queued, Work};
@@ -260,18 +259,12 @@ async fn recorded(
 /// The history entry of an admitted message (events are not part of the history).
 fn history_entry(inst: &Instance, admitted: &Admitted, place: &Place) -> Option<NewHistory> {
     let RunInput::Message { message } = &admitted.input else { return None };
-    Some(NewHistory {
-        instance: inst.config.id.to_string(),
-        conversation: message.target.conversation.to_string(),
-        thread: message.target.thread.as_ref().map(ToString::to_string),
-        role: HistoryRole::User,
-        text: message.body.text_str().to_owned(),
-        sender: Some(message.sender.id.to_string()),
-        message_id: Some(message.id.to_string()),
-        event_id: Some(admitted.event_id.to_string()),
-        reply_id: None,
-        at_ms: place.received_ms,
-    })
+    Some(NewHistory::user(
+        inst.config.id.as_str(),
+        admitted.event_id.as_str(),
+        message,
+        place.received_ms,
+    ))
 }
 
 /// Carries out a decision. An inbound with a queue `place` (`Record`, `Run`, `Answer`, and

@@ -4,12 +4,28 @@
 //! Synchronous functions over one connection or transaction.
 //!
 //! A thread is stored as `''` when there is none, so one index serves every lookup.
+//!
+//! Entries are written behind the message they come from. A message's commit records the
+//! inbound (or the posted reply) with the entry's cap and the current move generation in
+//! its own row, and the entry waits on the ledger thread ([`hold`]); the thread moves what
+//! it holds into `history` once [`MOVE_AT`] entries wait, when the ledger is quiet, before
+//! any read or prune, and when it stops, each conversation's entries together (one leaf
+//! written for many entries, where one at a time each commit wrote the conversation's
+//! leaf). A move records the next generation in `meta` in the transaction that writes it.
+//! After a crash the entries that waited are rebuilt from the rows that carry a generation
+//! not yet moved ([`rebuild`]), in time order to the millisecond. What the thread holds is
+//! bounded by [`MOVE_AT`] and one batch's entries while moves succeed; a move that fails
+//! (logged) is tried again by every batch.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 use channeld_protocol::ext::HistoryRole;
+use channeld_protocol::types::InboundMessage;
 use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
 
 use super::LedgerError;
-use super::store::Cached;
+use super::store::{self, BehindMark, Cached};
 
 /// An entry to append.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +57,54 @@ pub struct HistoryEntry {
     pub event_id: Option<String>,
     pub reply_id: Option<i64>,
     pub at_ms: u64,
+}
+
+impl NewHistory {
+    /// The entry of an admitted inbound message (`user`), received at `at_ms`.
+    pub fn user(instance: &str, event_id: &str, message: &InboundMessage, at_ms: u64) -> Self {
+        NewHistory {
+            instance: instance.to_owned(),
+            conversation: message.target.conversation.to_string(),
+            thread: message.target.thread.as_ref().map(ToString::to_string),
+            role: HistoryRole::User,
+            text: message.body.text_str().to_owned(),
+            sender: Some(message.sender.id.to_string()),
+            message_id: Some(message.id.to_string()),
+            event_id: Some(event_id.to_owned()),
+            reply_id: None,
+            at_ms,
+        }
+    }
+
+    /// The entry of a posted reply (`assistant`) from its delivery record: its id, stored
+    /// message and receipt, posted at `at_ms`.
+    pub fn posted_reply(
+        instance: &str,
+        event_id: &str,
+        (reply_id, message): (i64, &[u8]),
+        receipt: Option<&[u8]>,
+        at_ms: u64,
+    ) -> Result<Self, LedgerError> {
+        let message: channeld_protocol::types::OutboundMessage = serde_json::from_slice(message)
+            .map_err(|err| LedgerError::Sql(format!("stored reply does not decode: {err}")))?;
+        let message_id = receipt
+            .and_then(|r| {
+                serde_json::from_slice::<channeld_protocol::types::DeliveryReceipt>(r).ok()
+            })
+            .map(|r| r.message_id.to_string());
+        Ok(NewHistory {
+            instance: instance.to_owned(),
+            conversation: message.target.conversation.to_string(),
+            thread: message.target.thread.as_ref().map(ToString::to_string),
+            role: HistoryRole::Assistant,
+            text: message.body.text_str().to_owned(),
+            sender: None,
+            message_id,
+            event_id: Some(event_id.to_owned()),
+            reply_id: Some(reply_id),
+            at_ms,
+        })
+    }
 }
 
 impl HistoryEntry {
@@ -94,19 +158,257 @@ pub fn slack(cap: i64) -> i64 {
     (cap / 4).min(64)
 }
 
-/// Appends `new` and keeps its conversation (and thread) near its `cap` (at least 1): an
-/// entry is numbered after the conversation's newest (`seq`), and every `slack + 1`-th
-/// number past the cap drops the entries more than `cap` numbers older, so a conversation
-/// holds at most `cap +` [`slack`] entries and always its newest `cap`. The numbers live in
-/// the rows: a rolled-back append, a prune or a restart needs no count kept aside (the TEMP
-/// table of counts this replaced cost two statements per append; BENCHMARKS.md, fix 26).
-/// Returns the new entry's id.
-pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64, LedgerError> {
-    let thread = new.thread.as_deref().unwrap_or("");
-    let newest: Option<i64> = txn
-        .query_row_cached(NEWEST, params![new.instance, new.conversation, thread], |row| row.get(0))
+/// Appends `new` at once: [`hold`], then [`write_all`] (tests).
+#[cfg(test)]
+pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<(), LedgerError> {
+    hold(new.clone(), cap);
+    write_all(txn)?;
+    committed();
+    Ok(())
+}
+
+/// Entries a move writes at once once this many wait: at 256 conversations in flight ~8
+/// entries per conversation share its index leaf, and a move takes a few milliseconds of
+/// the batch that reaches the mark (BENCHMARKS.md, seventeenth round).
+pub const MOVE_AT: usize = 2048;
+
+/// The entries the ledger thread holds, in the order they were logged.
+#[derive(Debug, Default)]
+struct Held {
+    entries: Vec<(NewHistory, usize)>,
+    /// How many (from the front) the open transaction has written.
+    written: usize,
+    /// The generation a row logged now carries: the last move's, plus one per move in the
+    /// open transaction.
+    generation: i64,
+}
+
+thread_local! {
+    /// The ledger thread's entries (only that thread runs the ledger's calls; a test that
+    /// calls the functions directly has its own).
+    static HELD: RefCell<Held> = RefCell::new(Held::default());
+}
+
+/// The generation a row whose entry is logged now records (`history_gen`).
+pub fn generation() -> i64 {
+    HELD.with(|held| held.borrow().generation)
+}
+
+/// Holds `new` (with its conversation's `cap`) for the next move. The caller's row records
+/// [`generation`] and `cap` in the same transaction.
+pub fn hold(new: NewHistory, cap: usize) {
+    HELD.with(|held| held.borrow_mut().entries.push((new, cap)));
+}
+
+/// The state [`undo`] returns to.
+pub fn mark() -> BehindMark {
+    HELD.with(|held| {
+        let held = held.borrow();
+        BehindMark(held.entries.len(), held.written, held.generation)
+    })
+}
+
+/// Forgets what was held and written since `mark` (its transaction, or its savepoint, did
+/// not commit).
+pub fn undo(mark: BehindMark) {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        held.entries.truncate(mark.0);
+        held.written = mark.1;
+        held.generation = mark.2;
+    })
+}
+
+/// The open transaction committed: what it wrote is no longer held.
+pub fn committed() {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        let written = std::mem::take(&mut held.written);
+        held.entries.drain(..written);
+    })
+}
+
+/// What a crash does to the entries the ledger thread holds (tests).
+#[cfg(test)]
+pub fn forget_held() {
+    HELD.with(|held| *held.borrow_mut() = Held::default());
+}
+
+/// Whether entries wait that no transaction wrote yet.
+pub fn holding() -> bool {
+    HELD.with(|held| {
+        let held = held.borrow();
+        held.entries.len() > held.written
+    })
+}
+
+/// Moves what is held into `history` when [`MOVE_AT`] entries wait, or whatever waits with
+/// `all`. In a savepoint: a failed move leaves the entries held and the transaction as it
+/// was.
+pub fn write(txn: &Transaction<'_>, all: bool) -> Result<(), LedgerError> {
+    let waiting = HELD.with(|held| {
+        let held = held.borrow();
+        held.entries.len() - held.written
+    });
+    if waiting == 0 || (!all && waiting < MOVE_AT) {
+        return Ok(());
+    }
+    let before = mark();
+    store::savepoint(txn, write_held).inspect_err(|_| undo(before))
+}
+
+/// Every entry the ledger thread holds written into `history` (before a read or a prune).
+pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+    write(txn, true)
+}
+
+/// Writes the held entries not yet written, each conversation's together in the order
+/// logged, and records the next generation. Each conversation (and thread) stays near its
+/// `cap` (at least 1): an entry is numbered after the conversation's newest (`seq`), and
+/// every `slack + 1`-th number past the cap drops the entries more than `cap` numbers older,
+/// so a conversation holds at most `cap +` [`slack`] entries and always its newest `cap`.
+/// The numbers live in the rows: a rolled-back move, a prune or a restart needs no count
+/// kept aside (BENCHMARKS.md, fix 26). A conversation's newest number is read once per
+/// move, and it is trimmed once, to the highest number its entries' trims keep.
+fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        let waiting = &held.entries[held.written..];
+        let mut order: Vec<(&str, &str, &str)> = Vec::new();
+        let mut groups: HashMap<(&str, &str, &str), Vec<usize>> = HashMap::new();
+        for (n, (new, _)) in waiting.iter().enumerate() {
+            let key = (
+                new.instance.as_str(),
+                new.conversation.as_str(),
+                new.thread.as_deref().unwrap_or(""),
+            );
+            let group = groups.entry(key).or_default();
+            if group.is_empty() {
+                order.push(key);
+            }
+            group.push(n);
+        }
+        for key in order {
+            let newest: Option<i64> = txn
+                .query_row_cached(NEWEST, params![key.0, key.1, key.2], |row| row.get(0))
+                .optional()?;
+            let mut seq = newest.unwrap_or(0);
+            let mut oldest_kept: Option<i64> = None;
+            for n in &groups[&key] {
+                let (new, cap) = &waiting[*n];
+                seq += 1;
+                insert(txn, new, key.2, seq)?;
+                if let Some(kept) = trim_from(seq, *cap) {
+                    oldest_kept = Some(oldest_kept.map_or(kept, |k| k.max(kept)));
+                }
+            }
+            if let Some(kept) = oldest_kept {
+                txn.exec_cached(TRIM, params![key.0, key.1, key.2, kept])?;
+            }
+        }
+        let generation = held.generation + 1;
+        let floor: i64 = txn.query_row_cached(FLOOR, [], |row| row.get(0))?;
+        txn.exec_cached(
+            "INSERT INTO meta (key, value) VALUES ('history_moved', ?1)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            [format!("{generation} {floor}")],
+        )?;
+        held.written = held.entries.len();
+        held.generation = generation;
+        Ok(())
+    })
+}
+
+/// The lowest inbound id whose history entry (its own or its reply's) may still be logged
+/// after now: an entry still running or waiting for its reply's delivery, or a reply on its
+/// way; the next id when there is none. A posted reply settles its inbound in the same
+/// commit, so a reply posted later belongs to one of these.
+///
+/// Each part reads a small index: without `INDEXED BY` the planner takes `min(id)` from the
+/// table's rowid order and walks every settled row before the first open one (a move then
+/// cost more than the history it wrote).
+const FLOOR: &str = "SELECT min(id) FROM (
+         SELECT min(id) AS id FROM inbound INDEXED BY inbound_open
+         WHERE state IN ('running', 'replied')
+         UNION ALL
+         SELECT min(i.id) FROM replies AS r INDEXED BY replies_holding JOIN inbound AS i
+             ON i.instance = r.instance AND i.event_id = r.event_id
+         WHERE (r.state = 'pending' OR r.state = 'handed' OR r.state = 'failed_retryable')
+         UNION ALL
+         SELECT coalesce(max(id), 0) + 1 FROM inbound)";
+
+/// Rebuilds the entries a crash left held (the ledger thread's first step): the rows that
+/// logged one after the last move carry its generation or a later one, and all of them are
+/// at or past the move's floor. Held again in time order (to the millisecond; a message
+/// before its reply) and written at once.
+pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+    let moved: Option<String> = txn
+        .query_row("SELECT value FROM meta WHERE key = 'history_moved'", [], |row| row.get(0))
         .optional()?;
-    let seq = newest.unwrap_or(0) + 1;
+    let (generation, floor) = moved
+        .as_deref()
+        .and_then(|value| value.split_once(' '))
+        .and_then(|(g, f)| Some((g.parse::<i64>().ok()?, f.parse::<i64>().ok()?)))
+        .ok_or_else(|| LedgerError::Sql(format!("meta history_moved is {moved:?}")))?;
+    HELD.with(|held| *held.borrow_mut() = Held { generation, ..Held::default() });
+    let mut stmt = txn.prepare(
+        "SELECT i.id, i.instance, i.event_id, i.frame, i.received_ms,
+             CASE WHEN i.history_gen >= ?2 THEN i.history_cap END,
+             r.id, r.message, r.receipt, r.updated_ms, r.history_cap
+         FROM inbound AS i LEFT JOIN replies AS r
+             ON r.instance = i.instance AND r.event_id = i.event_id AND r.history_gen >= ?2
+         WHERE i.id >= ?1 AND (i.history_gen >= ?2 OR r.id IS NOT NULL)
+         ORDER BY i.id",
+    )?;
+    let mut rows = stmt.query(params![floor, generation])?;
+    // (time, inbound id, 0 for the message and 1 for its reply): the order entries are held.
+    let mut found: Vec<((u64, i64, u8), NewHistory, usize)> = Vec::new();
+    while let Some(row) = rows.next()? {
+        let (id, instance, event_id): (i64, String, String) =
+            (row.get(0)?, row.get(1)?, row.get(2)?);
+        let cap = |n| -> rusqlite::Result<Option<usize>> {
+            Ok(row.get::<_, Option<i64>>(n)?.map(|cap| usize::try_from(cap).unwrap_or(1)))
+        };
+        // The message's entry only if it was logged after the move (its reply may have been
+        // logged after it, and the message's entry moved before).
+        if let Some(cap) = cap(5)? {
+            let frame: Vec<u8> = row.get(3)?;
+            let received_ms = row.get::<_, i64>(4)? as u64;
+            if let Ok(channeld_protocol::Frame::Inbound(inbound)) =
+                channeld_protocol::decode(&frame)
+            {
+                let entry = NewHistory::user(&instance, &event_id, &inbound.message, received_ms);
+                found.push(((received_ms, id, 0), entry, cap));
+            }
+        }
+        if let (Some(reply_id), Some(cap)) = (row.get::<_, Option<i64>>(6)?, cap(10)?) {
+            let message: Vec<u8> = row.get(7)?;
+            let receipt: Option<Vec<u8>> = row.get(8)?;
+            let posted_ms = row.get::<_, i64>(9)? as u64;
+            let entry = NewHistory::posted_reply(
+                &instance,
+                &event_id,
+                (reply_id, &message),
+                receipt.as_deref(),
+                posted_ms,
+            )?;
+            found.push(((posted_ms, id, 1), entry, cap));
+        }
+    }
+    found.sort_by_key(|(order, _, _)| *order);
+    for (_, entry, cap) in found {
+        hold(entry, cap);
+    }
+    write_all(txn)
+}
+
+/// Inserts one entry numbered `seq` in its conversation's `thread` (`''` for none).
+fn insert(
+    txn: &Transaction<'_>,
+    new: &NewHistory,
+    thread: &str,
+    seq: i64,
+) -> Result<(), LedgerError> {
     txn.exec_cached(
         "INSERT INTO history (instance, conversation, thread, role, text, sender, message_id,
              event_id, reply_id, at_ms, seq)
@@ -125,11 +427,7 @@ pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<i64
             seq
         ],
     )?;
-    let id = txn.last_insert_rowid();
-    if let Some(oldest_kept) = trim_from(seq, cap) {
-        txn.exec_cached(TRIM, params![new.instance, new.conversation, thread, oldest_kept])?;
-    }
-    Ok(id)
+    Ok(())
 }
 
 /// The newest number of a conversation and thread.
@@ -146,35 +444,6 @@ pub fn trim_from(seq: i64, cap: usize) -> Option<i64> {
     let cap = cap.max(1) as i64;
     let step = slack(cap) + 1;
     (seq > cap && (seq - cap) % step == 0).then_some(seq - cap + 1)
-}
-
-/// Records the reply of `event_id` as posted, from its delivery record (its id and stored
-/// message, which the caller has just read): an assistant entry in the reply's conversation
-/// and thread, with the platform's message id from `receipt`.
-pub fn append_posted_reply(
-    txn: &Transaction<'_>,
-    instance: &str,
-    event_id: &str,
-    (reply_id, message): (i64, &[u8]),
-    message_id: Option<String>,
-    cap: usize,
-    now_ms: u64,
-) -> Result<i64, LedgerError> {
-    let message: channeld_protocol::types::OutboundMessage = serde_json::from_slice(message)
-        .map_err(|err| LedgerError::Sql(format!("stored reply does not decode: {err}")))?;
-    let new = NewHistory {
-        instance: instance.to_owned(),
-        conversation: message.target.conversation.to_string(),
-        thread: message.target.thread.as_ref().map(ToString::to_string),
-        role: HistoryRole::Assistant,
-        text: message.body.text_str().to_owned(),
-        sender: None,
-        message_id,
-        event_id: Some(event_id.to_owned()),
-        reply_id: Some(reply_id),
-        at_ms: now_ms,
-    };
-    append(txn, &new, cap)
 }
 
 /// The newest `limit` entries of a conversation (and thread: `None` is the conversation
@@ -351,7 +620,15 @@ mod tests {
         };
         let reply_id = replies::add(&txn, &reply, 1).unwrap();
         let stored = (reply_id, reply.message.as_slice());
-        append_posted_reply(&txn, "a.b", "e-q", stored, Some("p-1".into()), 10, 5).unwrap();
+        let receipt = serde_json::to_vec(&channeld_protocol::types::DeliveryReceipt {
+            channel: ChannelId::new("a.b").unwrap(),
+            message_id: Id::new("p-1").unwrap(),
+            target: message.target.clone(),
+            timestamp_ms: None,
+        })
+        .unwrap();
+        let entry = NewHistory::posted_reply("a.b", "e-q", stored, Some(&receipt), 5).unwrap();
+        append(&txn, &entry, 10).unwrap();
         let entries = recent(&txn, "a.b", "c1", Some("t1"), 10).unwrap();
         assert_eq!(entries.len(), 1);
         let entry = &entries[0];
@@ -361,6 +638,17 @@ mod tests {
         assert_eq!(entry.event_id.as_deref(), Some("e-q"));
         assert_eq!(entry.reply_id, Some(reply_id));
         assert_eq!(entry.at_ms, 5);
+    }
+
+    #[test]
+    fn the_floor_of_a_move_reads_only_small_indexes() {
+        let conn = open_in_memory().unwrap();
+        let plan = crate::ledger::inbound::tests::plan(&conn, FLOOR);
+        for line in plan.lines() {
+            let line = line.trim();
+            assert!(!line.starts_with("SCAN") || line.contains("INDEX"), "{plan}");
+        }
+        assert!(plan.contains("inbound_open") && plan.contains("replies_holding"), "{plan}");
     }
 
     #[test]

@@ -102,17 +102,20 @@ pub struct RecoveredRun {
 /// Records an inbound unless its event id is known; see [`Recorded`]. An entry written with
 /// another fingerprint version is compared (and rewritten) by its `rehash`ed stored frame, so
 /// a hub upgrade never turns a redelivery into a conflict.
+/// `history`: the cap of the message's history entry, which the caller holds when this
+/// records a new entry (`history::hold`), with the generation it is held in.
 pub fn record(
     txn: &Transaction<'_>,
     new: &NewInbound,
     rehash: Rehash,
+    history: Option<(usize, i64)>,
 ) -> Result<Recorded, LedgerError> {
     // Inserted first: nearly every inbound is new, and the insert finds a known event id
     // through the same index a read would (BENCHMARKS.md, fix 23).
     let inserted = txn.exec_cached(
         "INSERT INTO inbound (instance, event_id, content_hash, hash_version, run_id, state,
-             frame, attempts, received_ms, updated_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9)
+             frame, attempts, received_ms, updated_ms, history_cap, history_gen)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?10, ?11)
          ON CONFLICT (instance, event_id) DO NOTHING",
         params![
             new.instance,
@@ -123,7 +126,9 @@ pub fn record(
             InboundState::Running.as_str(),
             new.frame,
             u32::from(new.started),
-            new.now_ms as i64
+            new.now_ms as i64,
+            history.map(|(cap, _)| cap as i64),
+            history.map(|(_, generation)| generation)
         ],
     )?;
     if inserted == 1 {
@@ -433,9 +438,12 @@ pub(crate) mod tests {
     fn a_completed_run_is_replayed_not_repeated() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        assert_eq!(record(&txn, &inbound("e1", 1), rehash).unwrap(), Recorded::New { entry: None });
+        assert_eq!(
+            record(&txn, &inbound("e1", 1), rehash, None).unwrap(),
+            Recorded::New { entry: None }
+        );
         assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap());
-        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+        match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Replied);
                 assert_eq!(run.reply.as_deref(), Some("hi"));
@@ -443,7 +451,7 @@ pub(crate) mod tests {
             }
             other => panic!("expected a replay, got {other:?}"),
         }
-        assert_eq!(record(&txn, &inbound("e1", 2), rehash).unwrap(), Recorded::Conflict);
+        assert_eq!(record(&txn, &inbound("e1", 2), rehash, None).unwrap(), Recorded::Conflict);
         // Written without a delivery record, as a hub before schema 3 did: untracked.
         assert_eq!(untracked_replies(&txn).unwrap().len(), 1);
         assert!(mark_delivered(&txn, "a.b", "e1", 3).unwrap());
@@ -455,16 +463,16 @@ pub(crate) mod tests {
     fn a_run_ends_once_and_a_run_without_reply_owes_nothing() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        record(&txn, &inbound("e1", 1), rehash).unwrap();
+        record(&txn, &inbound("e1", 1), rehash, None).unwrap();
         assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, 2).unwrap());
         assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
         assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
         assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
         // Only a reply waiting is delivered: a running entry stays running.
-        record(&txn, &inbound("e2", 1), rehash).unwrap();
+        record(&txn, &inbound("e2", 1), rehash, None).unwrap();
         assert!(!mark_delivered(&txn, "a.b", "e2", 3).unwrap());
         assert_eq!(outcome(&txn, "a.b", "e2").unwrap(), Some((InboundState::Running, None)));
-        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+        match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Delivered);
                 assert_eq!(run.reply, None);
@@ -477,10 +485,10 @@ pub(crate) mod tests {
     fn a_failed_run_replays_its_error() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        record(&txn, &inbound("e1", 1), rehash).unwrap();
+        record(&txn, &inbound("e1", 1), rehash, None).unwrap();
         let end = RunEnd::Failed { code: "agent_failed".into(), message: "exit 3".into() };
         assert!(finish(&txn, "a.b", "e1", &end, 2).unwrap());
-        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+        match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Failed);
                 assert_eq!(run.error, Some(("agent_failed".into(), "exit 3".into())));
@@ -493,7 +501,7 @@ pub(crate) mod tests {
     fn interrupted_runs_are_recovered_once_then_failed() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        record(&txn, &inbound("e1", 1), rehash).unwrap();
+        record(&txn, &inbound("e1", 1), rehash, None).unwrap();
         let first = recover(&txn, 5).unwrap();
         assert_eq!(first.len(), 1);
         assert_eq!(first[0].attempt, 2);
@@ -503,7 +511,7 @@ pub(crate) mod tests {
         assert!(start(&txn, "a.b", "e1").unwrap());
         let second = recover(&txn, 6).unwrap();
         assert!(second.is_empty());
-        match record(&txn, &inbound("e1", 1), rehash).unwrap() {
+        match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Failed);
                 assert_eq!(run.error.map(|e| e.0).as_deref(), Some("interrupted"));
@@ -523,10 +531,10 @@ pub(crate) mod tests {
                 started: n == 9,
                 ..inbound(event, 1)
             };
-            record(&txn, &new, rehash).unwrap();
+            record(&txn, &new, rehash, None).unwrap();
         }
         let later = NewInbound { now_ms: 2, started: false, ..inbound("0", 1) };
-        record(&txn, &later, rehash).unwrap();
+        record(&txn, &later, rehash, None).unwrap();
         let recovered = recover(&txn, 5).unwrap();
         let order: Vec<(&str, u32)> =
             recovered.iter().map(|r| (r.event_id.as_str(), r.attempt)).collect();
@@ -542,22 +550,25 @@ pub(crate) mod tests {
     fn pruning_removes_only_settled_entries_past_the_window() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        record(&txn, &inbound("old-done", 1), rehash).unwrap();
+        record(&txn, &inbound("old-done", 1), rehash, None).unwrap();
         finish(&txn, "a.b", "old-done", &RunEnd::NoReply, 10).unwrap();
-        record(&txn, &inbound("old-running", 1), rehash).unwrap();
-        record(&txn, &inbound("old-replied", 1), rehash).unwrap();
+        record(&txn, &inbound("old-running", 1), rehash, None).unwrap();
+        record(&txn, &inbound("old-replied", 1), rehash, None).unwrap();
         finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), 10).unwrap();
-        record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash).unwrap();
+        record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash, None).unwrap();
         finish(&txn, "a.b", "new-done", &RunEnd::NoReply, 500).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         // The pruned id is forgotten; the others still dedupe.
         assert_eq!(
-            record(&txn, &inbound("old-done", 2), rehash).unwrap(),
+            record(&txn, &inbound("old-done", 2), rehash, None).unwrap(),
             Recorded::New { entry: None }
         );
         for kept in ["old-running", "old-replied", "new-done"] {
             assert!(
-                matches!(record(&txn, &inbound(kept, 1), rehash).unwrap(), Recorded::Replay(_)),
+                matches!(
+                    record(&txn, &inbound(kept, 1), rehash, None).unwrap(),
+                    Recorded::Replay(_)
+                ),
                 "{kept}"
             );
         }
@@ -569,10 +580,13 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         // Written by an older hub: version 1, a hash this build cannot reproduce.
         let old = NewInbound { content_hash: [0xee; 32], hash_version: 1, ..inbound("e1", 7) };
-        record(&txn, &old, rehash).unwrap();
+        record(&txn, &old, rehash, None).unwrap();
         finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap();
         // The same message redelivered after the upgrade replays; it does not conflict.
-        assert!(matches!(record(&txn, &inbound("e1", 7), rehash).unwrap(), Recorded::Replay(_)));
+        assert!(matches!(
+            record(&txn, &inbound("e1", 7), rehash, None).unwrap(),
+            Recorded::Replay(_)
+        ));
         let (hash, version): (Vec<u8>, u32) = txn
             .query_row(
                 "SELECT content_hash, hash_version FROM inbound WHERE event_id = 'e1'",
@@ -582,7 +596,7 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!((hash, version), (vec![7; 32], VERSION), "the entry is rewritten");
         // Different content still conflicts.
-        assert_eq!(record(&txn, &inbound("e1", 8), rehash).unwrap(), Recorded::Conflict);
+        assert_eq!(record(&txn, &inbound("e1", 8), rehash, None).unwrap(), Recorded::Conflict);
     }
 
     #[test]
@@ -590,7 +604,7 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         let old = NewInbound { hash_version: 1, frame: Vec::new(), ..inbound("e1", 7) };
-        record(&txn, &old, rehash).unwrap();
-        assert_eq!(record(&txn, &inbound("e1", 8), rehash).unwrap(), Recorded::Conflict);
+        record(&txn, &old, rehash, None).unwrap();
+        assert_eq!(record(&txn, &inbound("e1", 8), rehash, None).unwrap(), Recorded::Conflict);
     }
 }

@@ -340,8 +340,21 @@ impl Ledger {
         let id = schema::ledger_id(&conn)?;
         let metrics = LedgerMetrics::default();
         let storage = StorageFlag::default();
-        let (tx, thread) = store::spawn(conn, durability, metrics.clone(), storage.clone())
-            .map_err(|err| LedgerError::Sql(err.to_string()))?;
+        let (tx, thread) = store::spawn(
+            conn,
+            durability,
+            metrics.clone(),
+            storage.clone(),
+            store::Behind {
+                start: history::rebuild,
+                mark: history::mark,
+                undo: history::undo,
+                write: history::write,
+                committed: history::committed,
+                holding: history::holding,
+            },
+        )
+        .map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -520,9 +533,10 @@ impl Ledger {
         history: Option<(NewHistory, usize)>,
     ) -> impl Future<Output = Pending<(Recorded, Synced)>> + Send + '_ {
         self.queue_early(move |txn| {
-            let recorded = inbound::record(txn, &new, rehash)?;
+            let logged = history.as_ref().map(|(_, cap)| (*cap, history::generation()));
+            let recorded = inbound::record(txn, &new, rehash, logged)?;
             if let (Recorded::New { .. }, Some((entry, cap))) = (&recorded, &history) {
-                history::append(txn, entry, *cap)?;
+                history::hold(entry.clone(), *cap);
             }
             Ok(recorded)
         })
@@ -541,7 +555,8 @@ impl Ledger {
         Ok(recorded)
     }
 
-    /// The newest `limit` history entries of a conversation (and thread), oldest first.
+    /// The newest `limit` history entries of a conversation (and thread), oldest first (what
+    /// the ledger thread holds is written first).
     pub fn history_recent(
         &self,
         instance: String,
@@ -550,6 +565,7 @@ impl Ledger {
         limit: usize,
     ) -> impl Future<Output = Result<Vec<HistoryEntry>, LedgerError>> + Send + '_ {
         self.call(move |txn| {
+            history::write_all(txn)?;
             history::recent(txn, &instance, &conversation, thread.as_deref(), limit)
         })
     }
@@ -745,7 +761,7 @@ impl Ledger {
                 + items::prune(txn, before_ms)?
                 + replies::prune(txn, before_ms)?
                 + outbox::prune(txn, before_ms)?
-                + history::prune(txn, before_ms)?)
+                + history::write_all(txn).and_then(|()| history::prune(txn, before_ms))?)
         })
     }
 
@@ -1006,6 +1022,43 @@ mod tests {
             ledger.record_inbound_now(inbound("e7"), same, None).await,
             Ok(Recorded::Replay(_))
         ));
+    }
+
+    /// History written behind keeps only what committed: a call that fails drops the entry
+    /// it held, and a batch redone because of it holds each entry of the others once.
+    #[tokio::test]
+    async fn history_held_by_a_failed_call_is_dropped_and_a_redone_batch_holds_once() {
+        let ledger = Ledger::in_memory().unwrap();
+        let entry = |text: &str| NewHistory {
+            instance: "a.b".into(),
+            conversation: "c1".into(),
+            thread: None,
+            role: channeld_protocol::ext::HistoryRole::User,
+            text: text.into(),
+            sender: None,
+            message_id: None,
+            event_id: None,
+            reply_id: None,
+            at_ms: 1,
+        };
+        let holds = |text: &'static str, fails: bool| {
+            move |_: &Transaction<'_>| {
+                history::hold(entry(text), 10);
+                if fails { Err(LedgerError::Sql("refused".into())) } else { Ok(()) }
+            }
+        };
+        // Corked: the three calls reach the ledger thread as one batch.
+        let answers = corked(async {
+            let first = ledger.queue_with(Commit::Deferred, holds("first", false)).await;
+            let failed = ledger.queue_with(Commit::Deferred, holds("failed", true)).await;
+            let last = ledger.queue_with(Commit::Deferred, holds("last", false)).await;
+            (first.answer().await, failed.answer().await, last.answer().await)
+        })
+        .await;
+        assert!(answers.0.is_ok() && answers.1.is_err() && answers.2.is_ok(), "{answers:?}");
+        let read = ledger.history_recent("a.b".into(), "c1".into(), None, 10).await.unwrap();
+        let texts: Vec<&str> = read.iter().map(|e| e.text.as_str()).collect();
+        assert_eq!(texts, ["first", "last"]);
     }
 
     /// A durable call answered at its commit: its value first, the sync's outcome after; a

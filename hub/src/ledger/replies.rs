@@ -9,14 +9,15 @@ use std::sync::LazyLock;
 use rusqlite::{OptionalExtension, Transaction, params};
 
 use channeld_protocol::ext::STREAM_SEQ_KEY;
-use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
+use channeld_protocol::types::OutboundMessage;
 use serde::{Deserialize, Serialize};
 
 use super::LedgerError;
+use super::history::{self, NewHistory};
+use super::inbound;
 use super::reply_state::{self, Answer, REPLY_STATES, ReplyState};
 use super::state::sql_list;
 use super::store::Cached;
-use super::{history, inbound};
 
 /// A reply's delivery record as stored: its `deliver` message and, for a streamed run, the
 /// seq its final `deliver` takes (given to drivers with `stream` as
@@ -288,9 +289,25 @@ pub fn answer(
     ) else {
         return Ok(None);
     };
+    // A posted reply's history entry is held for the next move (`history.rs`); the row
+    // records its cap and generation so a crash before the move does not lose it.
+    let history = match (next.state, answer.history) {
+        (ReplyState::Posted, Some(cap)) => {
+            let entry = NewHistory::posted_reply(
+                &answer.instance,
+                &answer.event_id,
+                (id, &message),
+                answer.receipt.as_deref(),
+                now_ms,
+            )?;
+            Some((entry, cap))
+        }
+        _ => None,
+    };
+    let generation = history.as_ref().map(|_| history::generation());
     txn.exec_cached(
         "UPDATE replies SET state = ?2, next_ms = ?3, receipt = COALESCE(?4, receipt),
-             error = ?5, updated_ms = ?6
+             error = ?5, updated_ms = ?6, history_cap = ?7, history_gen = ?8
          WHERE id = ?1",
         params![
             id,
@@ -298,27 +315,16 @@ pub fn answer(
             next.next_ms as i64,
             answer.receipt,
             answer.error,
-            now_ms as i64
+            now_ms as i64,
+            history.as_ref().map(|(_, cap)| *cap as i64),
+            generation
         ],
     )?;
     if next.state.is_final() {
         inbound::mark_delivered(txn, &answer.instance, &answer.event_id, now_ms)?;
     }
-    if let (ReplyState::Posted, Some(cap)) = (next.state, answer.history) {
-        let message_id = answer
-            .receipt
-            .as_deref()
-            .and_then(|r| serde_json::from_slice::<DeliveryReceipt>(r).ok())
-            .map(|r| r.message_id.to_string());
-        history::append_posted_reply(
-            txn,
-            &answer.instance,
-            &answer.event_id,
-            (id, &message),
-            message_id,
-            cap,
-            now_ms,
-        )?;
+    if let Some((entry, cap)) = history {
+        history::hold(entry, cap);
     }
     Ok(Some(next.state))
 }
@@ -574,6 +580,8 @@ mod tests {
     use crate::ledger::inbound::{NewInbound, RunEnd, record};
     use crate::ledger::schema;
     use crate::ledger::state::InboundState;
+    use channeld_protocol::types::{InboundMessage, MessageBody, MessageTarget, Participant};
+    use channeld_protocol::{ChannelId, Id};
 
     const TTL: u64 = 1_000_000;
 
@@ -641,7 +649,7 @@ mod tests {
             started: true,
             item: None,
         };
-        record(txn, &new, |_| None).unwrap();
+        record(txn, &new, |_| None, None).unwrap();
         let reply = NewReply {
             instance: "a.b".into(),
             event_id: event_id.into(),
@@ -680,6 +688,105 @@ mod tests {
     fn inbound_state(txn: &Transaction<'_>, event_id: &str) -> String {
         txn.query_row("SELECT state FROM inbound WHERE event_id = ?1", [event_id], |r| r.get(0))
             .unwrap()
+    }
+
+    /// Records a message `q <event>` in `conversation` at `now` as the ledger's call does when
+    /// its instance keeps history (cap 10): the row with the cap and generation, the entry held.
+    fn admitted(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) {
+        let target =
+            MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new(conversation).unwrap());
+        let message = InboundMessage {
+            id: Id::new(format!("m-{event_id}")).unwrap(),
+            target,
+            sender: Participant::new(Id::new("alice").unwrap()),
+            body: MessageBody::text(format!("q {event_id}")).unwrap(),
+            timestamp_ms: None,
+            metadata: Default::default(),
+        };
+        let frame = channeld_protocol::encode(&channeld_protocol::Frame::Inbound(
+            channeld_protocol::frame::Inbound {
+                event_id: Id::new(event_id).unwrap(),
+                message: message.clone(),
+            },
+        ))
+        .unwrap();
+        let new = NewInbound {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            content_hash: [1; 32],
+            hash_version: 2,
+            frame,
+            run_id: format!("run-{event_id}"),
+            now_ms: now,
+            started: true,
+            item: None,
+        };
+        record(txn, &new, |_| None, Some((10, history::generation()))).unwrap();
+        history::hold(NewHistory::user("a.b", event_id, &message, now), 10);
+    }
+
+    /// `event_id`'s run replied `re <event>`, and its driver posted it at `now`.
+    fn posted_with_history(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) {
+        let reply = NewReply {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            conversation: conversation.into(),
+            message: message(conversation, &format!("re {event_id}")),
+            expires_ms: now + TTL,
+        };
+        let end = RunEnd::Reply(format!("re {event_id}"));
+        assert!(inbound::finish(txn, "a.b", event_id, &end, now).unwrap());
+        add(txn, &reply, now).unwrap();
+        assert_eq!(claimed(txn, now), [event_id]);
+        let answer = ReplyAnswer { history: Some(10), ..say(event_id, Answer::Posted) };
+        assert_eq!(super::answer(txn, &answer, now, 0.0).unwrap(), Some(ReplyState::Posted));
+    }
+
+    fn history_texts(txn: &Transaction<'_>, conversation: &str) -> Vec<String> {
+        history::recent(txn, "a.b", conversation, None, 100)
+            .unwrap()
+            .into_iter()
+            .map(|entry| entry.text)
+            .collect()
+    }
+
+    /// The entries the ledger thread held when the hub crashed come back from the rows that
+    /// logged them, in time order, and nothing written before is written again.
+    #[test]
+    fn held_history_lost_in_a_crash_is_rebuilt_from_the_rows_in_time_order() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        history::forget_held();
+        admitted(&txn, "e0", "c1", 5);
+        posted_with_history(&txn, "e0", "c1", 6);
+        history::write_all(&txn).unwrap();
+        history::committed();
+        assert_eq!(history_texts(&txn, "c1"), ["q e0", "re e0"]);
+        // After that move: e1 is admitted, then e2 while e1's reply waits, then e1's reply
+        // is posted; e3 is admitted in another conversation. Then the hub crashes.
+        admitted(&txn, "e1", "c1", 10);
+        // A move while e1's reply is on its way: e1's message is written, its reply not.
+        history::write_all(&txn).unwrap();
+        history::committed();
+        admitted(&txn, "e2", "c1", 20);
+        posted_with_history(&txn, "e1", "c1", 30);
+        admitted(&txn, "e3", "c2", 40);
+        history::forget_held();
+        assert_eq!(history_texts(&txn, "c1"), ["q e0", "re e0", "q e1"], "held, not written");
+        history::rebuild(&txn).unwrap();
+        history::committed();
+        assert_eq!(history_texts(&txn, "c1"), ["q e0", "re e0", "q e1", "q e2", "re e1"]);
+        assert_eq!(history_texts(&txn, "c2"), ["q e3"]);
+        let rebuilt = history::recent(&txn, "a.b", "c1", None, 100).unwrap();
+        assert_eq!(rebuilt[2].message_id.as_deref(), Some("m-e1"));
+        assert_eq!((rebuilt[2].at_ms, rebuilt[4].at_ms), (10, 30));
+        assert_eq!(rebuilt[4].reply_id, Some(get_by_event(&txn, "e1").id));
+        // A second crash right after: nothing is written twice.
+        history::forget_held();
+        history::rebuild(&txn).unwrap();
+        history::committed();
+        assert_eq!(history_texts(&txn, "c1"), ["q e0", "re e0", "q e1", "q e2", "re e1"]);
+        assert_eq!(history_texts(&txn, "c2"), ["q e3"]);
     }
 
     #[test]

@@ -138,6 +138,41 @@ pub enum Message {
     Stop,
 }
 
+/// What the ledger's calls leave to be written behind them (`history.rs`: entries held on
+/// this thread and moved into their table in bulk), as the thread drives it: what a call
+/// held is kept only if its batch commits, and what a move wrote is forgotten only then.
+#[derive(Clone, Copy)]
+pub struct Behind {
+    /// First thing on the thread: what a crash left unwritten is rebuilt.
+    pub start: fn(&Transaction<'_>) -> Result<(), LedgerError>,
+    /// The state to return to when what follows does not commit.
+    pub mark: fn() -> BehindMark,
+    pub undo: fn(BehindMark),
+    /// In a batch's transaction after its calls: writes what is due (all of it with `true`).
+    pub write: fn(&Transaction<'_>, bool) -> Result<(), LedgerError>,
+    /// The transaction committed: what it wrote is forgotten.
+    pub committed: fn(),
+    /// Whether anything is held.
+    pub holding: fn() -> bool,
+}
+
+/// Where [`Behind::undo`] returns to (opaque to the thread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BehindMark(pub usize, pub usize, pub i64);
+
+impl Behind {
+    /// Nothing written behind (tests of the thread alone).
+    #[cfg(test)]
+    pub const NONE: Behind = Behind {
+        start: |_| Ok(()),
+        mark: || BehindMark(0, 0, 0),
+        undo: |_| {},
+        write: |_, _| Ok(()),
+        committed: || {},
+        holding: || false,
+    };
+}
+
 /// Spawns the ledger thread. It runs until it is sent [`Message::Stop`] or every sender is
 /// dropped. Callers queue with `send().await`, which waits while the queue is full
 /// (backpressure).
@@ -146,6 +181,7 @@ pub fn spawn(
     durability: Durability,
     metrics: LedgerMetrics,
     storage: StorageFlag,
+    behind: Behind,
 ) -> std::io::Result<(Sender<Message>, JoinHandle<()>)> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Message>(QUEUE_CAPACITY);
     // A runtime of the thread's own, only for its timer: waiting for a job at most until a
@@ -164,7 +200,9 @@ pub fn spawn(
             wal,
             syncer: None,
             checkpointer,
+            behind,
         };
+        thread.start_behind();
         thread.run(rx, &timer, &metrics);
     })?;
     Ok((tx, thread))
@@ -241,6 +279,7 @@ struct LedgerThread {
     syncer: Option<Syncer>,
     /// The thread that checkpoints the write-ahead log (none in memory).
     checkpointer: Option<Checkpointer>,
+    behind: Behind,
 }
 
 /// Where SQLite keeps `conn`'s write-ahead log; `None` for a database in memory.
@@ -258,11 +297,15 @@ impl LedgerThread {
         let mut batch: Vec<(Job, Commit)> = Vec::with_capacity(64);
         let mut stopping = false;
         while !stopping {
-            let first = if self.unsynced {
+            let first = if self.unsynced || (self.behind.holding)() {
                 match timer.block_on(async { tokio::time::timeout(FLUSH_DELAY, rx.recv()).await }) {
                     Ok(message) => message,
                     Err(_) => {
-                        self.flush();
+                        // Quiet: what is held is written, then the log synced.
+                        self.write_behind();
+                        if self.unsynced {
+                            self.flush();
+                        }
                         continue;
                     }
                 }
@@ -291,6 +334,7 @@ impl LedgerThread {
         }
         // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
         rx.close();
+        self.write_behind();
         if let Some(syncer) = self.syncer.take() {
             syncer.finish();
         }
@@ -309,6 +353,50 @@ impl LedgerThread {
         match self.conn.pragma_update(None, "synchronous", level) {
             Ok(()) => self.synchronous = Some(level),
             Err(err) => error!(error = %err, level, "ledger cannot set synchronous"),
+        }
+    }
+
+    /// Rebuilds what a crash left unwritten behind (`Behind::start`), in a transaction of its
+    /// own before any call.
+    fn start_behind(&mut self) {
+        let mark = (self.behind.mark)();
+        let started = self.conn.transaction().map_err(LedgerError::from).and_then(|tx| {
+            (self.behind.start)(&tx)?;
+            tx.commit().map_err(LedgerError::from)
+        });
+        match started {
+            Ok(()) => (self.behind.committed)(),
+            Err(err) => {
+                (self.behind.undo)(mark);
+                error!(error = %err, "ledger could not rebuild the history a crash left unwritten");
+            }
+        }
+    }
+
+    /// Writes everything held behind, in a deferred commit of its own (the ledger is quiet
+    /// or stopping).
+    fn write_behind(&mut self) {
+        if !(self.behind.holding)() {
+            return;
+        }
+        let plan = batch_plan(self.durability, false, self.syncer.is_some());
+        self.set_sync(plan.commit);
+        let mark = (self.behind.mark)();
+        let written = self.conn.transaction().map_err(LedgerError::from).and_then(|tx| {
+            (self.behind.write)(&tx, true)?;
+            tx.commit().map_err(LedgerError::from)
+        });
+        match written {
+            Ok(()) => {
+                (self.behind.committed)();
+                if self.durability == Durability::Full && plan.commit == "NORMAL" {
+                    self.unsynced = true;
+                }
+            }
+            Err(err) => {
+                (self.behind.undo)(mark);
+                error!(error = %err, "ledger could not write the history it holds");
+            }
         }
     }
 
@@ -337,7 +425,7 @@ impl LedgerThread {
         }
         let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
         self.set_sync(plan.commit);
-        let outcome = apply(&mut self.conn, batch, metrics, &self.storage);
+        let outcome = apply(&mut self.conn, batch, metrics, &self.storage, self.behind);
         match (outcome.is_ok(), self.durability, plan.commit) {
             (true, Durability::Full, "NORMAL") => self.unsynced = true,
             (true, _, "FULL") => self.unsynced = false,
@@ -374,26 +462,43 @@ impl LedgerThread {
 /// The jobs run one after another without savepoints: a savepoint copies every page a job
 /// touches into its journal first, and jobs rarely fail. When one fails, the transaction is
 /// rolled back and the batch redone with a savepoint per job, so the failed job leaves
-/// nothing behind and the others their writes.
+/// nothing behind and the others their writes (and what a failed job held for `behind` is
+/// dropped). What is due behind the jobs is written after them, in the same transaction.
 fn apply(
     conn: &mut Connection,
     batch: &mut Vec<(Job, Commit)>,
     metrics: &LedgerMetrics,
     storage: &StorageFlag,
+    behind: Behind,
 ) -> Result<(), LedgerError> {
     let began = Instant::now();
     let jobs = batch.len();
     let changes_before = conn.total_changes();
-    let tx = begin(conn, batch)?;
-    if batch.iter_mut().all(|(job, _)| job.run(&tx, false)) {
-        return commit(tx, changes_before, began, jobs, metrics, storage);
+    let mark = (behind.mark)();
+    let mut tx = begin(conn, batch)?;
+    if !batch.iter_mut().all(|(job, _)| job.run(&tx, false)) {
+        drop(tx);
+        (behind.undo)(mark);
+        tx = begin(conn, batch)?;
+        for (job, _) in batch.iter_mut() {
+            let before = (behind.mark)();
+            if !job.run(&tx, true) {
+                (behind.undo)(before);
+            }
+        }
     }
-    drop(tx);
-    let tx = begin(conn, batch)?;
-    for (job, _) in batch.iter_mut() {
-        job.run(&tx, true);
+    // What is due behind the calls; a failure leaves it held for the next batch, and the
+    // calls' writes standing.
+    if let Err(err) = (behind.write)(&tx, false) {
+        storage.note(&err);
+        error!(error = %err, "ledger could not write history behind its calls; the next batch tries again");
     }
-    commit(tx, changes_before, began, jobs, metrics, storage)
+    let outcome = commit(tx, changes_before, began, jobs, metrics, storage);
+    match outcome {
+        Ok(()) => (behind.committed)(),
+        Err(_) => (behind.undo)(mark),
+    }
+    outcome
 }
 
 /// Begins a batch's transaction. When it cannot, the batch's jobs are dropped unrun: their
@@ -513,6 +618,7 @@ mod tests {
             unsynced: false,
             syncer: None,
             checkpointer: None,
+            behind: Behind::NONE,
         }
     }
 
