@@ -342,14 +342,7 @@ const FLOOR: &str = "SELECT min(id) FROM (
 /// at or past the move's floor. Held again in time order (to the millisecond; a message
 /// before its reply) and written at once.
 pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
-    let moved: Option<String> = txn
-        .query_row("SELECT value FROM meta WHERE key = 'history_moved'", [], |row| row.get(0))
-        .optional()?;
-    let (generation, floor) = moved
-        .as_deref()
-        .and_then(|value| value.split_once(' '))
-        .and_then(|(g, f)| Some((g.parse::<i64>().ok()?, f.parse::<i64>().ok()?)))
-        .ok_or_else(|| LedgerError::Sql(format!("meta history_moved is {moved:?}")))?;
+    let (generation, floor) = last_move(txn)?;
     HELD.with(|held| *held.borrow_mut() = Held { generation, ..Held::default() });
     let mut stmt = txn.prepare(
         "SELECT i.id, i.instance, i.event_id, i.frame, i.received_ms,
@@ -400,6 +393,39 @@ pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
         hold(entry, cap);
     }
     write_all(txn)
+}
+
+/// The last move's generation and floor (`meta.history_moved`).
+fn last_move(txn: &Transaction<'_>) -> Result<(i64, i64), LedgerError> {
+    let moved: Option<String> = txn
+        .query_row("SELECT value FROM meta WHERE key = 'history_moved'", [], |row| row.get(0))
+        .optional()?;
+    moved
+        .as_deref()
+        .and_then(|value| value.split_once(' '))
+        .and_then(|(g, f)| Some((g.parse::<i64>().ok()?, f.parse::<i64>().ok()?)))
+        .ok_or_else(|| LedgerError::Sql(format!("meta history_moved is {moved:?}")))
+}
+
+/// Lowers the floor of the last move to `instance`'s inbound `event_id`: a reply the
+/// operator sends again belongs to an inbound that had settled, below the floor, and its
+/// entry may be logged before a move sees the reply on its way.
+pub fn keep_from(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Result<(), LedgerError> {
+    let id: Option<i64> = txn
+        .query_row_cached(
+            "SELECT id FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            params![instance, event_id],
+            |row| row.get(0),
+        )
+        .optional()?;
+    let (generation, floor) = last_move(txn)?;
+    if let Some(id) = id.filter(|id| *id < floor) {
+        txn.execute(
+            "UPDATE meta SET value = ?1 WHERE key = 'history_moved'",
+            [format!("{generation} {id}")],
+        )?;
+    }
+    Ok(())
 }
 
 /// Inserts one entry numbered `seq` in its conversation's `thread` (`''` for none).

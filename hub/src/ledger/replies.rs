@@ -513,6 +513,7 @@ pub fn requeue(
          WHERE id = ?1",
         params![id, ReplyState::Pending.as_str(), now_ms as i64, expires_ms as i64],
     )?;
+    history::keep_from(txn, &record.instance, &record.event_id)?;
     Ok(ReplyRecord {
         state: ReplyState::Pending,
         error: None,
@@ -781,12 +782,39 @@ mod tests {
         assert_eq!(rebuilt[2].message_id.as_deref(), Some("m-e1"));
         assert_eq!((rebuilt[2].at_ms, rebuilt[4].at_ms), (10, 30));
         assert_eq!(rebuilt[4].reply_id, Some(get_by_event(&txn, "e1").id));
+        // A failed reply the operator sends again, posted before the next move: its
+        // inbound had settled below the floor.
+        admitted(&txn, "e5", "c3", 50);
+        let end = RunEnd::Reply("re e5".into());
+        assert!(inbound::finish(&txn, "a.b", "e5", &end, 50).unwrap());
+        let reply = NewReply {
+            instance: "a.b".into(),
+            event_id: "e5".into(),
+            conversation: "c3".into(),
+            message: message("c3", "re e5"),
+            expires_ms: 50 + TTL,
+        };
+        let id = add(&txn, &reply, 50).unwrap();
+        assert_eq!(claimed(&txn, 50), ["e5"]);
+        let failed = say("e5", Answer::Failed { retryable: false });
+        assert_eq!(super::answer(&txn, &failed, 51, 0.0).unwrap(), Some(ReplyState::Failed));
+        history::write_all(&txn).unwrap();
+        history::committed();
+        requeue(&txn, id, 60, 60 + TTL).unwrap();
+        assert_eq!(claimed(&txn, 60), ["e5"]);
+        let answer = ReplyAnswer { history: Some(10), ..say("e5", Answer::Posted) };
+        assert_eq!(super::answer(&txn, &answer, 61, 0.0).unwrap(), Some(ReplyState::Posted));
+        history::forget_held();
+        history::rebuild(&txn).unwrap();
+        history::committed();
+        assert_eq!(history_texts(&txn, "c3"), ["q e5", "re e5"]);
         // A second crash right after: nothing is written twice.
         history::forget_held();
         history::rebuild(&txn).unwrap();
         history::committed();
         assert_eq!(history_texts(&txn, "c1"), ["q e0", "re e0", "q e1", "q e2", "re e1"]);
         assert_eq!(history_texts(&txn, "c2"), ["q e3"]);
+        assert_eq!(history_texts(&txn, "c3"), ["q e5", "re e5"]);
     }
 
     #[test]
