@@ -232,7 +232,7 @@ impl HistoryRole {
 /// One entry of a conversation's history.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HistoryEntry {
-    /// The entry's id in the hub's ledger (grows with time).
+    /// The entry's id in the hub's ledger (grows with time within the conversation).
     pub id: i64,
     pub role: HistoryRole,
     pub text: String,
