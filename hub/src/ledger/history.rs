@@ -243,23 +243,24 @@ pub fn holding() -> bool {
 }
 
 /// Moves what is held into `history` when [`MOVE_AT`] entries wait, or whatever waits with
-/// `all`. In a savepoint: a failed move leaves the entries held and the transaction as it
-/// was.
-pub fn write(txn: &Transaction<'_>, all: bool) -> Result<(), LedgerError> {
+/// `all`; whether it moved any. In a savepoint: a failed move leaves the entries held and the
+/// transaction as it was.
+pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
     let waiting = HELD.with(|held| {
         let held = held.borrow();
         held.entries.len() - held.written
     });
     if waiting == 0 || (!all && waiting < MOVE_AT) {
-        return Ok(());
+        return Ok(false);
     }
     let before = mark();
-    store::savepoint(txn, write_held).inspect_err(|_| undo(before))
+    store::savepoint(txn, write_held).inspect_err(|_| undo(before))?;
+    Ok(true)
 }
 
 /// Every entry the ledger thread holds written into `history` (before a read or a prune).
 pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
-    write(txn, true)
+    write(txn, true).map(drop)
 }
 
 /// Writes the held entries not yet written, each conversation's together in the order

@@ -651,6 +651,11 @@ mod tests {
             item: None,
         };
         record(txn, &new, |_| None, None).unwrap();
+        run_replied(txn, event_id, conversation, now)
+    }
+
+    /// `event_id`'s run ends with the reply `re <event>` in `conversation`: pending; its id.
+    fn run_replied(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
         let reply = NewReply {
             instance: "a.b".into(),
             event_id: event_id.into(),
@@ -660,8 +665,7 @@ mod tests {
         };
         let end = RunEnd::Reply(format!("re {event_id}"));
         assert!(inbound::finish(txn, "a.b", event_id, &end, now).unwrap());
-        add(txn, &reply, now).unwrap();
-        get_by_event(txn, event_id).id
+        add(txn, &reply, now).unwrap()
     }
 
     fn get_by_event(txn: &Transaction<'_>, event_id: &str) -> ReplyRecord {
@@ -728,16 +732,7 @@ mod tests {
 
     /// `event_id`'s run replied `re <event>`, and its driver posted it at `now`.
     fn posted_with_history(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) {
-        let reply = NewReply {
-            instance: "a.b".into(),
-            event_id: event_id.into(),
-            conversation: conversation.into(),
-            message: message(conversation, &format!("re {event_id}")),
-            expires_ms: now + TTL,
-        };
-        let end = RunEnd::Reply(format!("re {event_id}"));
-        assert!(inbound::finish(txn, "a.b", event_id, &end, now).unwrap());
-        add(txn, &reply, now).unwrap();
+        run_replied(txn, event_id, conversation, now);
         assert_eq!(claimed(txn, now), [event_id]);
         let answer = ReplyAnswer { history: Some(10), ..say(event_id, Answer::Posted) };
         assert_eq!(super::answer(txn, &answer, now, 0.0).unwrap(), Some(ReplyState::Posted));
@@ -798,16 +793,7 @@ mod tests {
         let txn = db.transaction().unwrap();
         history::forget_held();
         admitted(&txn, "e5", "c3", 50);
-        let end = RunEnd::Reply("re e5".into());
-        assert!(inbound::finish(&txn, "a.b", "e5", &end, 50).unwrap());
-        let reply = NewReply {
-            instance: "a.b".into(),
-            event_id: "e5".into(),
-            conversation: "c3".into(),
-            message: message("c3", "re e5"),
-            expires_ms: 50 + TTL,
-        };
-        let id = add(&txn, &reply, 50).unwrap();
+        let id = run_replied(&txn, "e5", "c3", 50);
         assert_eq!(claimed(&txn, 50), ["e5"]);
         let failed = say("e5", Answer::Failed { retryable: false });
         assert_eq!(super::answer(&txn, &failed, 51, 0.0).unwrap(), Some(ReplyState::Failed));

@@ -148,8 +148,9 @@ pub struct Behind {
     /// The state to return to when what follows does not commit.
     pub mark: fn() -> BehindMark,
     pub undo: fn(BehindMark),
-    /// In a batch's transaction after its calls: writes what is due (all of it with `true`).
-    pub write: fn(&Transaction<'_>, bool) -> Result<(), LedgerError>,
+    /// In a batch's transaction after its calls: writes what is due (all of it with `true`);
+    /// whether it wrote anything.
+    pub write: fn(&Transaction<'_>, bool) -> Result<bool, LedgerError>,
     /// The transaction committed: what it wrote is forgotten.
     pub committed: fn(),
     /// Whether anything is held.
@@ -167,7 +168,7 @@ impl Behind {
         start: |_| Ok(()),
         mark: || BehindMark(0, 0, 0),
         undo: |_| {},
-        write: |_, _| Ok(()),
+        write: |_, _| Ok(false),
         committed: || {},
         holding: || false,
     };
@@ -197,6 +198,7 @@ pub fn spawn(
             storage,
             synchronous: None,
             unsynced: false,
+            behind_failing: false,
             wal,
             syncer: None,
             checkpointer,
@@ -273,6 +275,9 @@ struct LedgerThread {
     synchronous: Option<&'static str>,
     /// A deferred commit is in the WAL without an fsync since.
     unsynced: bool,
+    /// The last write of what is held behind failed (logged once until one succeeds: every
+    /// batch, and the quiet loop every [`FLUSH_DELAY`], tries again).
+    behind_failing: bool,
     /// The write-ahead log's file (none in memory), and the thread that syncs it, started
     /// with the first durable batch.
     wal: Option<std::path::PathBuf>,
@@ -392,10 +397,16 @@ impl LedgerThread {
                 if self.durability == Durability::Full && plan.commit == "NORMAL" {
                     self.unsynced = true;
                 }
+                if std::mem::take(&mut self.behind_failing) {
+                    info!("ledger writes the history it holds again");
+                }
             }
             Err(err) => {
                 (self.behind.undo)(mark);
-                error!(error = %err, "ledger could not write the history it holds");
+                self.storage.note(&err);
+                if !std::mem::replace(&mut self.behind_failing, true) {
+                    error!(error = %err, "ledger could not write the history it holds; trying again while quiet");
+                }
             }
         }
     }
@@ -425,7 +436,8 @@ impl LedgerThread {
         }
         let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
         self.set_sync(plan.commit);
-        let outcome = apply(&mut self.conn, batch, metrics, &self.storage, self.behind);
+        let behind = (self.behind, &mut self.behind_failing);
+        let outcome = apply(&mut self.conn, batch, metrics, &self.storage, behind);
         match (outcome.is_ok(), self.durability, plan.commit) {
             (true, Durability::Full, "NORMAL") => self.unsynced = true,
             (true, _, "FULL") => self.unsynced = false,
@@ -469,7 +481,7 @@ fn apply(
     batch: &mut Vec<(Job, Commit)>,
     metrics: &LedgerMetrics,
     storage: &StorageFlag,
-    behind: Behind,
+    (behind, failing): (Behind, &mut bool),
 ) -> Result<(), LedgerError> {
     let began = Instant::now();
     let jobs = batch.len();
@@ -489,9 +501,18 @@ fn apply(
     }
     // What is due behind the calls; a failure leaves it held for the next batch, and the
     // calls' writes standing.
-    if let Err(err) = (behind.write)(&tx, false) {
-        storage.note(&err);
-        error!(error = %err, "ledger could not write history behind its calls; the next batch tries again");
+    match (behind.write)(&tx, false) {
+        Ok(wrote) => {
+            if wrote && std::mem::take(failing) {
+                info!("ledger writes the history it holds again");
+            }
+        }
+        Err(err) => {
+            storage.note(&err);
+            if !std::mem::replace(failing, true) {
+                error!(error = %err, "ledger could not write the history it holds; the next batches try again");
+            }
+        }
     }
     let outcome = commit(tx, changes_before, began, jobs, metrics, storage);
     match outcome {
@@ -616,6 +637,7 @@ mod tests {
             storage: StorageFlag::default(),
             synchronous: None,
             unsynced: false,
+            behind_failing: false,
             syncer: None,
             checkpointer: None,
             behind: Behind::NONE,
