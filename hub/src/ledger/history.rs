@@ -668,6 +668,29 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_moves_what_is_held_once_the_mark_is_reached() {
+        let mut conn = open_in_memory().unwrap();
+        let txn = conn.transaction().unwrap();
+        forget_held();
+        let count = |txn: &Transaction<'_>| -> usize {
+            let n: i64 =
+                txn.query_row("SELECT count(*) FROM history", [], |row| row.get(0)).unwrap();
+            n as usize
+        };
+        for n in 0..MOVE_AT - 1 {
+            hold(user("c1", None, &n.to_string(), n as u64), 10_000);
+        }
+        assert!(!write(&txn, false).unwrap(), "below the mark nothing moves");
+        assert_eq!(count(&txn), 0);
+        hold(user("c1", None, "last", 0), 10_000);
+        assert!(write(&txn, false).unwrap());
+        committed();
+        assert_eq!(count(&txn), MOVE_AT);
+        assert!(!holding());
+        assert!(!write(&txn, true).unwrap(), "nothing held, nothing to move");
+    }
+
+    #[test]
     fn the_floor_of_a_move_reads_only_small_indexes() {
         let conn = open_in_memory().unwrap();
         let plan = crate::ledger::inbound::tests::plan(&conn, FLOOR);

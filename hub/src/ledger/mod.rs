@@ -986,6 +986,40 @@ mod tests {
         assert_eq!(recovered[0].attempt, 2);
     }
 
+    /// The ledger thread writes the history it holds once the ledger is quiet, and when it
+    /// stops: a clean stop leaves nothing for the next start to rebuild.
+    #[tokio::test]
+    async fn held_history_is_written_when_the_ledger_is_quiet_and_when_it_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = |text: &str| NewHistory {
+            instance: "a.b".into(),
+            conversation: "c1".into(),
+            thread: None,
+            role: channeld_protocol::ext::HistoryRole::User,
+            text: text.into(),
+            sender: None,
+            message_id: None,
+            event_id: Some(text.into()),
+            reply_id: None,
+            at_ms: 1,
+        };
+        let written = || -> i64 {
+            let conn = rusqlite::Connection::open(dir.path().join(DB_FILE)).unwrap();
+            conn.query_row("SELECT count(*) FROM history", [], |r| r.get(0)).unwrap()
+        };
+        let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
+        ledger.record_inbound_now(inbound("e1"), same, Some((entry("e1"), 10))).await.unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while written() == 0 {
+            assert!(std::time::Instant::now() < deadline, "a quiet ledger kept its history");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        // Closed right after its commit: the stop writes it.
+        ledger.record_inbound_now(inbound("e2"), same, Some((entry("e2"), 10))).await.unwrap();
+        ledger.close().await;
+        assert_eq!(written(), 2);
+    }
+
     #[tokio::test]
     async fn a_closed_ledger_answers_unavailable_and_an_off_one_off() {
         let ledger = Ledger::in_memory().unwrap();
