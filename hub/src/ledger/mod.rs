@@ -955,6 +955,22 @@ mod tests {
         frame.first().map(|b| [*b; 32])
     }
 
+    /// A `user` entry in conversation `c1` of `a.b` whose text is also its event id.
+    fn entry(text: &str) -> NewHistory {
+        NewHistory {
+            instance: "a.b".into(),
+            conversation: "c1".into(),
+            thread: None,
+            role: channeld_protocol::ext::HistoryRole::User,
+            text: text.into(),
+            sender: None,
+            message_id: None,
+            event_id: Some(text.into()),
+            reply_id: None,
+            at_ms: 1,
+        }
+    }
+
     fn inbound(event_id: &str) -> NewInbound {
         NewInbound {
             instance: "a.b".into(),
@@ -991,18 +1007,6 @@ mod tests {
     #[tokio::test]
     async fn held_history_is_written_when_the_ledger_is_quiet_and_when_it_stops() {
         let dir = tempfile::tempdir().unwrap();
-        let entry = |text: &str| NewHistory {
-            instance: "a.b".into(),
-            conversation: "c1".into(),
-            thread: None,
-            role: channeld_protocol::ext::HistoryRole::User,
-            text: text.into(),
-            sender: None,
-            message_id: None,
-            event_id: Some(text.into()),
-            reply_id: None,
-            at_ms: 1,
-        };
         let written = || -> i64 {
             let conn = rusqlite::Connection::open(dir.path().join(DB_FILE)).unwrap();
             conn.query_row("SELECT count(*) FROM history", [], |r| r.get(0)).unwrap()
@@ -1063,18 +1067,6 @@ mod tests {
     #[tokio::test]
     async fn history_held_by_a_failed_call_is_dropped_and_a_redone_batch_holds_once() {
         let ledger = Ledger::in_memory().unwrap();
-        let entry = |text: &str| NewHistory {
-            instance: "a.b".into(),
-            conversation: "c1".into(),
-            thread: None,
-            role: channeld_protocol::ext::HistoryRole::User,
-            text: text.into(),
-            sender: None,
-            message_id: None,
-            event_id: None,
-            reply_id: None,
-            at_ms: 1,
-        };
         let holds = |text: &'static str, fails: bool| {
             move |_: &Transaction<'_>| {
                 history::hold(entry(text), 10);
