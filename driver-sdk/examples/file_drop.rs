@@ -1,7 +1,9 @@
 //! A complete channeld driver: a drop directory. Each `*.txt` file that appears in
 //! `CHANNELD_FILE_DROP_INBOX` is a message from `CHANNELD_FILE_DROP_SENDER`; the file is
 //! removed once the hub has the message, and each reply is written to
-//! `CHANNELD_FILE_DROP_OUTBOX` as a file of its own. The conformance suite at the end tests it.
+//! `CHANNELD_FILE_DROP_OUTBOX` as a file of its own. A file must appear whole: write it under
+//! another name (`m-1.tmp`) and rename it to `*.txt`, as mail drops do, or a poll may read it
+//! half-written. The conformance suite at the end tests it.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -171,8 +173,11 @@ mod tests {
 
         async fn inject_inbound(&mut self, text: &str) {
             self.injected += 1;
-            let file = self.dir.path().join("in").join(format!("m-{}.txt", self.injected));
-            std::fs::write(file, text).unwrap();
+            // Written aside and renamed in, so a poll never sees it half-written.
+            let inbox = self.dir.path().join("in");
+            let partial = inbox.join(format!("m-{}.tmp", self.injected));
+            std::fs::write(&partial, text).unwrap();
+            std::fs::rename(partial, inbox.join(format!("m-{}.txt", self.injected))).unwrap();
         }
 
         fn outbound_target(&self, channel: &ChannelId) -> MessageTarget {
