@@ -190,12 +190,15 @@ async fn sigkills_between_and_during_batches_lose_nothing_and_answer_nothing_twi
                 kills += 1;
             }
         }
-        // Between batches: every message of the wave answered, the driver polling.
-        let total = pushed.len();
-        fake.wait_for(Duration::from_secs(90), "the wave's replies", |r| {
-            (replies(r).len() >= total).then_some(())
-        })
-        .await;
+        // Between batches: every message of the wave answered (or its reply reported
+        // unknown: a kill between the driver's journal and the post), the driver polling.
+        let wave_done = || {
+            let records = fake.records();
+            let answered = replies(&records);
+            let unknown = unknown_replies(&hub.log());
+            pushed.iter().all(|id| answered.contains_key(id.as_str()) || unknown.contains(id))
+        };
+        wait_until_within(Duration::from_secs(90), "the wave's replies", wave_done).await;
         if wave % 2 == 0 {
             wait_health(&hub, "Ready", &|| hub.log()).await;
             kill_driver(&hub);
@@ -207,21 +210,28 @@ async fn sigkills_between_and_during_batches_lose_nothing_and_answer_nothing_twi
     let records = fake.records();
     let answered = replies(&records);
     let runs = runs(&runs_log);
+    let unknown = unknown_replies(&hub.log());
     for event_id in &pushed {
-        assert_eq!(
-            answered.get(event_id.as_str()),
-            Some(&1),
-            "{event_id} answered {:?} times",
-            answered.get(event_id.as_str())
-        );
+        // A reply whose post a kill interrupted is reported unknown and never resent: it
+        // reached the platform at most once. Every other reply reached it exactly once.
+        let times = answered.get(event_id.as_str()).copied().unwrap_or(0);
+        let expected = if unknown.contains(event_id) { 0..=1 } else { 1..=1 };
+        assert!(expected.contains(&times), "{event_id} answered {times} times");
         assert_eq!(
             runs.iter().filter(|r| *r == event_id).count(),
             1,
             "{event_id} ran more than once"
         );
     }
-    assert_eq!(answered.values().sum::<usize>(), pushed.len(), "no other message was sent");
-    eprintln!("{kills} SIGKILLs, {} messages, each run and answered once", pushed.len());
+    assert!(
+        answered.keys().all(|id| pushed.iter().any(|p| p == id)),
+        "no other message was sent: {answered:?}"
+    );
+    eprintln!(
+        "{kills} SIGKILLs, {} messages, each run once and answered at most once ({} reported unknown)",
+        pushed.len(),
+        unknown.len()
+    );
     fake.assert_no_violations();
 }
 
@@ -236,14 +246,28 @@ fn replies(records: &Records) -> HashMap<&str, usize> {
     count
 }
 
+/// The event ids whose reply the hub reported unknown (a kill between the driver's journal
+/// and the post): the hub never resends those.
+fn unknown_replies(log: &str) -> std::collections::HashSet<String> {
+    log.lines()
+        .filter(|line| line.contains("reply outcome unknown"))
+        .filter_map(|line| line.split_whitespace().find_map(|f| f.strip_prefix("event_id=")))
+        .map(str::to_owned)
+        .collect()
+}
+
 fn runs(log: &Path) -> Vec<String> {
     std::fs::read_to_string(log).unwrap_or_default().lines().map(str::to_owned).collect()
 }
 
-async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WITHIN;
+async fn wait_until(what: &str, done: impl FnMut() -> bool) {
+    wait_until_within(WITHIN, what, done).await
+}
+
+async fn wait_until_within(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
     while !done() {
-        assert!(Instant::now() < deadline, "{what} did not happen within {WITHIN:?}");
+        assert!(Instant::now() < deadline, "{what} did not happen within {limit:?}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
