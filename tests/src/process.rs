@@ -121,6 +121,17 @@ impl HubProcess {
         std::fs::read_to_string(self.dir.path().join("channeld.log")).unwrap_or_default()
     }
 
+    /// The event ids whose reply the hub's log reports with an unknown outcome (a driver's
+    /// `send_unknown`, or no answer in time): the hub never hands those over again.
+    pub fn replies_reported_unknown(&self) -> std::collections::HashSet<String> {
+        self.log()
+            .lines()
+            .filter(|line| line.contains("reply outcome unknown"))
+            .filter_map(|line| line.split_whitespace().find_map(|f| f.strip_prefix("event_id=")))
+            .map(str::to_owned)
+            .collect()
+    }
+
     /// Waits until the hub's log holds `needle` at least `times` times; panics with the log
     /// after `limit`.
     pub fn wait_log(&self, needle: &str, times: usize, limit: Duration) {

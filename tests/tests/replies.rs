@@ -454,6 +454,10 @@ async fn a_final_refusal_and_an_unknown_outcome_are_not_retried_but_a_retryable_
     assert_eq!(failed["replies"][0]["error"], "send_failed: send_failed here", "{failed}");
     let text = String::from_utf8_lossy(&hub.ctl(&["status"]).stdout).into_owned();
     assert!(text.contains("replies: failed 1, unknown 2"), "{text}");
+    hub.wait_log("reply outcome unknown", 2, WITHIN);
+    let logged = hub.replies_reported_unknown();
+    assert!(logged.contains("e-unknown") && logged.contains("e-silent"), "{logged:?}");
+    assert_eq!(logged.len(), 2, "{logged:?}");
     // Nothing else is handed over: the next frame is the answer to a new message.
     let next = expect_deliver(ask(&mut peer, ONE, "e-next", "c5").await);
     assert_eq!(next.request_id.as_str(), "e-next");

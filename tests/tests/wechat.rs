@@ -195,7 +195,7 @@ async fn sigkills_between_and_during_batches_lose_nothing_and_answer_nothing_twi
         let wave_done = || {
             let records = fake.records();
             let answered = replies(&records);
-            let unknown = unknown_replies(&hub.log());
+            let unknown = hub.replies_reported_unknown();
             pushed.iter().all(|id| answered.contains_key(id.as_str()) || unknown.contains(id))
         };
         wait_until_within(Duration::from_secs(90), "the wave's replies", wave_done).await;
@@ -210,7 +210,7 @@ async fn sigkills_between_and_during_batches_lose_nothing_and_answer_nothing_twi
     let records = fake.records();
     let answered = replies(&records);
     let runs = runs(&runs_log);
-    let unknown = unknown_replies(&hub.log());
+    let unknown = hub.replies_reported_unknown();
     for event_id in &pushed {
         // A reply whose post a kill interrupted is reported unknown and never resent: it
         // reached the platform at most once. Every other reply reached it exactly once.
@@ -244,16 +244,6 @@ fn replies(records: &Records) -> HashMap<&str, usize> {
         }
     }
     count
-}
-
-/// The event ids whose reply the hub reported unknown (a kill between the driver's journal
-/// and the post): the hub never resends those.
-fn unknown_replies(log: &str) -> std::collections::HashSet<String> {
-    log.lines()
-        .filter(|line| line.contains("reply outcome unknown"))
-        .filter_map(|line| line.split_whitespace().find_map(|f| f.strip_prefix("event_id=")))
-        .map(str::to_owned)
-        .collect()
 }
 
 fn runs(log: &Path) -> Vec<String> {
