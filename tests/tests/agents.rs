@@ -415,3 +415,40 @@ async fn the_mcp_server_lists_and_runs_every_tool_through_a_real_hub_and_mqtt_dr
     let outbox = json_out(&hub.ctl(&["outbox", "--instance", ONE, "--json"]));
     assert_eq!(outbox["records"].as_array().unwrap().len(), 2, "one reply, one send: {outbox}");
 }
+
+/// The hub writes inbox items behind the inbound they describe and holds the newest in
+/// memory for a moment: killed (SIGKILL) right after a message's `accepted`, it rebuilds
+/// them from its records on the next start, under the ids (locators) already handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_items_the_hub_held_when_it_was_killed_keep_their_locators() {
+    let agent_dir = tempfile::tempdir().unwrap();
+    let mut hub = body_free_hub(agent_dir.path());
+    let mut peer = raw_driver(&hub, Actions::default()).await;
+    message_run(&mut peer, "k-1", "room", "first").await;
+    message_run(&mut peer, "k-2", "room", "second").await;
+    let handed: Vec<String> = envelopes(agent_dir.path())
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["locator"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(handed.len(), 2);
+    // Its `accepted` comes after its record's commit: the item is recorded, maybe only held.
+    peer.inbound(RAW, "k-3", "alice", "room", "third").await;
+    assert!(matches!(peer.frame().await, Frame::Accepted(_)));
+    hub.restart();
+
+    let items = inbox(&hub, false);
+    let events: Vec<&str> = items.iter().map(|i| i["event_id"].as_str().unwrap()).collect();
+    assert_eq!(events, ["k-3", "k-2", "k-1"], "newest first: {items:?}");
+    let locators: Vec<&str> = items.iter().map(|i| i["locator"].as_str().unwrap()).collect();
+    assert_eq!([locators[2], locators[1]], [handed[0].as_str(), handed[1].as_str()]);
+    let read = json_out(&hub.ctl(&["read", locators[0], "--json"]));
+    assert_eq!(read["target"]["text"], "third", "{read}");
+    let context: Vec<&str> = read["context"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["role"] == "inbound")
+        .map(|e| e["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(context, ["first", "second"], "{read}");
+}

@@ -27,7 +27,7 @@ use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
 use serde::Deserialize;
 
 use super::LedgerError;
-use super::store::{self, BehindMark, Cached};
+use super::store::{self, Cached, HeldMark};
 
 /// An entry to append.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -234,16 +234,16 @@ pub fn hold(new: NewHistory, cap: usize) {
 }
 
 /// The state [`undo`] returns to.
-pub fn mark() -> BehindMark {
+pub fn mark() -> HeldMark {
     HELD.with(|held| {
         let held = held.borrow();
-        BehindMark(held.entries.len(), held.written, held.generation)
+        HeldMark(held.entries.len(), held.written, held.generation)
     })
 }
 
 /// Forgets what was held and written since `mark` (its transaction, or its savepoint, did
 /// not commit).
-pub fn undo(mark: BehindMark) {
+pub fn undo(mark: HeldMark) {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
         held.entries.truncate(mark.0);

@@ -112,10 +112,15 @@ pub fn record(
 ) -> Result<Recorded, LedgerError> {
     // Inserted first: nearly every inbound is new, and the insert finds a known event id
     // through the same index a read would (BENCHMARKS.md, fix 23).
+    // The item's id is taken only if the row is new ([`items::hold`]).
+    let item_id = match &new.item {
+        Some(_) => Some(items::next_id(txn)?),
+        None => None,
+    };
     let inserted = txn.exec_cached(
         "INSERT INTO inbound (instance, event_id, content_hash, hash_version, run_id, state,
-             frame, attempts, received_ms, updated_ms, history_cap, history_gen)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?10, ?11)
+             frame, attempts, received_ms, updated_ms, history_cap, history_gen, item_id)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?10, ?11, ?12)
          ON CONFLICT (instance, event_id) DO NOTHING",
         params![
             new.instance,
@@ -128,15 +133,15 @@ pub fn record(
             u32::from(new.started),
             new.now_ms as i64,
             history.map(|(cap, _)| cap as i64),
-            history.map(|(_, generation)| generation)
+            history.map(|(_, generation)| generation),
+            item_id
         ],
     )?;
     if inserted == 1 {
-        let entry = match &new.item {
-            Some(item) => Some(items::add(txn, &new.instance, &new.event_id, item, new.now_ms)?),
-            None => None,
-        };
-        return Ok(Recorded::New { entry });
+        if let (Some(item), Some(id)) = (&new.item, item_id) {
+            items::hold(id, &new.instance, &new.event_id, item.clone(), new.now_ms);
+        }
+        return Ok(Recorded::New { entry: item_id });
     }
     let (mut stored_hash, version, stored) = txn.query_row_cached(
         "SELECT content_hash, hash_version, run_id, state, reply, error_code, error_message

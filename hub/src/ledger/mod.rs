@@ -51,6 +51,23 @@ pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
 pub use store::{Commit, FLUSH_DELAY, LedgerMetrics, QUEUE_CAPACITY, StorageFlag};
 
+/// What the ledger writes behind its calls: history entries (`history.rs`) and inbox items
+/// (`items.rs`), each held on the ledger thread and written in bulk.
+const BEHIND: store::Behind = store::Behind {
+    start: |txn| history::rebuild(txn).and_then(|()| items::rebuild(txn)),
+    mark: || store::BehindMark { history: history::mark(), items: items::mark() },
+    undo: |mark| {
+        history::undo(mark.history);
+        items::undo(mark.items);
+    },
+    write: |txn, all| Ok(history::write(txn, all)? | items::write(txn, all)?),
+    committed: || {
+        history::committed();
+        items::committed();
+    },
+    holding: || history::holding() || items::holding(),
+};
+
 /// The database file inside the state directory.
 pub const DB_FILE: &str = "ledger.sqlite3";
 
@@ -340,21 +357,8 @@ impl Ledger {
         let id = schema::ledger_id(&conn)?;
         let metrics = LedgerMetrics::default();
         let storage = StorageFlag::default();
-        let (tx, thread) = store::spawn(
-            conn,
-            durability,
-            metrics.clone(),
-            storage.clone(),
-            store::Behind {
-                start: history::rebuild,
-                mark: history::mark,
-                undo: history::undo,
-                write: history::write,
-                committed: history::committed,
-                holding: history::holding,
-            },
-        )
-        .map_err(|err| LedgerError::Sql(err.to_string()))?;
+        let (tx, thread) = store::spawn(conn, durability, metrics.clone(), storage.clone(), BEHIND)
+            .map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
             thread: Arc::new(Mutex::new(Some(thread))),

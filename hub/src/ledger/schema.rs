@@ -214,6 +214,15 @@ const MIGRATIONS: &[&str] = &[
      ALTER TABLE replies ADD COLUMN history_gen INTEGER;
      INSERT INTO meta (key, value)
          SELECT 'history_moved', '0 ' || (coalesce(max(id), 0) + 1) FROM inbound;",
+    // 13 (issue 18): inbox items written behind (`items.rs`). The inbound row records its
+    // item's id (NULL: no item), and `meta.items_written` the highest item id the last write
+    // wrote and the next inbound id then, so the items a crash left unwritten are rebuilt.
+    // Items written before this migration are all in `items`.
+    "ALTER TABLE inbound ADD COLUMN item_id INTEGER;
+     INSERT INTO meta (key, value)
+         SELECT 'items_written',
+             (SELECT coalesce(max(id), 0) FROM items) || ' ' ||
+             (SELECT coalesce(max(id), 0) + 1 FROM inbound);",
 ];
 
 /// How many migrations this build knows (the schema version it writes).

@@ -157,16 +157,26 @@ pub struct Behind {
     pub holding: fn() -> bool,
 }
 
-/// Where [`Behind::undo`] returns to (opaque to the thread).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BehindMark(pub usize, pub usize, pub i64);
+/// Where [`Behind::undo`] returns to (opaque to the thread): each written-behind table's
+/// [`HeldMark`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BehindMark {
+    pub history: HeldMark,
+    pub items: HeldMark,
+}
+
+/// What one table's held rows were at a mark: how many were held, how many the open
+/// transaction had written, and the table's own counter (history's generation, the next
+/// item id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HeldMark(pub usize, pub usize, pub i64);
 
 impl Behind {
     /// Nothing written behind (tests of the thread alone).
     #[cfg(test)]
     pub const NONE: Behind = Behind {
         start: |_| Ok(()),
-        mark: || BehindMark(0, 0, 0),
+        mark: BehindMark::default,
         undo: |_| {},
         write: |_, _| Ok(false),
         committed: || {},
@@ -373,7 +383,7 @@ impl LedgerThread {
             Ok(()) => (self.behind.committed)(),
             Err(err) => {
                 (self.behind.undo)(mark);
-                error!(error = %err, "ledger could not rebuild the history a crash left unwritten");
+                error!(error = %err, "ledger could not rebuild the history and inbox items a crash left unwritten");
             }
         }
     }
