@@ -27,7 +27,7 @@ use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
 use serde::Deserialize;
 
 use super::LedgerError;
-use super::store::{self, Cached, HeldMark};
+use super::store::{self, Cached, HeldMark, HeldRows};
 
 /// An entry to append.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -208,9 +208,7 @@ pub const MOVE_AT: usize = 2048;
 /// The entries the ledger thread holds, in the order they were logged.
 #[derive(Debug, Default)]
 struct Held {
-    entries: Vec<(NewHistory, usize)>,
-    /// How many (from the front) the open transaction has written.
-    written: usize,
+    entries: HeldRows<(NewHistory, usize)>,
     /// The generation a row logged now carries: the last move's, plus one per move in the
     /// open transaction.
     generation: i64,
@@ -237,7 +235,7 @@ pub fn hold(new: NewHistory, cap: usize) {
 pub fn mark() -> HeldMark {
     HELD.with(|held| {
         let held = held.borrow();
-        HeldMark(held.entries.len(), held.written, held.generation)
+        held.entries.mark(held.generation)
     })
 }
 
@@ -246,19 +244,13 @@ pub fn mark() -> HeldMark {
 pub fn undo(mark: HeldMark) {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
-        held.entries.truncate(mark.0);
-        held.written = mark.1;
-        held.generation = mark.2;
+        held.generation = held.entries.undo(mark);
     })
 }
 
 /// The open transaction committed: what it wrote is no longer held.
 pub fn committed() {
-    HELD.with(|held| {
-        let mut held = held.borrow_mut();
-        let written = std::mem::take(&mut held.written);
-        held.entries.drain(..written);
-    })
+    HELD.with(|held| held.borrow_mut().entries.committed())
 }
 
 /// What a crash does to the entries the ledger thread holds (tests).
@@ -269,26 +261,15 @@ pub fn forget_held() {
 
 /// Whether entries wait that no transaction wrote yet.
 pub fn holding() -> bool {
-    HELD.with(|held| {
-        let held = held.borrow();
-        held.entries.len() > held.written
-    })
+    HELD.with(|held| !held.borrow().entries.waiting().is_empty())
 }
 
 /// Moves what is held into `history` when [`MOVE_AT`] entries wait, or whatever waits with
 /// `all`; whether it moved any. In a savepoint: a failed move leaves the entries held and the
 /// transaction as it was.
 pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
-    let waiting = HELD.with(|held| {
-        let held = held.borrow();
-        held.entries.len() - held.written
-    });
-    if waiting == 0 || (!all && waiting < MOVE_AT) {
-        return Ok(false);
-    }
-    let before = mark();
-    store::savepoint(txn, write_held).inspect_err(|_| undo(before))?;
-    Ok(true)
+    let waiting = HELD.with(|held| held.borrow().entries.waiting().len());
+    store::write_held_rows(txn, (waiting, MOVE_AT, all), write_held, mark, undo)
 }
 
 /// Every entry the ledger thread holds written into `history` (before a read or a prune).
@@ -307,7 +288,7 @@ pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
 fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
-        let waiting = &held.entries[held.written..];
+        let waiting = held.entries.waiting();
         let mut order: Vec<(&str, &str, &str)> = Vec::new();
         let mut groups: HashMap<(&str, &str, &str), Vec<usize>> = HashMap::new();
         for (n, (new, _)) in waiting.iter().enumerate() {
@@ -347,7 +328,7 @@ fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
              ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             [format!("{generation} {floor}")],
         )?;
-        held.written = held.entries.len();
+        held.entries.all_written();
         held.generation = generation;
         Ok(())
     })

@@ -378,6 +378,37 @@ fn parse_state(value: &str) -> Result<InboundState, LedgerError> {
         .ok_or_else(|| LedgerError::Sql(format!("unknown inbound state {value:?}")))
 }
 
+/// An inbound message `q <event>` from alice in `conversation` (and `thread`) of instance
+/// `a.b`, and its frame as the hub records it (tests of the ledger's modules).
+#[cfg(test)]
+pub(super) fn test_message(
+    event_id: &str,
+    conversation: &str,
+    thread: Option<&str>,
+) -> (channeld_protocol::types::InboundMessage, Vec<u8>) {
+    use channeld_protocol::types::{InboundMessage, MessageBody, MessageTarget, Participant};
+    use channeld_protocol::{ChannelId, Id};
+    let mut target =
+        MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new(conversation).unwrap());
+    target.thread = thread.map(|t| Id::new(t).unwrap());
+    let message = InboundMessage {
+        id: Id::new(format!("m-{event_id}")).unwrap(),
+        target,
+        sender: Participant::new(Id::new("alice").unwrap()),
+        body: MessageBody::text(format!("q {event_id}")).unwrap(),
+        timestamp_ms: None,
+        metadata: Default::default(),
+    };
+    let frame = channeld_protocol::encode(&channeld_protocol::Frame::Inbound(
+        channeld_protocol::frame::Inbound {
+            event_id: Id::new(event_id).unwrap(),
+            message: message.clone(),
+        },
+    ))
+    .unwrap();
+    (message, frame)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use rusqlite::Connection;

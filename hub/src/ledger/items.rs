@@ -20,7 +20,7 @@ use channeld_protocol::Frame;
 use rusqlite::{OptionalExtension, Row, Transaction, params};
 
 use super::LedgerError;
-use super::store::{self, Cached, HeldMark};
+use super::store::{self, Cached, HeldMark, HeldRows};
 
 /// The ids of a new item, written with its inbound entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,9 +117,7 @@ struct HeldItem {
 /// The items the ledger thread holds, in id order.
 #[derive(Debug, Default)]
 struct Held {
-    items: Vec<HeldItem>,
-    /// How many (from the front) the open transaction has written.
-    written: usize,
+    items: HeldRows<HeldItem>,
     /// The id the next item takes; read from the ledger on first use.
     next_id: Option<i64>,
 }
@@ -173,15 +171,16 @@ pub fn next_id(txn: &Transaction<'_>) -> Result<i64, LedgerError> {
 /// Holds the item `id` (from [`next_id`]) of a newly recorded inbound for the next write;
 /// the inbound's row records the id in the same transaction.
 pub fn hold(id: i64, instance: &str, event_id: &str, new: NewItem, received_ms: u64) {
+    let item = HeldItem {
+        id,
+        instance: instance.to_owned(),
+        event_id: event_id.to_owned(),
+        new,
+        received_ms,
+    };
     HELD.with(|held| {
         let mut held = held.borrow_mut();
-        held.items.push(HeldItem {
-            id,
-            instance: instance.to_owned(),
-            event_id: event_id.to_owned(),
-            new,
-            received_ms,
-        });
+        held.items.push(item);
         held.next_id = Some(id + 1);
     })
 }
@@ -190,7 +189,7 @@ pub fn hold(id: i64, instance: &str, event_id: &str, new: NewItem, received_ms: 
 pub fn mark() -> HeldMark {
     HELD.with(|held| {
         let held = held.borrow();
-        HeldMark(held.items.len(), held.written, held.next_id.unwrap_or(0))
+        held.items.mark(held.next_id.unwrap_or(0))
     })
 }
 
@@ -199,19 +198,14 @@ pub fn mark() -> HeldMark {
 pub fn undo(mark: HeldMark) {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
-        held.items.truncate(mark.0);
-        held.written = mark.1;
-        held.next_id = (mark.2 > 0).then_some(mark.2);
+        let next_id = held.items.undo(mark);
+        held.next_id = (next_id > 0).then_some(next_id);
     })
 }
 
 /// The open transaction committed: what it wrote is no longer held.
 pub fn committed() {
-    HELD.with(|held| {
-        let mut held = held.borrow_mut();
-        let written = std::mem::take(&mut held.written);
-        held.items.drain(..written);
-    })
+    HELD.with(|held| held.borrow_mut().items.committed())
 }
 
 /// What a crash does to the items the ledger thread holds (tests).
@@ -222,26 +216,15 @@ pub fn forget_held() {
 
 /// Whether items wait that no transaction wrote yet.
 pub fn holding() -> bool {
-    HELD.with(|held| {
-        let held = held.borrow();
-        held.items.len() > held.written
-    })
+    HELD.with(|held| !held.borrow().items.waiting().is_empty())
 }
 
 /// Writes what is held into `items` when [`WRITE_AT`] items wait, or whatever waits with
 /// `all`; whether it wrote any. In a savepoint: a failed write leaves the items held and the
 /// transaction as it was.
 pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
-    let waiting = HELD.with(|held| {
-        let held = held.borrow();
-        held.items.len() - held.written
-    });
-    if waiting == 0 || (!all && waiting < WRITE_AT) {
-        return Ok(false);
-    }
-    let before = mark();
-    store::savepoint(txn, write_held).inspect_err(|_| undo(before))?;
-    Ok(true)
+    let waiting = HELD.with(|held| held.borrow().items.waiting().len());
+    store::write_held_rows(txn, (waiting, WRITE_AT, all), write_held, mark, undo)
 }
 
 /// Every item the ledger thread holds written (before a read, a change or a prune).
@@ -254,7 +237,7 @@ pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
 fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
-        let mut waiting: Vec<&HeldItem> = held.items[held.written..].iter().collect();
+        let mut waiting: Vec<&HeldItem> = held.items.waiting().iter().collect();
         let highest = waiting.iter().map(|item| item.id).max().unwrap_or(0);
         waiting.sort_by(|a, b| {
             (a.instance.as_str(), a.new.conversation.as_str(), a.new.thread.as_deref(), a.id).cmp(
@@ -274,7 +257,7 @@ fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
              ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             [format!("{} {next_inbound}", written.max(highest))],
         )?;
-        held.written = held.items.len();
+        held.items.all_written();
         Ok(())
     })
 }
@@ -495,29 +478,14 @@ mod tests {
     /// Records an inbound message `event_id` in `conversation` (with its item) as the hub
     /// does; returns the item's id.
     fn recorded(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
-        use channeld_protocol::ids::{ChannelId, Id};
-        use channeld_protocol::types::{InboundMessage, MessageBody, MessageTarget, Participant};
-        let mut target =
-            MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new(conversation).unwrap());
-        target.thread = Some(Id::new("t").unwrap());
-        let message = InboundMessage {
-            id: Id::new(format!("m-{event_id}")).unwrap(),
-            target,
-            sender: Participant::new(Id::new("alice").unwrap()),
-            body: MessageBody::text(format!("q {event_id}")).unwrap(),
-            timestamp_ms: None,
-            metadata: Default::default(),
-        };
-        let frame = Frame::Inbound(channeld_protocol::frame::Inbound {
-            event_id: Id::new(event_id).unwrap(),
-            message,
-        });
+        let (_, bytes) = crate::ledger::inbound::test_message(event_id, conversation, Some("t"));
+        let frame = channeld_protocol::decode(&bytes).unwrap();
         let new = crate::ledger::NewInbound {
             instance: "a.b".into(),
             event_id: event_id.into(),
             content_hash: [1; 32],
             hash_version: 2,
-            frame: channeld_protocol::encode(&frame).unwrap(),
+            frame: bytes,
             run_id: format!("run-{event_id}"),
             now_ms: now,
             started: true,

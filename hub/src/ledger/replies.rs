@@ -581,8 +581,6 @@ mod tests {
     use crate::ledger::inbound::{NewInbound, RunEnd, record};
     use crate::ledger::schema;
     use crate::ledger::state::InboundState;
-    use channeld_protocol::types::{InboundMessage, MessageBody, MessageTarget, Participant};
-    use channeld_protocol::{ChannelId, Id};
 
     const TTL: u64 = 1_000_000;
 
@@ -698,23 +696,7 @@ mod tests {
     /// Records a message `q <event>` in `conversation` at `now` as the ledger's call does when
     /// its instance keeps history (cap 10): the row with the cap and generation, the entry held.
     fn admitted(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) {
-        let target =
-            MessageTarget::new(ChannelId::new("a.b").unwrap(), Id::new(conversation).unwrap());
-        let message = InboundMessage {
-            id: Id::new(format!("m-{event_id}")).unwrap(),
-            target,
-            sender: Participant::new(Id::new("alice").unwrap()),
-            body: MessageBody::text(format!("q {event_id}")).unwrap(),
-            timestamp_ms: None,
-            metadata: Default::default(),
-        };
-        let frame = channeld_protocol::encode(&channeld_protocol::Frame::Inbound(
-            channeld_protocol::frame::Inbound {
-                event_id: Id::new(event_id).unwrap(),
-                message: message.clone(),
-            },
-        ))
-        .unwrap();
+        let (message, frame) = crate::ledger::inbound::test_message(event_id, conversation, None);
         let new = NewInbound {
             instance: "a.b".into(),
             event_id: event_id.into(),

@@ -169,7 +169,75 @@ pub struct BehindMark {
 /// transaction had written, and the table's own counter (history's generation, the next
 /// item id).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct HeldMark(pub usize, pub usize, pub i64);
+pub struct HeldMark(usize, usize, i64);
+
+/// One table's rows written behind the calls that logged them (history entries, inbox
+/// items), in the order logged, with how many the open transaction has written. Each table
+/// keeps its own on the ledger thread and drives it through [`Behind`].
+#[derive(Debug)]
+pub struct HeldRows<T> {
+    rows: Vec<T>,
+    written: usize,
+}
+
+impl<T> Default for HeldRows<T> {
+    fn default() -> Self {
+        Self { rows: Vec::new(), written: 0 }
+    }
+}
+
+impl<T> HeldRows<T> {
+    pub fn push(&mut self, row: T) {
+        self.rows.push(row);
+    }
+
+    /// Where [`undo`](Self::undo) returns to, with the table's `counter` at this point.
+    pub fn mark(&self, counter: i64) -> HeldMark {
+        HeldMark(self.rows.len(), self.written, counter)
+    }
+
+    /// Forgets what was held and written since `mark` (its transaction, or its savepoint,
+    /// did not commit); returns the table's counter at the mark.
+    pub fn undo(&mut self, mark: HeldMark) -> i64 {
+        self.rows.truncate(mark.0);
+        self.written = mark.1;
+        mark.2
+    }
+
+    /// The open transaction committed: what it wrote is no longer held.
+    pub fn committed(&mut self) {
+        let written = std::mem::take(&mut self.written);
+        self.rows.drain(..written);
+    }
+
+    /// The rows no transaction wrote yet.
+    pub fn waiting(&self) -> &[T] {
+        &self.rows[self.written..]
+    }
+
+    /// The open transaction wrote every waiting row.
+    pub fn all_written(&mut self) {
+        self.written = self.rows.len();
+    }
+}
+
+/// Writes a table's held rows with `write_held` when `at` of them wait, or any that wait
+/// with `all`; whether it wrote. In a savepoint: a failed write leaves the rows held
+/// (`undo` to the `mark` before it) and the transaction as it was.
+pub fn write_held_rows(
+    txn: &Transaction<'_>,
+    (waiting, at, all): (usize, usize, bool),
+    write_held: fn(&Transaction<'_>) -> Result<(), LedgerError>,
+    mark: fn() -> HeldMark,
+    undo: fn(HeldMark),
+) -> Result<bool, LedgerError> {
+    if waiting == 0 || (!all && waiting < at) {
+        return Ok(false);
+    }
+    let before = mark();
+    savepoint(txn, write_held).inspect_err(|_| undo(before))?;
+    Ok(true)
+}
 
 impl Behind {
     /// Nothing written behind (tests of the thread alone).
