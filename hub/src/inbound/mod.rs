@@ -210,12 +210,11 @@ async fn queue_record(
         run_id: place.run_id.clone(),
         started: place.reserved,
         now_ms: place.received_ms,
-        item: Some(NewItem {
-            conversation: admitted.origin.conversation.to_string(),
-            thread: admitted.origin.thread.as_ref().map(ToString::to_string),
-            message_id: admitted.reply_to.as_ref().map(ToString::to_string),
-            sender: admitted.sender.as_ref().map(|p| p.id.to_string()),
-        }),
+        item: Some(NewItem::new(
+            &admitted.origin,
+            admitted.reply_to.as_ref(),
+            admitted.sender.as_ref(),
+        )),
     };
     let history = history_entry(inst, admitted, place).zip(inst.policy().history);
     Some(hub.ledger.record_inbound(new, fingerprint::rehash, history).await)

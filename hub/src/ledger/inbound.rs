@@ -360,6 +360,11 @@ fn recover_sql() -> String {
 /// entries from the oldest id and stops at the first that arrived at or after `before_ms`.
 /// After a wall-clock jump backwards an entry may look touched before it arrived, or arrived
 /// before an older one; it goes once the entries before it went.
+///
+/// The newest entry always stays, settled or not: SQLite numbers a new row after the
+/// highest id in the table, so deleting it would hand its id (and those before it) out
+/// again, and what is written behind the inbound (history's floor, the inbox items' rebuild
+/// in `items.rs`) finds its rows by ids that only grow.
 pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
 }
@@ -369,7 +374,7 @@ fn prune_sql() -> String {
     format!(
         "DELETE FROM inbound WHERE state IN ({settled}) AND updated_ms < ?1 AND id < coalesce(
              (SELECT id FROM inbound WHERE received_ms >= ?1 ORDER BY id LIMIT 1),
-             (SELECT max(id) + 1 FROM inbound), 0)"
+             (SELECT max(id) FROM inbound), 0)"
     )
 }
 
@@ -608,6 +613,27 @@ pub(crate) mod tests {
                 "{kept}"
             );
         }
+    }
+
+    /// What is written behind the inbound finds its rows by ids that only grow: pruning
+    /// every settled entry leaves the newest, so SQLite never numbers a new row below it.
+    #[test]
+    fn pruning_keeps_the_newest_entry_so_ids_only_grow() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        for event_id in ["a", "b"] {
+            record(&txn, &inbound(event_id, 1), rehash, None).unwrap();
+            finish(&txn, "a.b", event_id, &RunEnd::NoReply, 10).unwrap();
+        }
+        let id_of = |event_id: &str| -> i64 {
+            txn.query_row("SELECT id FROM inbound WHERE event_id = ?1", [event_id], |r| r.get(0))
+                .unwrap()
+        };
+        let newest = id_of("b");
+        assert_eq!(prune(&txn, 100).unwrap(), 1, "all but the newest");
+        assert_eq!(prune(&txn, 100).unwrap(), 0);
+        record(&txn, &NewInbound { now_ms: 200, ..inbound("c", 1) }, rehash, None).unwrap();
+        assert_eq!(id_of("c"), newest + 1);
     }
 
     #[test]

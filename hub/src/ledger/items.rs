@@ -17,6 +17,8 @@
 use std::cell::RefCell;
 
 use channeld_protocol::Frame;
+use channeld_protocol::ids::Id;
+use channeld_protocol::types::{MessageTarget, Participant};
 use rusqlite::{OptionalExtension, Row, Transaction, params};
 
 use super::LedgerError;
@@ -129,27 +131,32 @@ thread_local! {
 }
 
 impl NewItem {
+    /// The item of an admitted inbound: where it came from, the message it answers (none
+    /// for an event) and who sent it.
+    pub fn new(
+        origin: &MessageTarget,
+        message_id: Option<&Id>,
+        sender: Option<&Participant>,
+    ) -> Self {
+        NewItem {
+            conversation: origin.conversation.to_string(),
+            thread: origin.thread.as_ref().map(ToString::to_string),
+            message_id: message_id.map(ToString::to_string),
+            sender: sender.map(|p| p.id.to_string()),
+        }
+    }
+
     /// The item of a recorded inbound frame (an `inbound` message or an `inbound_event`),
     /// as the hub made it when it admitted the frame; `None` for any other frame.
     pub fn of_frame(frame: &Frame) -> Option<NewItem> {
         match frame {
             Frame::Inbound(inbound) => {
                 let message = &inbound.message;
-                Some(NewItem {
-                    conversation: message.target.conversation.to_string(),
-                    thread: message.target.thread.as_ref().map(ToString::to_string),
-                    message_id: Some(message.id.to_string()),
-                    sender: Some(message.sender.id.to_string()),
-                })
+                Some(Self::new(&message.target, Some(&message.id), Some(&message.sender)))
             }
             Frame::InboundEvent(inbound) => {
                 let context = inbound.event.context();
-                Some(NewItem {
-                    conversation: context.target.conversation.to_string(),
-                    thread: context.target.thread.as_ref().map(ToString::to_string),
-                    message_id: None,
-                    sender: context.participant.as_ref().map(|p| p.id.to_string()),
-                })
+                Some(Self::new(&context.target, None, context.participant.as_ref()))
             }
             _ => None,
         }
@@ -161,9 +168,9 @@ pub fn next_id(txn: &Transaction<'_>) -> Result<i64, LedgerError> {
     if let Some(id) = HELD.with(|held| held.borrow().next_id) {
         return Ok(id);
     }
-    let (written, _) = last_write(txn)?;
-    let newest: i64 = txn.query_row("SELECT coalesce(max(id), 0) FROM items", [], |r| r.get(0))?;
-    let id = written.max(newest) + 1;
+    // Every item id is written before `meta.items_written` names it (the migration named
+    // the items written before it).
+    let id = last_write(txn)?.0 + 1;
     HELD.with(|held| held.borrow_mut().next_id = Some(id));
     Ok(id)
 }
@@ -316,16 +323,14 @@ pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
         let received_ms = row.get::<_, i64>(4)? as u64;
         let decoded = channeld_protocol::decode(&frame).ok();
         if let Some(new) = decoded.as_ref().and_then(NewItem::of_frame) {
-            next_id(txn)?;
             hold(id, &instance, &event_id, new, received_ms);
         }
     }
-    drop(rows);
     // An id a row took is never taken again, even if its frame gave no item.
     if highest > 0 {
-        let next = next_id(txn)?.max(highest + 1);
-        HELD.with(|held| held.borrow_mut().next_id = Some(next));
+        HELD.with(|held| held.borrow_mut().next_id = Some(highest + 1));
     }
+    drop(rows);
     write_all(txn)
 }
 
