@@ -265,8 +265,8 @@ pub fn holding() -> bool {
 }
 
 /// Moves what is held into `history` when [`MOVE_AT`] entries wait, or whatever waits with
-/// `all`; whether it moved any. In a savepoint: a failed move leaves the entries held and the
-/// transaction as it was.
+/// `all`; whether it moved any. A failed move leaves the entries held and part
+/// of the move in the transaction, which the caller rolls back (`store::write_held_rows`).
 pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
     let waiting = HELD.with(|held| held.borrow().entries.waiting().len());
     store::write_held_rows(txn, (waiting, MOVE_AT, all), write_held, mark, undo)

@@ -227,8 +227,8 @@ pub fn holding() -> bool {
 }
 
 /// Writes what is held into `items` when [`WRITE_AT`] items wait, or whatever waits with
-/// `all`; whether it wrote any. In a savepoint: a failed write leaves the items held and the
-/// transaction as it was.
+/// `all`; whether it wrote any. A failed write leaves the items held and part
+/// of the write in the transaction, which the caller rolls back (`store::write_held_rows`).
 pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
     let waiting = HELD.with(|held| held.borrow().items.waiting().len());
     store::write_held_rows(txn, (waiting, WRITE_AT, all), write_held, mark, undo)

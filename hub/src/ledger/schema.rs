@@ -286,8 +286,9 @@ const STATEMENT_CACHE: usize = 128;
 ///   and rusqlite clears the bindings of every cached statement it hands back, so such a
 ///   statement was parsed and planned again on every use;
 /// - the statement cache above;
-/// - statement journals in memory: every ledger call runs in a savepoint, and its journal
-///   spilled to a new temporary file in `/var/tmp` once it outgrew 64 KiB.
+/// - statement journals in memory: a call redone after a failure in its batch runs in a
+///   savepoint, and its journal spilled to a new temporary file in `/var/tmp` once it
+///   outgrew 64 KiB.
 fn tune(conn: &Connection) -> rusqlite::Result<()> {
     conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);

@@ -222,8 +222,11 @@ impl<T> HeldRows<T> {
 }
 
 /// Writes a table's held rows with `write_held` when `at` of them wait, or any that wait
-/// with `all`; whether it wrote. In a savepoint: a failed write leaves the rows held
-/// (`undo` to the `mark` before it) and the transaction as it was.
+/// with `all`; whether it wrote. No savepoint of its own (it would copy every page the write
+/// touches): a failed write leaves the rows held (`undo` to the `mark` before it) and the
+/// transaction with part of the write, which the caller rolls back — a job that fails is
+/// redone, and a failed write behind the jobs is dropped with its batch's first try
+/// ([`apply`]).
 pub fn write_held_rows(
     txn: &Transaction<'_>,
     (waiting, at, all): (usize, usize, bool),
@@ -235,7 +238,7 @@ pub fn write_held_rows(
         return Ok(false);
     }
     let before = mark();
-    savepoint(txn, write_held).inspect_err(|_| undo(before))?;
+    write_held(txn).inspect_err(|_| undo(before))?;
     Ok(true)
 }
 
@@ -549,11 +552,14 @@ impl LedgerThread {
 /// Applies `batch` in one transaction; returns whether it committed (the jobs stay in `batch`
 /// to be told so).
 ///
-/// The jobs run one after another without savepoints: a savepoint copies every page a job
-/// touches into its journal first, and jobs rarely fail. When one fails, the transaction is
-/// rolled back and the batch redone with a savepoint per job, so the failed job leaves
-/// nothing behind and the others their writes (and what a failed job held for `behind` is
-/// dropped). What is due behind the jobs is written after them, in the same transaction.
+/// The jobs run one after another without savepoints, and what is due behind them is written
+/// after them, in the same transaction and without a savepoint either: a savepoint copies
+/// every page written under it into its journal first (and SQLite allocates that journal
+/// page by page), and nothing here fails often. When a job fails, the transaction is rolled
+/// back and the batch redone with a savepoint per job, so the failed job leaves nothing
+/// behind and the others their writes (and what a failed job held for `behind` is dropped).
+/// When the write behind fails, the batch is redone the same way without it: what it would
+/// have written stays held for the next batch, and the jobs' writes stand.
 fn apply(
     conn: &mut Connection,
     batch: &mut Vec<(Job, Commit)>,
@@ -566,7 +572,23 @@ fn apply(
     let changes_before = conn.total_changes();
     let mark = (behind.mark)();
     let mut tx = begin(conn, batch)?;
-    if !batch.iter_mut().all(|(job, _)| job.run(&tx, false)) {
+    let mut clean = batch.iter_mut().all(|(job, _)| job.run(&tx, false));
+    let mut write_behind = true;
+    if clean {
+        // What is due behind the calls.
+        match (behind.write)(&tx, false) {
+            Ok(wrote) => {
+                if wrote && std::mem::take(failing) {
+                    info!("ledger writes the history it holds again");
+                }
+            }
+            Err(err) => {
+                behind_failed(storage, failing, &err);
+                (clean, write_behind) = (false, false);
+            }
+        }
+    }
+    if !clean {
         drop(tx);
         (behind.undo)(mark);
         tx = begin(conn, batch)?;
@@ -576,19 +598,13 @@ fn apply(
                 (behind.undo)(before);
             }
         }
-    }
-    // What is due behind the calls; a failure leaves it held for the next batch, and the
-    // calls' writes standing.
-    match (behind.write)(&tx, false) {
-        Ok(wrote) => {
-            if wrote && std::mem::take(failing) {
-                info!("ledger writes the history it holds again");
-            }
-        }
-        Err(err) => {
-            storage.note(&err);
-            if !std::mem::replace(failing, true) {
-                error!(error = %err, "ledger could not write the history it holds; the next batches try again");
+        // A job failed: what is due behind the others is written in a savepoint of its own,
+        // so a failure leaves it held and their writes standing.
+        if write_behind {
+            let before = (behind.mark)();
+            if let Err(err) = savepoint(&tx, |tx| (behind.write)(tx, false)) {
+                (behind.undo)(before);
+                behind_failed(storage, failing, &err);
             }
         }
     }
@@ -598,6 +614,14 @@ fn apply(
         Err(_) => (behind.undo)(mark),
     }
     outcome
+}
+
+/// Notes a failed write behind the calls (logged once until one succeeds again).
+fn behind_failed(storage: &StorageFlag, failing: &mut bool, err: &LedgerError) {
+    storage.note(err);
+    if !std::mem::replace(failing, true) {
+        error!(error = %err, "ledger could not write the history it holds; the next batches try again");
+    }
 }
 
 /// Begins a batch's transaction. When it cannot, the batch's jobs are dropped unrun: their
@@ -693,6 +717,7 @@ mod tests {
     //! survives a reopen (the WAL is in the file even without its fsync).
     use super::*;
     use crate::ledger::{Ledger, NewInbound, Recorded, RunEnd};
+    use rusqlite::OptionalExtension;
 
     #[test]
     fn only_a_batch_with_a_durable_job_is_fsynced_under_full() {
@@ -945,6 +970,77 @@ mod tests {
             statement.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
         };
         assert_eq!(names, ["after", "before", "first", "second"], "the failed job left nothing");
+    }
+
+    thread_local! {
+        /// Whether [`FLAKY_BEHIND`]'s write fails, and how often its rows were undone.
+        static BEHIND_FAILS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        static BEHIND_UNDONE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// A write behind that adds to a `behind` row in `meta`, then fails while
+    /// `BEHIND_FAILS`.
+    const FLAKY_BEHIND: Behind = Behind {
+        start: |_| Ok(()),
+        mark: BehindMark::default,
+        undo: |_| BEHIND_UNDONE.with(|n| n.set(n.get() + 1)),
+        write: |txn, _| {
+            txn.execute(
+                "INSERT INTO meta (key, value) VALUES ('behind', 'y')
+                 ON CONFLICT (key) DO UPDATE SET value = value || 'y'",
+                [],
+            )?;
+            if BEHIND_FAILS.with(std::cell::Cell::get) {
+                Err(LedgerError::StorageFull)
+            } else {
+                Ok(true)
+            }
+        },
+        committed: || {},
+        holding: || false,
+    };
+
+    /// The write behind the jobs runs without a savepoint; when it fails, the batch is
+    /// redone without it: the jobs' writes stand, none of its own, and what it held is
+    /// undone (held for the next batch). The next batch writes it.
+    #[test]
+    fn a_failed_write_behind_redoes_the_batch_without_it() {
+        let conn = crate::ledger::schema::open_in_memory().unwrap();
+        let mut thread = thread(conn);
+        thread.behind = FLAKY_BEHIND;
+        let metrics = LedgerMetrics::default();
+        let heard = Heard::default();
+        let behind_row = |conn: &Connection| -> Option<String> {
+            conn.query_row("SELECT value FROM meta WHERE key = 'behind'", [], |r| r.get(0))
+                .optional()
+                .unwrap()
+        };
+
+        BEHIND_FAILS.with(|fails| fails.set(true));
+        let (first, first_runs) = TestJob::counted("first", false, &heard);
+        let (second, second_runs) = TestJob::counted("second", false, &heard);
+        let mut batch = vec![(first, Commit::Deferred), (second, Commit::Durable)];
+        thread.apply(&mut batch, &metrics);
+        assert_eq!(first_runs.load(Ordering::SeqCst), 2, "run, then redone");
+        assert_eq!(second_runs.load(Ordering::SeqCst), 2, "run, then redone");
+        assert_eq!(*heard.calls.lock().unwrap(), [("first", true), ("second", true)]);
+        assert_eq!(behind_row(&thread.conn), None, "the failed write left nothing");
+        assert!(BEHIND_UNDONE.with(std::cell::Cell::get) >= 1, "what it held was undone");
+        assert!(thread.behind_failing);
+
+        BEHIND_FAILS.with(|fails| fails.set(false));
+        let (third, third_runs) = TestJob::counted("third", false, &heard);
+        let mut batch = vec![(third, Commit::Deferred)];
+        thread.apply(&mut batch, &metrics);
+        assert_eq!(third_runs.load(Ordering::SeqCst), 1);
+        assert_eq!(behind_row(&thread.conn).as_deref(), Some("y"), "written once, by this batch");
+        assert!(!thread.behind_failing);
+        let names: Vec<String> = {
+            let mut statement =
+                thread.conn.prepare("SELECT key FROM meta WHERE value = 'x' ORDER BY key").unwrap();
+            statement.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
+        };
+        assert_eq!(names, ["first", "second", "third"]);
     }
 
     fn inbound(event_id: &str) -> NewInbound {
