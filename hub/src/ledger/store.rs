@@ -577,11 +577,7 @@ fn apply(
     if clean {
         // What is due behind the calls.
         match (behind.write)(&tx, false) {
-            Ok(wrote) => {
-                if wrote && std::mem::take(failing) {
-                    info!("ledger writes the history it holds again");
-                }
-            }
+            Ok(wrote) => behind_wrote(wrote, failing),
             Err(err) => {
                 behind_failed(storage, failing, &err);
                 (clean, write_behind) = (false, false);
@@ -602,9 +598,12 @@ fn apply(
         // so a failure leaves it held and their writes standing.
         if write_behind {
             let before = (behind.mark)();
-            if let Err(err) = savepoint(&tx, |tx| (behind.write)(tx, false)) {
-                (behind.undo)(before);
-                behind_failed(storage, failing, &err);
+            match savepoint(&tx, |tx| (behind.write)(tx, false)) {
+                Ok(wrote) => behind_wrote(wrote, failing),
+                Err(err) => {
+                    (behind.undo)(before);
+                    behind_failed(storage, failing, &err);
+                }
             }
         }
     }
@@ -614,6 +613,13 @@ fn apply(
         Err(_) => (behind.undo)(mark),
     }
     outcome
+}
+
+/// Notes a write behind the calls that wrote something: after failures, it says so once.
+fn behind_wrote(wrote: bool, failing: &mut bool) {
+    if wrote && std::mem::take(failing) {
+        info!("ledger writes the history it holds again");
+    }
 }
 
 /// Notes a failed write behind the calls (logged once until one succeeds again).
@@ -1041,6 +1047,31 @@ mod tests {
             statement.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
         };
         assert_eq!(names, ["first", "second", "third"]);
+    }
+
+    /// A write behind that succeeds in a batch redone for a failed job ends the failing
+    /// state as one in a clean batch does (the next failure is logged again).
+    #[test]
+    fn a_write_behind_in_a_redone_batch_ends_the_failing_state() {
+        let conn = crate::ledger::schema::open_in_memory().unwrap();
+        let mut thread = thread(conn);
+        thread.behind = FLAKY_BEHIND;
+        thread.behind_failing = true;
+        BEHIND_FAILS.with(|fails| fails.set(false));
+        let metrics = LedgerMetrics::default();
+        let heard = Heard::default();
+        let (good, _) = TestJob::counted("good", false, &heard);
+        let (bad, _) = TestJob::counted("bad", true, &heard);
+        let mut batch = vec![(good, Commit::Deferred), (bad, Commit::Deferred)];
+        thread.apply(&mut batch, &metrics);
+        assert_eq!(*heard.calls.lock().unwrap(), [("good", true), ("bad", false)]);
+        let behind: Option<String> = thread
+            .conn
+            .query_row("SELECT value FROM meta WHERE key = 'behind'", [], |r| r.get(0))
+            .optional()
+            .unwrap();
+        assert_eq!(behind.as_deref(), Some("y"), "written in the redone batch");
+        assert!(!thread.behind_failing, "the write behind succeeded");
     }
 
     fn inbound(event_id: &str) -> NewInbound {
