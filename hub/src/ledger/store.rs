@@ -1006,6 +1006,13 @@ mod tests {
         holding: || false,
     };
 
+    /// What [`FLAKY_BEHIND`] wrote and kept (`None`: nothing committed).
+    fn behind_row(conn: &Connection) -> Option<String> {
+        conn.query_row("SELECT value FROM meta WHERE key = 'behind'", [], |r| r.get(0))
+            .optional()
+            .unwrap()
+    }
+
     /// The write behind the jobs runs without a savepoint; when it fails, the batch is
     /// redone without it: the jobs' writes stand, none of its own, and what it held is
     /// undone (held for the next batch). The next batch writes it.
@@ -1016,11 +1023,6 @@ mod tests {
         thread.behind = FLAKY_BEHIND;
         let metrics = LedgerMetrics::default();
         let heard = Heard::default();
-        let behind_row = |conn: &Connection| -> Option<String> {
-            conn.query_row("SELECT value FROM meta WHERE key = 'behind'", [], |r| r.get(0))
-                .optional()
-                .unwrap()
-        };
 
         BEHIND_FAILS.with(|fails| fails.set(true));
         let (first, first_runs) = TestJob::counted("first", false, &heard);
@@ -1065,12 +1067,7 @@ mod tests {
         let mut batch = vec![(good, Commit::Deferred), (bad, Commit::Deferred)];
         thread.apply(&mut batch, &metrics);
         assert_eq!(*heard.calls.lock().unwrap(), [("good", true), ("bad", false)]);
-        let behind: Option<String> = thread
-            .conn
-            .query_row("SELECT value FROM meta WHERE key = 'behind'", [], |r| r.get(0))
-            .optional()
-            .unwrap();
-        assert_eq!(behind.as_deref(), Some("y"), "written in the redone batch");
+        assert_eq!(behind_row(&thread.conn).as_deref(), Some("y"), "written in the redone batch");
         assert!(!thread.behind_failing, "the write behind succeeded");
     }
 
