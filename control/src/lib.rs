@@ -301,7 +301,8 @@ pub struct CancelView {
     pub event_id: String,
     /// The event ids whose runs this request stopped or removed (empty: nothing was going on).
     pub cancelled: Vec<String>,
-    /// `aborted`, or how the run had ended (`replied`, `delivered`, `failed`).
+    /// `aborted`, or how the run had ended: `replied` (with a reply, however its delivery
+    /// went), `delivered` (without one), `failed`.
     pub state: String,
 }
 

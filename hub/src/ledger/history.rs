@@ -335,9 +335,9 @@ fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
 }
 
 /// The lowest inbound id whose history entry (its own or its reply's) may still be logged
-/// after now: an entry still running or waiting for its reply's delivery, or a reply on its
-/// way; the next id when there is none. A posted reply settles its inbound in the same
-/// commit, so a reply posted later belongs to one of these.
+/// after now: an entry still running or owing an untracked reply, or a reply on its way
+/// (`replies_holding`: pending, handed or retrying); the next id when there is none. A reply
+/// can be posted only while on its way, so a reply posted later belongs to one of these.
 ///
 /// Each part reads a small index: without `INDEXED BY` the planner takes `min(id)` from the
 /// table's rowid order and walks every settled row before the first open one (a move then

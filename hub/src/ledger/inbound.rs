@@ -6,6 +6,7 @@ use rusqlite::{OptionalExtension, Transaction, params};
 
 use super::LedgerError;
 use super::items::{self, NewItem};
+use super::replies;
 use super::state::{self, INBOUND_STATES, InboundState, RecordDecision, Recovery};
 use super::store::Cached;
 
@@ -67,10 +68,13 @@ pub enum RunEnd {
 }
 
 impl RunEnd {
-    /// The state an entry takes when its run ends this way: a reply is still to be handed
-    /// over, no reply means nothing is owed.
-    pub fn state(&self) -> InboundState {
+    /// The state an entry takes when its run ends this way: a reply that gets its delivery
+    /// record in the same transaction (`tracked`) is owed by that record, so the entry needs
+    /// nothing more; an untracked one is still owed by the entry; no reply means nothing is
+    /// owed. Pure.
+    pub fn state(&self, tracked: bool) -> InboundState {
         match self {
+            RunEnd::Reply(_) if tracked => InboundState::Delivered,
             RunEnd::Reply(_) => InboundState::Replied,
             RunEnd::NoReply => InboundState::Delivered,
             RunEnd::Failed { .. } => InboundState::Failed,
@@ -206,32 +210,43 @@ fn stored_frame(txn: &Transaction<'_>, new: &NewInbound) -> Result<Option<Vec<u8
         .optional()?)
 }
 
-/// The state of `event_id`'s entry and its error code, if the ledger holds it.
+/// How `event_id`'s run stands, if the ledger holds it, and its error code: `Replied` for
+/// any run that ended with a reply (its entry settles as the reply's record is made, so
+/// the stored state alone no longer says so), `Delivered` for one that ended without.
 pub fn outcome(
     txn: &Transaction<'_>,
     instance: &str,
     event_id: &str,
 ) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
-    let row: Option<(String, Option<String>)> = txn
+    let row: Option<(String, Option<String>, bool)> = txn
         .query_row_cached(
-            "SELECT state, error_code FROM inbound WHERE instance = ?1 AND event_id = ?2",
+            "SELECT state, error_code, reply IS NOT NULL FROM inbound
+             WHERE instance = ?1 AND event_id = ?2",
             params![instance, event_id],
-            |row| Ok((row.get(0)?, row.get(1)?)),
+            |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)),
         )
         .optional()?;
-    row.map(|(state, code)| Ok((parse_state(&state)?, code))).transpose()
+    row.map(|(state, code, replied)| {
+        let state = match parse_state(&state)? {
+            InboundState::Delivered if replied => InboundState::Replied,
+            state => state,
+        };
+        Ok((state, code))
+    })
+    .transpose()
 }
 
-/// Records how a run ended (see [`RunEnd::state`]); its reply's delivery record is the
-/// caller's, in the same transaction. False when the entry is not running.
+/// Records how a run ended (see [`RunEnd::state`]); its reply's delivery record, when
+/// `tracked`, is the caller's, in the same transaction. False when the entry is not running.
 pub fn finish(
     txn: &Transaction<'_>,
     instance: &str,
     event_id: &str,
     end: &RunEnd,
+    tracked: bool,
     now_ms: u64,
 ) -> Result<bool, LedgerError> {
-    let next = end.state();
+    let next = end.state(tracked);
     let Some([from, or]) = InboundState::sources(next) else { return Ok(false) };
     let (reply_text, code, message) = match end {
         RunEnd::Reply(text) => (Some(text.as_str()), None, None),
@@ -260,9 +275,10 @@ const FINISH: &str = "UPDATE inbound SET state = ?3, reply = ?4, error_code = ?5
          error_message = ?6, updated_ms = ?7
      WHERE instance = ?1 AND event_id = ?2 AND (state = ?8 OR state = ?9)";
 
-/// Marks a reply as handed to the driver. False when there was no reply waiting: only a
-/// `Replied` entry moves (`Running → Delivered` is a run that ended without a reply, not
-/// this transition).
+/// Settles an entry whose owed reply just got its delivery record (one written before
+/// replies were tracked, recorded by a restart): from now on the record owes it. False when
+/// the entry owed none: only a `Replied` entry moves (`Running → Delivered` is a run's end,
+/// not this transition).
 pub fn mark_delivered(
     txn: &Transaction<'_>,
     instance: &str,
@@ -340,7 +356,7 @@ pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, 
                     code: "interrupted".into(),
                     message: "run was interrupted twice by a hub restart".into(),
                 };
-                finish(txn, &instance, &event_id, &end, now_ms)?;
+                finish(txn, &instance, &event_id, &end, false, now_ms)?;
             }
         }
     }
@@ -369,12 +385,18 @@ pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError
     Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
 }
 
+/// A settled entry whose reply is still on its way stays (its record owes the reply, and a
+/// crash before it is posted rebuilds the reply's history entry from this row).
 fn prune_sql() -> String {
     let settled = state::sql_list(&INBOUND_STATES, InboundState::is_settled, InboundState::as_str);
+    let holding = replies::holding("r.");
     format!(
         "DELETE FROM inbound WHERE state IN ({settled}) AND updated_ms < ?1 AND id < coalesce(
              (SELECT id FROM inbound WHERE received_ms >= ?1 ORDER BY id LIMIT 1),
-             (SELECT max(id) FROM inbound), 0)"
+             (SELECT max(id) FROM inbound), 0)
+             AND NOT EXISTS (SELECT 1 FROM replies AS r
+                 WHERE r.instance = inbound.instance AND r.event_id = inbound.event_id
+                     AND {holding})"
     )
 }
 
@@ -483,7 +505,7 @@ pub(crate) mod tests {
             record(&txn, &inbound("e1", 1), rehash, None).unwrap(),
             Recorded::New { entry: None }
         );
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), false, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Replied);
@@ -505,10 +527,10 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash, None).unwrap();
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, 2).unwrap());
-        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, false, 2).unwrap());
+        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), false, 3).unwrap());
         assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
-        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
+        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, false, 3).unwrap());
         // Only a reply waiting is delivered: a running entry stays running.
         record(&txn, &inbound("e2", 1), rehash, None).unwrap();
         assert!(!mark_delivered(&txn, "a.b", "e2", 3).unwrap());
@@ -528,7 +550,7 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash, None).unwrap();
         let end = RunEnd::Failed { code: "agent_failed".into(), message: "exit 3".into() };
-        assert!(finish(&txn, "a.b", "e1", &end, 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &end, false, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Failed);
@@ -592,12 +614,12 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("old-done", 1), rehash, None).unwrap();
-        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, 10).unwrap();
+        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, false, 10).unwrap();
         record(&txn, &inbound("old-running", 1), rehash, None).unwrap();
         record(&txn, &inbound("old-replied", 1), rehash, None).unwrap();
-        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), 10).unwrap();
+        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), false, 10).unwrap();
         record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash, None).unwrap();
-        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, 500).unwrap();
+        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, false, 500).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         // The pruned id is forgotten; the others still dedupe.
         assert_eq!(
@@ -615,6 +637,34 @@ pub(crate) mod tests {
         }
     }
 
+    /// An entry settles when its reply's record is made; while that reply is on its way
+    /// (pending, handed, retrying) the entry stays past the window, once it is posted it goes.
+    #[test]
+    fn pruning_keeps_a_settled_entry_whose_reply_is_on_its_way() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        for (event, state) in [("on-its-way", "handed"), ("posted", "posted")] {
+            record(&txn, &inbound(event, 1), rehash, None).unwrap();
+            assert!(finish(&txn, "a.b", event, &RunEnd::Reply("r".into()), true, 10).unwrap());
+            txn.execute(
+                "INSERT INTO replies (instance, event_id, conversation, message, state, next_ms,
+                     expires_ms, created_ms, updated_ms)
+                 VALUES ('a.b', ?1, 'c1', x'7b7d', ?2, 10, 10, 10, 10)",
+                params![event, state],
+            )
+            .unwrap();
+        }
+        let later = NewInbound { now_ms: 500, ..inbound("later", 1) };
+        record(&txn, &later, rehash, None).unwrap();
+        assert_eq!(prune(&txn, 100).unwrap(), 1);
+        assert_eq!(outcome(&txn, "a.b", "posted").unwrap(), None);
+        assert_eq!(
+            outcome(&txn, "a.b", "on-its-way").unwrap(),
+            Some((InboundState::Replied, None)),
+            "kept; reported as how its run ended"
+        );
+    }
+
     /// What is written behind the inbound finds its rows by ids that only grow: pruning
     /// every settled entry leaves the newest, so SQLite never numbers a new row below it.
     #[test]
@@ -623,7 +673,7 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         for event_id in ["a", "b"] {
             record(&txn, &inbound(event_id, 1), rehash, None).unwrap();
-            finish(&txn, "a.b", event_id, &RunEnd::NoReply, 10).unwrap();
+            finish(&txn, "a.b", event_id, &RunEnd::NoReply, false, 10).unwrap();
         }
         let id_of = |event_id: &str| -> i64 {
             txn.query_row("SELECT id FROM inbound WHERE event_id = ?1", [event_id], |r| r.get(0))
@@ -643,7 +693,7 @@ pub(crate) mod tests {
         // Written by an older hub: version 1, a hash this build cannot reproduce.
         let old = NewInbound { content_hash: [0xee; 32], hash_version: 1, ..inbound("e1", 7) };
         record(&txn, &old, rehash, None).unwrap();
-        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap();
+        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), false, 2).unwrap();
         // The same message redelivered after the upgrade replays; it does not conflict.
         assert!(matches!(
             record(&txn, &inbound("e1", 7), rehash, None).unwrap(),

@@ -597,7 +597,9 @@ impl Ledger {
 
     /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record,
     /// in one step: with `claim`, claimed for hand-over at once when nothing holds its
-    /// conversation ([`replies::add_claimed`]), else `pending`. Deferred: it survives a hub
+    /// conversation ([`replies::add_claimed`]), else `pending`. A reply with its record
+    /// settles the entry in this step: the record owes it from now on, and the driver's
+    /// answer writes only the record. Deferred: it survives a hub
     /// crash at once, power loss with the next fsync (a run whose end was lost that way runs
     /// again, flagged `redelivered`).
     pub fn finish_run(
@@ -610,7 +612,8 @@ impl Ledger {
         now_ms: u64,
     ) -> impl Future<Output = Result<Finished, LedgerError>> + Send + '_ {
         self.call_with(Commit::Deferred, move |txn| {
-            let ended = inbound::finish(txn, &instance, &event_id, &end, now_ms)?;
+            let tracked = reply.is_some() && matches!(end, RunEnd::Reply(_));
+            let ended = inbound::finish(txn, &instance, &event_id, &end, tracked, now_ms)?;
             let handed = match (&reply, &end) {
                 (Some(reply), RunEnd::Reply(_)) if ended && claim => {
                     replies::add_claimed(txn, reply, now_ms)?
@@ -632,13 +635,19 @@ impl Ledger {
         self.call(inbound::untracked_replies)
     }
 
-    /// Records a reply's delivery as `pending`; returns its id.
+    /// Records an owed reply's delivery as `pending` (one written before replies were
+    /// tracked, see [`untracked_replies`](Self::untracked_replies)) and settles its entry in
+    /// the same step: the record owes it from now on. Returns the record's id.
     pub fn reply_add(
         &self,
         reply: NewReply,
         now_ms: u64,
     ) -> impl Future<Output = Result<i64, LedgerError>> + Send + '_ {
-        self.call(move |txn| replies::add(txn, &reply, now_ms))
+        self.call(move |txn| {
+            let id = replies::add(txn, &reply, now_ms)?;
+            inbound::mark_delivered(txn, &reply.instance, &reply.event_id, now_ms)?;
+            Ok(id)
+        })
     }
 
     /// Claims the replies of `instance` due for hand-over; see [`replies::claim_due`].
@@ -1026,6 +1035,53 @@ mod tests {
         ledger.record_inbound_now(inbound("e2"), same, Some((entry("e2"), 10))).await.unwrap();
         ledger.close().await;
         assert_eq!(written(), 2);
+    }
+
+    /// The state column itself, not `inbound_outcome`'s reading of it.
+    async fn stored_state(ledger: &Ledger, event_id: &'static str) -> String {
+        ledger
+            .call(move |txn| {
+                Ok(txn.query_row(
+                    "SELECT state FROM inbound WHERE event_id = ?1",
+                    [event_id],
+                    |r| r.get(0),
+                )?)
+            })
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_reply_with_its_record_settles_its_entry_and_an_untracked_one_once_recorded() {
+        let ledger = Ledger::in_memory().unwrap();
+        let reply = |event_id: &str| NewReply {
+            instance: "a.b".into(),
+            event_id: event_id.into(),
+            conversation: "c1".into(),
+            message: b"{}".to_vec(),
+            expires_ms: u64::MAX / 2,
+        };
+        for event_id in ["e1", "e2"] {
+            ledger.record_inbound_now(inbound(event_id), same, None).await.unwrap();
+        }
+        // A driver's reply: recorded with the run's end, which settles the entry.
+        let end = RunEnd::Reply("hi".into());
+        let finished =
+            ledger.finish_run("a.b".into(), "e1".into(), end.clone(), Some(reply("e1")), false, 2);
+        assert!(finished.await.unwrap().ended);
+        assert_eq!(stored_state(&ledger, "e1").await, "delivered");
+        let outcome = ledger.inbound_outcome("a.b".into(), "e1".into()).await.unwrap();
+        assert_eq!(outcome, Some((InboundState::Replied, None)), "how the run ended");
+        // A legacy peer's reply has no record: the entry still owes it, and a restart
+        // records it for delivery, which settles the entry in the same step.
+        let finished = ledger.finish_run("a.b".into(), "e2".into(), end, None, false, 2);
+        assert!(finished.await.unwrap().ended);
+        assert_eq!(stored_state(&ledger, "e2").await, "replied");
+        let untracked = ledger.untracked_replies().await.unwrap();
+        assert_eq!(untracked.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["e2"]);
+        ledger.reply_add(reply("e2"), 3).await.unwrap();
+        assert_eq!(stored_state(&ledger, "e2").await, "delivered");
+        assert!(ledger.untracked_replies().await.unwrap().is_empty());
     }
 
     #[tokio::test]

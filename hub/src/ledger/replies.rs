@@ -14,7 +14,6 @@ use serde::{Deserialize, Serialize};
 
 use super::LedgerError;
 use super::history::{self, NewHistory};
-use super::inbound;
 use super::reply_state::{self, Answer, REPLY_STATES, ReplyState};
 use super::state::sql_list;
 use super::store::Cached;
@@ -253,8 +252,9 @@ fn claim_sql() -> String {
 
 /// Applies a driver's answer (or its silence) to the reply of `event_id`; see
 /// [`reply_state::after_answer`]. Returns the state it moved to, `None` when the answer did
-/// not apply (no such reply, or not one waiting for this answer). A reply that settles marks
-/// its inbound entry delivered: nothing more is owed automatically.
+/// not apply (no such reply, or not one waiting for this answer). Only the reply's record is
+/// written: its inbound entry settled when the record was made (`RunEnd::state`,
+/// `Ledger::reply_add`).
 pub fn answer(
     txn: &Transaction<'_>,
     answer: &ReplyAnswer,
@@ -320,9 +320,6 @@ pub fn answer(
             generation
         ],
     )?;
-    if next.state.is_final() {
-        inbound::mark_delivered(txn, &answer.instance, &answer.event_id, now_ms)?;
-    }
     if let Some((entry, cap)) = history {
         history::hold(entry, cap);
     }
@@ -359,7 +356,6 @@ pub fn expire(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> 
              WHERE instance = ?1 AND event_id = ?2",
             params![instance, event_id, ReplyState::Expired.as_str(), EXPIRED, now_ms as i64],
         )?;
-        inbound::mark_delivered(txn, instance, event_id, now_ms)?;
     }
     Ok(expired.len())
 }
@@ -578,7 +574,7 @@ mod tests {
     use rusqlite::Connection;
 
     use super::*;
-    use crate::ledger::inbound::{NewInbound, RunEnd, record};
+    use crate::ledger::inbound::{self, NewInbound, RunEnd, record};
     use crate::ledger::schema;
     use crate::ledger::state::InboundState;
 
@@ -652,7 +648,8 @@ mod tests {
         run_replied(txn, event_id, conversation, now)
     }
 
-    /// `event_id`'s run ends with the reply `re <event>` in `conversation`: pending; its id.
+    /// `event_id`'s run ends with the reply `re <event>` in `conversation`, recorded with
+    /// its delivery record as `Ledger::finish_run` does: pending; its id.
     fn run_replied(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
         let reply = NewReply {
             instance: "a.b".into(),
@@ -662,7 +659,7 @@ mod tests {
             expires_ms: now + TTL,
         };
         let end = RunEnd::Reply(format!("re {event_id}"));
-        assert!(inbound::finish(txn, "a.b", event_id, &end, now).unwrap());
+        assert!(inbound::finish(txn, "a.b", event_id, &end, true, now).unwrap());
         add(txn, &reply, now).unwrap()
     }
 
@@ -811,6 +808,31 @@ mod tests {
         assert_eq!(e2.text, "re e2");
     }
 
+    /// The run's end settles the inbound entry with its reply's record; the driver's answers
+    /// write only the record (the entry's row, frame and reply in it, is not written again).
+    #[test]
+    fn answers_to_a_reply_leave_its_settled_inbound_entry_as_it_is() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        replied(&txn, "e1", "c1", 10);
+        let row = |txn: &Transaction<'_>| -> (String, i64) {
+            txn.query_row("SELECT state, updated_ms FROM inbound WHERE event_id = 'e1'", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap()
+        };
+        let settled = (InboundState::Delivered.as_str().to_owned(), 10);
+        assert_eq!(row(&txn), settled);
+        assert_eq!(claimed(&txn, 20), ["e1"]);
+        answer(&txn, &say("e1", Answer::Failed { retryable: true }), 30, 0.0).unwrap();
+        assert_eq!(claimed(&txn, 2000), ["e1"]);
+        assert_eq!(
+            answer(&txn, &say("e1", Answer::Posted), 2010, 0.0).unwrap(),
+            Some(ReplyState::Posted)
+        );
+        assert_eq!(row(&txn), settled);
+    }
+
     fn new_reply(event_id: &str, conversation: &str, now: u64) -> NewReply {
         NewReply {
             instance: "a.b".into(),
@@ -850,7 +872,8 @@ mod tests {
         assert_eq!(claimed(&txn, 20), ["e1"]);
         let failed = answer(&txn, &say("e1", Answer::Failed { retryable: true }), 30, 0.5).unwrap();
         assert_eq!(failed, Some(ReplyState::FailedRetryable));
-        assert_eq!(inbound_state(&txn, "e1"), InboundState::Replied.as_str(), "still owed");
+        // Owed by its record, not its inbound entry: that one settled when the run ended.
+        assert_eq!(inbound_state(&txn, "e1"), InboundState::Delivered.as_str());
         assert_eq!(
             claimed(&txn, 1029),
             Vec::<String>::new(),

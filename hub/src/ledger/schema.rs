@@ -223,6 +223,17 @@ const MIGRATIONS: &[&str] = &[
          SELECT 'items_written',
              (SELECT coalesce(max(id), 0) FROM items) || ' ' ||
              (SELECT coalesce(max(id), 0) + 1 FROM inbound);",
+    // 14 (issue 18): a reply's delivery record owes it, not its inbound entry. An entry whose
+    // run ended with a reply became `replied` and was rewritten `delivered` when the driver
+    // answered: the whole row (its frame, its reply) written twice more per message and its
+    // `inbound_open` entry moved, then removed. Now the entry settles as the reply's record is
+    // made, and the answer writes only the record; `replied` is left to replies without a
+    // record (a legacy peer's, and those written before schema 3, which a restart records
+    // and settles). Entries still `replied` whose reply has its record settle now.
+    "UPDATE inbound SET state = 'delivered'
+     WHERE state = 'replied' AND EXISTS (
+         SELECT 1 FROM replies AS r
+         WHERE r.instance = inbound.instance AND r.event_id = inbound.event_id);",
 ];
 
 /// How many migrations this build knows (the schema version it writes).
@@ -452,6 +463,42 @@ pub(crate) mod tests {
             })
             .unwrap();
         assert!(holding.ends_with(&format!("WHERE {}", super::super::replies::holding(""))));
+    }
+
+    /// Migration 14: an entry that owed a reply with a delivery record settles; one without
+    /// a record (a legacy peer's, or from before schema 3) still owes it.
+    #[test]
+    fn a_version_13_ledger_settles_the_entries_whose_reply_has_its_record() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, 13).unwrap();
+        for event in ["tracked", "untracked", "running"] {
+            let state = if event == "running" { "running" } else { "replied" };
+            conn.execute(
+                "INSERT INTO inbound (instance, event_id, content_hash, hash_version, run_id,
+                     state, frame, attempts, reply, received_ms, updated_ms)
+                 VALUES ('a.b', ?1, x'01', 2, ?1, ?2, x'7b7d', 1, 'hi', 5, 5)",
+                [event, state],
+            )
+            .unwrap();
+        }
+        conn.execute(
+            "INSERT INTO replies (instance, event_id, conversation, message, state, next_ms,
+                 expires_ms, created_ms, updated_ms)
+             VALUES ('a.b', 'tracked', 'c1', x'7b7d', 'handed', 5, 5, 5, 5)",
+            [],
+        )
+        .unwrap();
+        migrate(&mut conn, SCHEMA_VERSION).unwrap();
+        let states: Vec<(String, String, i64)> = conn
+            .prepare("SELECT event_id, state, updated_ms FROM inbound ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let expected = [("tracked", "delivered"), ("untracked", "replied"), ("running", "running")]
+            .map(|(event, state)| (event.to_owned(), state.to_owned(), 5));
+        assert_eq!(states, expected);
     }
 
     #[test]

@@ -11,8 +11,13 @@ use std::fmt;
 /// Where an inbound run stands.
 ///
 /// An entry is written as `Running` when the hub accepts the inbound (its run starts then,
-/// or when its turn in its session's queue comes), then moves to `Replied` (reply stored, not yet confirmed handed to
-/// the driver), `Delivered`, or `Failed`.
+/// or when its turn in its session's queue comes), then moves to `Delivered` (the run ended,
+/// and nothing more is owed from this row: no reply, or a reply that its delivery record in
+/// `replies` now carries), `Failed`, or `Replied`: a reply the entry still owes with no
+/// delivery record — a legacy peer's, which went back on its connection, or one written
+/// before replies were tracked, which a restart records for delivery and then settles
+/// (`Replied → Delivered`). A reply's own progress is its record's (`reply_state.rs`): the
+/// entry is not written again when the driver answers it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum InboundState {
     Running,
@@ -52,7 +57,9 @@ impl InboundState {
     }
 
     /// Nothing is left to do for the entry: it only serves dedupe, and may be pruned once it
-    /// is older than the retention window. (`Replied` still owes the driver its reply.)
+    /// is older than the retention window. (`Replied` still owes the driver its reply; a
+    /// settled entry whose reply is still on its way is kept by the prune, see
+    /// `inbound::prune`.)
     pub fn is_settled(self) -> bool {
         matches!(self, InboundState::Delivered | InboundState::Failed)
     }
