@@ -68,15 +68,13 @@ pub enum RunEnd {
 }
 
 impl RunEnd {
-    /// The state an entry takes when its run ends this way: a reply that gets its delivery
-    /// record in the same transaction (`tracked`) is owed by that record, so the entry needs
-    /// nothing more; an untracked one is still owed by the entry; no reply means nothing is
-    /// owed. Pure.
-    pub fn state(&self, tracked: bool) -> InboundState {
+    /// The state an entry takes when its run ends this way. A reply is owed by its delivery
+    /// record, made in the same transaction (`Ledger::finish_run`), or went back once on the
+    /// legacy peer's connection it came from, or could not be a frame (the driver got an
+    /// `error` instead): either way the entry owes nothing more, as without a reply. Pure.
+    pub fn state(&self) -> InboundState {
         match self {
-            RunEnd::Reply(_) if tracked => InboundState::Delivered,
-            RunEnd::Reply(_) => InboundState::Replied,
-            RunEnd::NoReply => InboundState::Delivered,
+            RunEnd::Reply(_) | RunEnd::NoReply => InboundState::Delivered,
             RunEnd::Failed { .. } => InboundState::Failed,
         }
     }
@@ -236,17 +234,16 @@ pub fn outcome(
     .transpose()
 }
 
-/// Records how a run ended (see [`RunEnd::state`]); its reply's delivery record, when
-/// `tracked`, is the caller's, in the same transaction. False when the entry is not running.
+/// Records how a run ended (see [`RunEnd::state`]); its reply's delivery record is the
+/// caller's, in the same transaction. False when the entry is not running.
 pub fn finish(
     txn: &Transaction<'_>,
     instance: &str,
     event_id: &str,
     end: &RunEnd,
-    tracked: bool,
     now_ms: u64,
 ) -> Result<bool, LedgerError> {
-    let next = end.state(tracked);
+    let next = end.state();
     let Some([from, or]) = InboundState::sources(next) else { return Ok(false) };
     let (reply_text, code, message) = match end {
         RunEnd::Reply(text) => (Some(text.as_str()), None, None),
@@ -356,7 +353,7 @@ pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, 
                     code: "interrupted".into(),
                     message: "run was interrupted twice by a hub restart".into(),
                 };
-                finish(txn, &instance, &event_id, &end, false, now_ms)?;
+                finish(txn, &instance, &event_id, &end, now_ms)?;
             }
         }
     }
@@ -505,17 +502,20 @@ pub(crate) mod tests {
             record(&txn, &inbound("e1", 1), rehash, None).unwrap(),
             Recorded::New { entry: None }
         );
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), false, 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
-                assert_eq!(run.state, InboundState::Replied);
+                assert_eq!(run.state, InboundState::Delivered);
                 assert_eq!(run.reply.as_deref(), Some("hi"));
                 assert_eq!(run.run_id, "run-e1");
             }
             other => panic!("expected a replay, got {other:?}"),
         }
         assert_eq!(record(&txn, &inbound("e1", 2), rehash, None).unwrap(), Recorded::Conflict);
-        // Written without a delivery record, as a hub before schema 3 did: untracked.
+        // The reply is its delivery record's to owe (or went back on a legacy peer's
+        // connection): nothing is left untracked. A hub before schema 3 left it owed.
+        assert!(untracked_replies(&txn).unwrap().is_empty());
+        before_schema_3(&txn, "e1");
         assert_eq!(untracked_replies(&txn).unwrap().len(), 1);
         assert!(mark_delivered(&txn, "a.b", "e1", 3).unwrap());
         assert!(untracked_replies(&txn).unwrap().is_empty());
@@ -527,10 +527,10 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash, None).unwrap();
-        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, false, 2).unwrap());
-        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), false, 3).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &RunEnd::NoReply, 2).unwrap());
+        assert!(!finish(&txn, "a.b", "e1", &RunEnd::Reply("late".into()), 3).unwrap());
         assert!(!mark_delivered(&txn, "a.b", "e1", 3).unwrap());
-        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, false, 3).unwrap());
+        assert!(!finish(&txn, "a.b", "absent", &RunEnd::NoReply, 3).unwrap());
         // Only a reply waiting is delivered: a running entry stays running.
         record(&txn, &inbound("e2", 1), rehash, None).unwrap();
         assert!(!mark_delivered(&txn, "a.b", "e2", 3).unwrap());
@@ -550,7 +550,7 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("e1", 1), rehash, None).unwrap();
         let end = RunEnd::Failed { code: "agent_failed".into(), message: "exit 3".into() };
-        assert!(finish(&txn, "a.b", "e1", &end, false, 2).unwrap());
+        assert!(finish(&txn, "a.b", "e1", &end, 2).unwrap());
         match record(&txn, &inbound("e1", 1), rehash, None).unwrap() {
             Recorded::Replay(run) => {
                 assert_eq!(run.state, InboundState::Failed);
@@ -614,12 +614,13 @@ pub(crate) mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         record(&txn, &inbound("old-done", 1), rehash, None).unwrap();
-        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, false, 10).unwrap();
+        finish(&txn, "a.b", "old-done", &RunEnd::NoReply, 10).unwrap();
         record(&txn, &inbound("old-running", 1), rehash, None).unwrap();
         record(&txn, &inbound("old-replied", 1), rehash, None).unwrap();
-        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), false, 10).unwrap();
+        finish(&txn, "a.b", "old-replied", &RunEnd::Reply("r".into()), 10).unwrap();
+        before_schema_3(&txn, "old-replied");
         record(&txn, &NewInbound { now_ms: 500, ..inbound("new-done", 1) }, rehash, None).unwrap();
-        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, false, 500).unwrap();
+        finish(&txn, "a.b", "new-done", &RunEnd::NoReply, 500).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         // The pruned id is forgotten; the others still dedupe.
         assert_eq!(
@@ -637,6 +638,15 @@ pub(crate) mod tests {
         }
     }
 
+    /// The entry of a run that replied as a hub before schema 3 left it: `replied`, the
+    /// reply owed by the entry (no delivery record).
+    fn before_schema_3(txn: &Transaction<'_>, event_id: &str) {
+        let updated = txn
+            .execute("UPDATE inbound SET state = 'replied' WHERE event_id = ?1", [event_id])
+            .unwrap();
+        assert_eq!(updated, 1);
+    }
+
     /// An entry settles when its reply's record is made; while that reply is on its way
     /// (pending, handed, retrying) the entry stays past the window, once it is posted it goes.
     #[test]
@@ -645,7 +655,7 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         for (event, state) in [("on-its-way", "handed"), ("posted", "posted")] {
             record(&txn, &inbound(event, 1), rehash, None).unwrap();
-            assert!(finish(&txn, "a.b", event, &RunEnd::Reply("r".into()), true, 10).unwrap());
+            assert!(finish(&txn, "a.b", event, &RunEnd::Reply("r".into()), 10).unwrap());
             txn.execute(
                 "INSERT INTO replies (instance, event_id, conversation, message, state, next_ms,
                      expires_ms, created_ms, updated_ms)
@@ -673,7 +683,7 @@ pub(crate) mod tests {
         let txn = db.transaction().unwrap();
         for event_id in ["a", "b"] {
             record(&txn, &inbound(event_id, 1), rehash, None).unwrap();
-            finish(&txn, "a.b", event_id, &RunEnd::NoReply, false, 10).unwrap();
+            finish(&txn, "a.b", event_id, &RunEnd::NoReply, 10).unwrap();
         }
         let id_of = |event_id: &str| -> i64 {
             txn.query_row("SELECT id FROM inbound WHERE event_id = ?1", [event_id], |r| r.get(0))
@@ -693,7 +703,7 @@ pub(crate) mod tests {
         // Written by an older hub: version 1, a hash this build cannot reproduce.
         let old = NewInbound { content_hash: [0xee; 32], hash_version: 1, ..inbound("e1", 7) };
         record(&txn, &old, rehash, None).unwrap();
-        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), false, 2).unwrap();
+        finish(&txn, "a.b", "e1", &RunEnd::Reply("hi".into()), 2).unwrap();
         // The same message redelivered after the upgrade replays; it does not conflict.
         assert!(matches!(
             record(&txn, &inbound("e1", 7), rehash, None).unwrap(),

@@ -597,9 +597,9 @@ impl Ledger {
 
     /// Records how a run ended (see [`RunEnd::state`]) and, for a reply, its delivery record,
     /// in one step: with `claim`, claimed for hand-over at once when nothing holds its
-    /// conversation ([`replies::add_claimed`]), else `pending`. A reply with its record
-    /// settles the entry in this step: the record owes it from now on, and the driver's
-    /// answer writes only the record. Deferred: it survives a hub
+    /// conversation ([`replies::add_claimed`]), else `pending`. The entry settles in this
+    /// step: a reply is its record's to owe from now on (the driver's answer writes only the
+    /// record), or a legacy peer's, answered once on its connection. Deferred: it survives a hub
     /// crash at once, power loss with the next fsync (a run whose end was lost that way runs
     /// again, flagged `redelivered`).
     pub fn finish_run(
@@ -612,8 +612,7 @@ impl Ledger {
         now_ms: u64,
     ) -> impl Future<Output = Result<Finished, LedgerError>> + Send + '_ {
         self.call_with(Commit::Deferred, move |txn| {
-            let tracked = reply.is_some() && matches!(end, RunEnd::Reply(_));
-            let ended = inbound::finish(txn, &instance, &event_id, &end, tracked, now_ms)?;
+            let ended = inbound::finish(txn, &instance, &event_id, &end, now_ms)?;
             let handed = match (&reply, &end) {
                 (Some(reply), RunEnd::Reply(_)) if ended && claim => {
                     replies::add_claimed(txn, reply, now_ms)?
@@ -1052,7 +1051,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_reply_with_its_record_settles_its_entry_and_an_untracked_one_once_recorded() {
+    async fn a_run_that_replied_settles_its_entry_and_an_old_owed_reply_once_recorded() {
         let ledger = Ledger::in_memory().unwrap();
         let reply = |event_id: &str| NewReply {
             instance: "a.b".into(),
@@ -1072,11 +1071,18 @@ mod tests {
         assert_eq!(stored_state(&ledger, "e1").await, "delivered");
         let outcome = ledger.inbound_outcome("a.b".into(), "e1".into()).await.unwrap();
         assert_eq!(outcome, Some((InboundState::Replied, None)), "how the run ended");
-        // A legacy peer's reply has no record: the entry still owes it, and a restart
-        // records it for delivery, which settles the entry in the same step.
+        // A legacy peer's reply has no record: it went back once on the peer's connection,
+        // and nothing is owed after a restart either.
         let finished = ledger.finish_run("a.b".into(), "e2".into(), end, None, false, 2);
         assert!(finished.await.unwrap().ended);
-        assert_eq!(stored_state(&ledger, "e2").await, "replied");
+        assert_eq!(stored_state(&ledger, "e2").await, "delivered");
+        assert!(ledger.untracked_replies().await.unwrap().is_empty());
+        // A reply a hub before schema 3 left owed is recorded for delivery at a restart,
+        // which settles its entry in the same step.
+        let old = |txn: &Transaction<'_>| {
+            Ok(txn.execute("UPDATE inbound SET state = 'replied' WHERE event_id = 'e2'", [])?)
+        };
+        assert_eq!(ledger.call(old).await.unwrap(), 1);
         let untracked = ledger.untracked_replies().await.unwrap();
         assert_eq!(untracked.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["e2"]);
         ledger.reply_add(reply("e2"), 3).await.unwrap();

@@ -659,7 +659,7 @@ mod tests {
             expires_ms: now + TTL,
         };
         let end = RunEnd::Reply(format!("re {event_id}"));
-        assert!(inbound::finish(txn, "a.b", event_id, &end, true, now).unwrap());
+        assert!(inbound::finish(txn, "a.b", event_id, &end, now).unwrap());
         add(txn, &reply, now).unwrap()
     }
 

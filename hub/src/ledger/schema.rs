@@ -227,9 +227,9 @@ const MIGRATIONS: &[&str] = &[
     // run ended with a reply became `replied` and was rewritten `delivered` when the driver
     // answered: the whole row (its frame, its reply) written twice more per message and its
     // `inbound_open` entry moved, then removed. Now the entry settles as the reply's record is
-    // made, and the answer writes only the record; `replied` is left to replies without a
-    // record (a legacy peer's, and those written before schema 3, which a restart records
-    // and settles). Entries still `replied` whose reply has its record settle now.
+    // made (or as a legacy peer's goes back on its connection), and the answer writes only
+    // the record; `replied` is left to replies written before schema 3, which a restart
+    // records and settles. Entries still `replied` whose reply has its record settle now.
     "UPDATE inbound SET state = 'delivered'
      WHERE state = 'replied' AND EXISTS (
          SELECT 1 FROM replies AS r
@@ -466,7 +466,8 @@ pub(crate) mod tests {
     }
 
     /// Migration 14: an entry that owed a reply with a delivery record settles; one without
-    /// a record (a legacy peer's, or from before schema 3) still owes it.
+    /// a record (from before schema 3, or a legacy peer's from an earlier version) still
+    /// owes it.
     #[test]
     fn a_version_13_ledger_settles_the_entries_whose_reply_has_its_record() {
         let mut conn = Connection::open_in_memory().unwrap();

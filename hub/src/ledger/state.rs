@@ -11,13 +11,13 @@ use std::fmt;
 /// Where an inbound run stands.
 ///
 /// An entry is written as `Running` when the hub accepts the inbound (its run starts then,
-/// or when its turn in its session's queue comes), then moves to `Delivered` (the run ended,
+/// or when its turn in its session's queue comes), then moves to `Delivered` (the run ended
 /// and nothing more is owed from this row: no reply, or a reply that its delivery record in
-/// `replies` now carries), `Failed`, or `Replied`: a reply the entry still owes with no
-/// delivery record — a legacy peer's, which went back on its connection, or one written
-/// before replies were tracked, which a restart records for delivery and then settles
-/// (`Replied → Delivered`). A reply's own progress is its record's (`reply_state.rs`): the
-/// entry is not written again when the driver answers it.
+/// `replies` carries from then on, or one a legacy peer got back once on its connection) or
+/// `Failed`. `Replied` (a reply the entry itself still owes) is what hubs before schema 3
+/// wrote, without a delivery record: a restart records each for delivery and settles it
+/// (`Replied → Delivered`). A reply's progress is its record's (`reply_state.rs`): the entry
+/// is not written again when the driver answers it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum InboundState {
     Running,
