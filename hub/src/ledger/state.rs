@@ -64,13 +64,12 @@ impl InboundState {
         matches!(self, InboundState::Delivered | InboundState::Failed)
     }
 
-    /// Whether an entry may move from `self` to `next`.
+    /// Whether an entry may move from `self` to `next`. Nothing becomes `Replied` any more:
+    /// a run's end settles its entry (`RunEnd::state`); only entries hubs before schema 3
+    /// left `Replied` move on, to `Delivered`.
     pub fn may_become(self, next: InboundState) -> bool {
         use InboundState::*;
-        matches!(
-            (self, next),
-            (Running, Replied) | (Running, Delivered) | (Running, Failed) | (Replied, Delivered)
-        )
+        matches!((self, next), (Running, Delivered) | (Running, Failed) | (Replied, Delivered))
     }
 }
 
@@ -272,7 +271,7 @@ mod tests {
             assert!(!state.may_become(InboundState::Running));
             assert!(state.is_final());
         }
-        assert!(InboundState::Running.may_become(InboundState::Replied));
+        assert!(!InboundState::Running.may_become(InboundState::Replied));
         assert!(InboundState::Replied.may_become(InboundState::Delivered));
         assert!(!InboundState::Delivered.may_become(InboundState::Replied));
     }
@@ -280,7 +279,7 @@ mod tests {
     #[test]
     fn a_guarded_update_names_exactly_the_states_that_may_become_the_next() {
         use InboundState as I;
-        assert_eq!(I::sources(I::Replied), Some(["running", "running"]));
+        assert_eq!(I::sources(I::Replied), None, "only hubs before schema 3 wrote it");
         assert_eq!(I::sources(I::Delivered), Some(["running", "replied"]));
         assert_eq!(I::sources(I::Failed), Some(["running", "running"]));
         assert_eq!(I::sources(I::Running), None);
