@@ -432,6 +432,17 @@ fn main() -> ExitCode {
     let state = result.get("state").and_then(|s| s.as_str()).unwrap_or_default();
     let success = match &cli.command {
         Cmd::Send { .. } if state == "queued" => ExitCode::from(EXIT_QUEUED),
+        // Waited, and still no receipt: unknown to this caller (the record settles later).
+        Cmd::Send { no_wait: false, .. } if state == "handed" => {
+            if !cli.json {
+                let record = result.get("outbox_id").and_then(serde_json::Value::as_i64);
+                let record = record.map_or_else(String::new, |id| format!(" (outbox record {id})"));
+                eprintln!(
+                    "channelctl: no receipt within the wait; the send is still waiting for it{record}: it may or may not be posted"
+                );
+            }
+            ExitCode::from(EXIT_UNKNOWN)
+        }
         Cmd::Outbox { action: Some(OutboxCmd::Retry { .. }), .. } => {
             ExitCode::from(retried_exit_code(state))
         }

@@ -285,6 +285,9 @@ pub(crate) fn render(name: &str, result: &Value) -> String {
                 let sent: SendResult = serde_json::from_value(result.clone()).ok()?;
                 match &sent.receipt {
                     Some(receipt) => format!("sent: receipted as {}", receipt.message_id),
+                    None if sent.state == "handed" => "sent: handed to the driver, no receipt \
+                        yet (it may or may not be posted; the outbox record settles later)"
+                        .to_owned(),
                     None => format!("sent: {}", sent.state),
                 }
             }

@@ -217,3 +217,63 @@ async fn a_send_refused_by_a_draining_driver_goes_to_the_next_driver_once() {
     assert_eq!(listed["records"][0]["attempts"], 2, "{listed}");
     assert!(next.frame_within(Duration::from_millis(300)).await.is_none(), "sent only once more");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_queued_behind_a_refused_one_gets_its_callers_wait_as_receipt_window() {
+    let hub = hub("");
+    let mut driver = driver(&hub).await;
+    let first = hub.ctl(&["send", ONE, "--conversation", "c1", "--no-wait", "first"]);
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    let refused = expect_outbound(driver.frame().await);
+    let draining = "driver is shutting down".to_owned();
+    driver.send(Frame::error(Some(refused.request_id.clone()), "draining", draining, true)).await;
+    // The refused send is queued again; wait until the hub has recorded it so.
+    let queued = || json_of(&hub.ctl(&["outbox", "--state", "queued", "--json"]));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queued()["records"].as_array().is_none_or(Vec::is_empty) {
+        assert!(Instant::now() < deadline, "the refused send was never queued again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A newer send waits behind it (it does not overtake the queued one) and gets its
+    // caller's one second to be confirmed, not the hub's 30 s receipt timeout.
+    let started = Instant::now();
+    let send = hub.ctl_async(&["send", ONE, "--conversation", "c1", "--timeout", "1", "second"]);
+    let again = expect_outbound(driver.frame().await);
+    assert_eq!(again.message.body.text_str(), "first", "the queued send goes first");
+    let second = expect_outbound(driver.frame().await);
+    assert_eq!(second.message.body.text_str(), "second");
+    let out = send.await.unwrap();
+    assert_eq!(out.status.code(), Some(5), "stdout {} stderr {}", stdout(&out), stderr(&out));
+    assert!(started.elapsed() < Duration::from_secs(20), "answered after {:?}", started.elapsed());
+    let unknown = json_of(&hub.ctl(&["outbox", "--state", "unknown", "--json"]));
+    let records = unknown["records"].as_array().unwrap();
+    assert_eq!(records.len(), 1, "{unknown}");
+    assert_eq!(records[0]["request_id"], second.request_id.as_str(), "{unknown}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_key_unconfirmed_within_its_wait_exits_unknown_not_success() {
+    let hub = hub("");
+    let mut driver = driver(&hub).await;
+    let args = |timeout: &'static str| {
+        ["send", ONE, "--conversation", "c1", "--key", "K9", "--timeout", timeout, "once"]
+    };
+    // The first caller gives the driver 30 s; the driver takes the send and does not answer.
+    let first = hub.ctl_async(&args("30"));
+    expect_outbound(driver.frame().await);
+    // A repeat that waits one second has no receipt by then: the record is still `sent`
+    // (`handed`), which is unknown to this caller (exit 5, not success), and nothing is sent
+    // again.
+    let repeat = hub.ctl(&args("1"));
+    assert_eq!(
+        repeat.status.code(),
+        Some(5),
+        "stdout {} stderr {}",
+        stdout(&repeat),
+        stderr(&repeat)
+    );
+    assert!(stderr(&repeat).contains("still waiting"), "{}", stderr(&repeat));
+    assert!(driver.frame_within(Duration::from_millis(300)).await.is_none(), "sent only once");
+    drop(first);
+}

@@ -177,7 +177,10 @@ impl Outbox {
             }
         };
         let request_id = self.request_id(id);
-        let mut settled = self.waiters.watch(id);
+        let mut settled = match wait {
+            Some(wait) => self.waiters.watch_send(id, wait),
+            None => self.waiters.watch(id),
+        };
         // Where the send stands now, when known without asking the ledger.
         let known = match direct.zip(frame_message.as_deref()) {
             Some((conn, encoded)) => {
@@ -231,7 +234,8 @@ impl Outbox {
                 None => Box::pin(self.current(request_id, id)).await,
             };
         };
-        // The settle task decides at `wait`; give it a moment to record the outcome.
+        // The settle task decides `wait` after the hand-over (whoever handed it over); give
+        // it a moment to record the outcome.
         if let Some(outcome) = settled.outcome(wait + SETTLE_MARGIN).await {
             return outcome_result(request_id, id, outcome);
         }
@@ -340,7 +344,13 @@ impl Outbox {
             inst.record_error(format!("send {id}: outcome unknown"));
             warn!(instance = %inst.config.id, id, error = ?error, "send outcome unknown; it will not be resent automatically");
         }
-        self.record_outcome(id, state, receipt, error).await;
+        {
+            // Back in the queue: a send made meanwhile queues behind it, not past it.
+            let backlog =
+                (state == OutboxState::Queued).then(|| self.backlogs.of(inst.config.id.as_str()));
+            let _queuing = backlog.as_ref().map(|backlog| backlog.queuing());
+            self.record_outcome(id, state, receipt, error).await;
+        }
         // A newer driver that connected while this one drained has already taken the queue
         // as it was then: it takes this send too.
         if state == OutboxState::Queued
@@ -436,7 +446,10 @@ impl Outbox {
                 };
                 match send::handover(inst, conn, &request_id, Outgoing::Message(message)).await {
                     Ok(waiter) => {
-                        let timeout = self.receipt_timeout;
+                        // A sender still waiting gives the driver its wait, as a send handed
+                        // over at once has; otherwise the hub's receipt timeout.
+                        let timeout =
+                            self.waiters.receipt_window(record.id).unwrap_or(self.receipt_timeout);
                         let (inst, conn) = (inst.clone(), conn.clone());
                         self.spawn_settle(inst, conn, record.id, request_id, waiter, timeout);
                     }

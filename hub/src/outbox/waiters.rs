@@ -1,5 +1,7 @@
 //! Callers waiting for outbox records to settle (a `send` with `wait`, or a repeated
-//! idempotency key whose first send is still pending).
+//! idempotency key whose first send is still pending), and how long the sender waits: a
+//! queued send handed over later gets its sender's wait as its receipt window, as one
+//! handed over at once does.
 //!
 //! Bounded by construction: an entry lives only while its caller waits. A [`Watch`] removes
 //! its own entry when dropped (answered, timed out, or the caller went away), and settling
@@ -25,8 +27,9 @@ pub struct OutboxOutcome {
     pub error: Option<String>,
 }
 
-/// One waiting caller: its token (to withdraw it) and where its answer goes.
-type Waiting = (u64, oneshot::Sender<OutboxOutcome>);
+/// One waiting caller: its token (to withdraw it), how long it waits for the receipt (the
+/// sender; `None` for anyone else) and where its answer goes.
+type Waiting = (u64, Option<Duration>, oneshot::Sender<OutboxOutcome>);
 
 /// The registry of waiting callers, by record id.
 #[derive(Debug, Default)]
@@ -47,16 +50,32 @@ pub struct Watch {
 impl Waiters {
     /// Registers a wait for record `id`.
     pub fn watch(self: &Arc<Self>, id: i64) -> Watch {
+        self.register(id, None)
+    }
+
+    /// Registers the sender's wait for record `id`: `wait` is how long it gives the driver
+    /// to confirm, counted from the hand-over (see [`Waiters::receipt_window`]).
+    pub fn watch_send(self: &Arc<Self>, id: i64, wait: Duration) -> Watch {
+        self.register(id, Some(wait))
+    }
+
+    fn register(self: &Arc<Self>, id: i64, wait: Option<Duration>) -> Watch {
         let (tx, rx) = oneshot::channel();
         let token = self.next.fetch_add(1, Ordering::Relaxed);
-        lock(&self.map).entry(id).or_default().push((token, tx));
+        lock(&self.map).entry(id).or_default().push((token, wait, tx));
         Watch { waiters: self.clone(), id, token, rx }
+    }
+
+    /// How long the driver has to confirm record `id` once handed over, when its sender
+    /// still waits for it (the longest such wait); `None` when nobody does.
+    pub fn receipt_window(&self, id: i64) -> Option<Duration> {
+        lock(&self.map).get(&id)?.iter().filter_map(|(_, wait, _)| *wait).max()
     }
 
     /// Answers every wait for record `id` and forgets them.
     pub fn settle(&self, id: i64, outcome: &OutboxOutcome) {
         let waiting = lock(&self.map).remove(&id).unwrap_or_default();
-        for (_, tx) in waiting {
+        for (_, _, tx) in waiting {
             let _ = tx.send(outcome.clone());
         }
     }
@@ -73,7 +92,7 @@ impl Waiters {
     fn withdraw(&self, id: i64, token: u64) {
         let mut map = lock(&self.map);
         if let Some(waiting) = map.get_mut(&id) {
-            waiting.retain(|(t, _)| *t != token);
+            waiting.retain(|(t, _, _)| *t != token);
             if waiting.is_empty() {
                 map.remove(&id);
             }
@@ -129,6 +148,20 @@ mod tests {
         drop(dropped);
         assert_eq!(waiters.len(), 1);
         drop(kept);
+        assert!(waiters.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_record_has_the_receipt_window_of_its_waiting_sender_only() {
+        let waiters = Arc::new(Waiters::default());
+        assert_eq!(waiters.receipt_window(5), None);
+        let repeat = waiters.watch(5);
+        assert_eq!(waiters.receipt_window(5), None, "a repeated key's caller sets no window");
+        let sender = waiters.watch_send(5, Duration::from_secs(3));
+        assert_eq!(waiters.receipt_window(5), Some(Duration::from_secs(3)));
+        drop(sender);
+        assert_eq!(waiters.receipt_window(5), None, "a sender that left sets no window");
+        drop(repeat);
         assert!(waiters.is_empty());
     }
 }
