@@ -3,6 +3,7 @@
 //! wait at once.
 
 use foldhash::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -71,6 +72,8 @@ pub struct Connection {
     pub closed: CancellationToken,
     last_seen: Mutex<Instant>,
     waits: Mutex<Waits>,
+    /// The driver refused a send because it is shutting down (`draining`).
+    draining: AtomicBool,
 }
 
 impl Connection {
@@ -92,6 +95,7 @@ impl Connection {
             closed: CancellationToken::new(),
             last_seen: Mutex::new(Instant::now()),
             waits: Mutex::new(Waits::default()),
+            draining: AtomicBool::new(false),
         }
     }
 
@@ -99,6 +103,17 @@ impl Connection {
     pub fn with_operator_actions(mut self, names: Vec<String>) -> Self {
         self.operator_actions = names;
         self
+    }
+
+    /// Remembers that the driver refused a send because it is shutting down: the outbox
+    /// hands it no more sends (they wait for the next driver).
+    pub fn mark_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the driver said it is shutting down (see [`mark_draining`](Self::mark_draining)).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 
     pub fn touch(&self) {

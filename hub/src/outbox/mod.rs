@@ -115,7 +115,7 @@ impl Outbox {
         if let Some(key) = &idempotency_key {
             message.metadata.insert(IDEMPOTENCY_METADATA.to_owned(), key.clone());
         }
-        let live = inst.live();
+        let live = sender(&inst);
         if let Some(conn) = &live
             && !conn.declaration.can_send()
         {
@@ -213,7 +213,7 @@ impl Outbox {
                     }
                 }
             }
-            None => match inst.live() {
+            None => match sender(&inst) {
                 // Queued behind earlier sends: dispatching hands them over in order, this one
                 // last (unless the driver leaves meanwhile).
                 Some(conn) => {
@@ -270,7 +270,7 @@ impl Outbox {
         // Wait for the first send to settle, unless nothing can settle it before a driver
         // connects.
         let may_settle = match record.state {
-            OutboxState::Queued => inst.live().is_some(),
+            OutboxState::Queued => sender(inst).is_some(),
             OutboxState::Sent => true,
             _ => false,
         };
@@ -332,12 +332,15 @@ impl Outbox {
             // A driver shutting down refuses before posting: the send waits for the next
             // driver, as one the hub could not hand over at all.
             Err(SendError::Failed { code, .. }) if code == DRAINING => {
+                conn.mark_draining();
                 debug!(instance = %inst.config.id, id, "driver draining; the send is queued for the next one");
                 (OutboxState::Queued, None, None)
             }
             Err(SendError::Failed { code, message, .. }) => {
                 (OutboxState::Failed, None, Some(format!("{code}: {message}")))
             }
+            // The record's state says the outcome is unknown; its error says why.
+            Err(SendError::Unknown { reason, .. }) => (OutboxState::Unknown, None, Some(reason)),
             Err(err) => (OutboxState::Unknown, None, Some(err.to_string())),
         };
         if state == OutboxState::Unknown {
@@ -354,7 +357,7 @@ impl Outbox {
         // A newer driver that connected while this one drained has already taken the queue
         // as it was then: it takes this send too.
         if state == OutboxState::Queued
-            && let Some(live) = inst.live()
+            && let Some(live) = sender(&inst)
             && live.id != conn.id
         {
             Box::pin(self.dispatch_queued(&inst, &live)).await;
@@ -409,7 +412,7 @@ impl Outbox {
     /// behind it go on; when the driver leaves, the claimed records that were not handed over
     /// go back to the queue — none is left `sent` without a wait for its receipt.
     pub async fn dispatch_queued(&self, inst: &Arc<Instance>, conn: &Arc<Connection>) {
-        if !self.ledger.is_on() || !conn.declaration.can_send() {
+        if !self.ledger.is_on() || !conn.declaration.can_send() || conn.is_draining() {
             return;
         }
         let instance = inst.config.id.to_string();
@@ -490,7 +493,7 @@ impl Outbox {
             None => return Err(SendError::Ledger(LedgerError::NoSuchRecord(id))),
         };
         if let Some(inst) = self.instances.get(record.instance.as_str())
-            && let Some(conn) = inst.live()
+            && let Some(conn) = sender(&inst)
         {
             self.dispatch_queued(&inst, &conn).await;
             let handed = self.ledger.outbox_get(id).await?;
@@ -500,6 +503,12 @@ impl Outbox {
         }
         Ok(self.ledger.outbox_get(id).await?.unwrap_or(record))
     }
+}
+
+/// The driver connection that takes `inst`'s sends: the live one, unless it said it is
+/// shutting down (its sends then wait for the next driver, as with none connected).
+fn sender(inst: &Instance) -> Option<Arc<Connection>> {
+    inst.live().filter(|conn| !conn.is_draining())
 }
 
 /// Whether a new send repeats the stored one: an idempotency key may only repeat the same
