@@ -39,6 +39,36 @@ fn json_of(out: &std::process::Output) -> Value {
         .unwrap_or_else(|err| panic!("{err}: stdout {} stderr {}", stdout(out), stderr(out)))
 }
 
+/// The SDK's answer to an `outbound` while it shuts down: refused, nothing posted.
+async fn refuse_draining(driver: &RawPeer, request_id: &channeld_protocol::Id) {
+    let draining = "driver is shutting down".to_owned();
+    driver.send(Frame::error(Some(request_id.clone()), "draining", draining, true)).await;
+}
+
+/// Closes `leaving` and connects the next driver, once the hub has seen the first go (else
+/// `already_connected`).
+async fn next_driver(hub: &HubProcess, leaving: RawPeer) -> RawPeer {
+    drop(leaving);
+    let gone = |status: &Value| status["connected"] == false;
+    hub.wait_status(ONE, "the leaving driver gone", Duration::from_secs(10), gone, String::new)
+        .await;
+    let next = RawPeer::connect(&hub.socket(ONE)).await;
+    next.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    next
+}
+
+/// The next `outbound` a newly connected driver gets (a queued send), past its hello's
+/// answer and health probes.
+async fn queued_outbound(driver: &mut RawPeer) -> channeld_protocol::frame::Delivery {
+    loop {
+        match driver.frame_within(Duration::from_secs(20)).await.expect("a queued send") {
+            Frame::Outbound(delivery) => return delivery,
+            Frame::HelloAck(_) | Frame::Health(_) => {}
+            other => panic!("expected a queued outbound, got {other:?}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outbox_retry_resends_an_unknown_send_through_channelctl() {
     let hub = hub("");
@@ -188,25 +218,11 @@ async fn a_send_refused_by_a_draining_driver_goes_to_the_next_driver_once() {
         "after restart",
     ]);
     let refused = expect_outbound(leaving.frame().await);
-    // The SDK's answer while it shuts down: nothing was posted.
-    let draining = "driver is shutting down".to_owned();
-    leaving.send(Frame::error(Some(refused.request_id.clone()), "draining", draining, true)).await;
-    drop(leaving);
-    // The hub takes a new driver once it has seen this one go (else `already_connected`).
-    let gone = |status: &Value| status["connected"] == false;
-    hub.wait_status(ONE, "the leaving driver gone", Duration::from_secs(10), gone, String::new)
-        .await;
+    refuse_draining(&leaving, &refused.request_id).await;
 
     // The next driver gets the same send, once, and its receipt answers the waiting caller.
-    let mut next = RawPeer::connect(&hub.socket(ONE)).await;
-    next.hello(ONE, caps(&["receive", "send"]), &[]).await;
-    let again = loop {
-        match next.frame_within(Duration::from_secs(20)).await.expect("the queued send") {
-            Frame::Outbound(delivery) => break delivery,
-            Frame::HelloAck(_) | Frame::Health(_) => {}
-            other => panic!("expected the queued outbound, got {other:?}"),
-        }
-    };
+    let mut next = next_driver(&hub, leaving).await;
+    let again = queued_outbound(&mut next).await;
     assert_eq!(again.request_id, refused.request_id, "the same request");
     assert_eq!(again.message.body.text_str(), "after restart");
     next.send(receipt_for(ONE, &again.request_id, "c1", "posted-after-drain")).await;
@@ -225,8 +241,7 @@ async fn sends_made_while_a_driver_drains_wait_behind_the_refused_one_for_the_ne
     let first = hub.ctl(&["send", ONE, "--conversation", "c1", "--no-wait", "first"]);
     assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
     let refused = expect_outbound(leaving.frame().await);
-    let draining = "driver is shutting down".to_owned();
-    leaving.send(Frame::error(Some(refused.request_id.clone()), "draining", draining, true)).await;
+    refuse_draining(&leaving, &refused.request_id).await;
     // The refused send is queued again; wait until the hub has recorded it so.
     let queued = || json_of(&hub.ctl(&["outbox", "--state", "queued", "--json"]));
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -248,22 +263,11 @@ async fn sends_made_while_a_driver_drains_wait_behind_the_refused_one_for_the_ne
     );
     assert!(started.elapsed() < Duration::from_secs(10), "answered after {:?}", started.elapsed());
     assert!(leaving.frame_within(Duration::from_millis(300)).await.is_none(), "nothing more to it");
-    drop(leaving);
-    let gone = |status: &Value| status["connected"] == false;
-    hub.wait_status(ONE, "the leaving driver gone", Duration::from_secs(10), gone, String::new)
-        .await;
 
     // The next driver gets both, in order, once each.
-    let mut next = RawPeer::connect(&hub.socket(ONE)).await;
-    next.hello(ONE, caps(&["receive", "send"]), &[]).await;
+    let mut next = next_driver(&hub, leaving).await;
     for text in ["first", "second"] {
-        let outbound = loop {
-            match next.frame_within(Duration::from_secs(20)).await.expect("a queued send") {
-                Frame::Outbound(delivery) => break delivery,
-                Frame::HelloAck(_) | Frame::Health(_) => {}
-                other => panic!("expected a queued outbound, got {other:?}"),
-            }
-        };
+        let outbound = queued_outbound(&mut next).await;
         assert_eq!(outbound.message.body.text_str(), text);
         next.send(receipt_for(ONE, &outbound.request_id, "c1", text)).await;
     }
