@@ -32,6 +32,11 @@ use clap::{Args, Parser, Subcommand};
 use crate::phase::{Budget, PhaseArgs};
 use crate::report::{Machine, Phase, Report, Settings};
 
+/// The allocator of every process this binary runs (the SDK driver, the clients, the
+/// relays, the MQTT responder): mimalloc, as the hub and the project's drivers use.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(name = "channeld-bench", about = "Benchmark channeld against mosquitto on this machine")]
 struct Cli {

@@ -8,6 +8,11 @@ use std::process::ExitCode;
 use channeld_bcn::config::ENV_STATE_DIRECTORY;
 use channeld_bcn::{BcnConfig, BcnDriver};
 
+/// Allocates with mimalloc, as the hub does: glibc's malloc took a fifth of an SDK driver's
+/// time per message (BENCHMARKS.md, twenty-fourth round).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     channeld_driver_sdk::main(|launch| async move {
         // systemd lists one directory per `StateDirectory=` entry, separated by colons.

@@ -8,6 +8,11 @@ use channeld_console::{ConsoleConfig, ConsoleDriver};
 use channeld_driver_sdk::DriverError;
 use tokio::io::{AsyncWriteExt, DuplexStream};
 
+/// Allocates with mimalloc, as the hub does: glibc's malloc took a fifth of an SDK driver's
+/// time per message (BENCHMARKS.md, twenty-fourth round).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Bytes of stdin buffered between the reading thread and the driver.
 const STDIN_BUFFER: usize = 64 * 1024;
 

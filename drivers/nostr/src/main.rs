@@ -8,6 +8,11 @@ use std::process::ExitCode;
 
 use channeld_nostr::{NostrConfig, NostrDriver};
 
+/// Allocates with mimalloc, as the hub does: glibc's malloc took a fifth of an SDK driver's
+/// time per message (BENCHMARKS.md, twenty-fourth round).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     channeld_driver_sdk::main(|launch| async move {
         // systemd lists one directory per `StateDirectory=` entry, separated by colons.

@@ -8,6 +8,11 @@ use channeld_driver_sdk::DriverError;
 use channeld_driver_sdk::transport::http::{self, HttpOptions};
 use channeld_slack::{SlackConfig, SlackDriver};
 
+/// Allocates with mimalloc, as the hub does: glibc's malloc took a fifth of an SDK driver's
+/// time per message (BENCHMARKS.md, twenty-fourth round).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     channeld_driver_sdk::main(|launch| async move {
         let config = SlackConfig::from_launch(&launch)?;

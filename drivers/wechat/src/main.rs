@@ -12,6 +12,11 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Allocates with mimalloc, as the hub does: glibc's malloc took a fifth of an SDK driver's
+/// time per message (BENCHMARKS.md, twenty-fourth round).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// channeld driver for WeChat iLink bots.
 #[derive(Debug, Parser)]
 #[command(name = "channeld-wechat", version)]
