@@ -8,12 +8,13 @@ use std::time::Duration;
 
 use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
+use channeld_hub::ledger::Commit;
 use channeld_hub::ledger::{
     Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxState, Recorded, ReplyState,
     RunEnd,
 };
 use channeld_hub::outbox::SendRequest;
-use channeld_hub::send::SendState;
+use channeld_hub::send::{SendError, SendState};
 use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
 use channeld_protocol::frame::{Hello, Inbound, Lifecycle};
 use channeld_protocol::types::{
@@ -397,4 +398,61 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
         assert!(tokio::time::Instant::now() < deadline, "the reply is still {state:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_its_wait() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    let queued = NewSend {
+        instance: ONE.into(),
+        idempotency_key: None,
+        message: serde_json::to_vec(&outbound("first".into())).unwrap(),
+        state: OutboxState::Queued,
+        now_ms: 1,
+        expires_ms: u64::MAX / 2,
+    };
+    let first = match hub.ledger.outbox_add(queued, Commit::Durable).await.unwrap() {
+        Added::New(id) => id,
+        other => panic!("{other:?}"),
+    };
+    // A dispatcher's turn, held as by one handing queued sends over right now: the driver's
+    // connect-time dispatch waits for it, and so does a waited send made meanwhile.
+    let backlog = hub.outbox.backlog(ONE);
+    let turn = backlog.turn().await;
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    let wait = Duration::from_secs(2);
+    let waited = {
+        let hub = hub.clone();
+        let request = SendRequest {
+            instance: ONE.into(),
+            message: outbound("waited".into()),
+            wait: Some(wait),
+            idempotency_key: None,
+        };
+        tokio::spawn(async move { hub.outbox.submit(request).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Not written yet: a dispatcher claiming it before its caller's wait was registered
+    // would give the driver the hub's 30 s receipt timeout instead.
+    assert!(hub.ledger.outbox_get(first + 1).await.unwrap().is_none(), "written inside a turn");
+    drop(turn);
+
+    assert_eq!(outbound_text(driver.frame().await), "first");
+    assert_eq!(outbound_text(driver.frame().await), "waited");
+    // The driver never answers: the caller hears `unknown` at the end of its own wait, not
+    // `handed` (what a send waiting for the hub's receipt timeout would still be).
+    let started = tokio::time::Instant::now();
+    match waited.await.unwrap() {
+        Err(SendError::Unknown { .. }) => {}
+        other => panic!("expected unknown, got {other:?}"),
+    }
+    assert!(started.elapsed() < wait + Duration::from_secs(1), "{:?}", started.elapsed());
+    let record = hub.ledger.outbox_get(first + 1).await.unwrap().unwrap();
+    assert_eq!(record.state, OutboxState::Unknown);
+    assert_eq!(
+        hub.ledger.outbox_get(first).await.unwrap().unwrap().state,
+        OutboxState::Sent,
+        "the queued send keeps the hub's receipt timeout"
+    );
 }

@@ -18,6 +18,7 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+pub use backlog::Backlog;
 pub use waiters::{OutboxOutcome, Waiters, Watch};
 
 use crate::connection::{Connection, ReceiptOutcome};
@@ -99,6 +100,12 @@ impl Outbox {
         &self.waiters
     }
 
+    /// The queued sends of `instance`: whether any may wait, and the dispatchers' turn (for
+    /// tests).
+    pub fn backlog(&self, instance: &str) -> Arc<Backlog> {
+        self.backlogs.of(instance)
+    }
+
     /// Sends through the outbox when the ledger is on, directly otherwise.
     pub async fn submit(&self, request: SendRequest) -> Result<SendOutcome, SendError> {
         let SendRequest { instance, mut message, wait, idempotency_key } = request;
@@ -161,26 +168,41 @@ impl Outbox {
         } else {
             Commit::Durable
         };
+        // A new record with its caller watching it, or the record its idempotency key has.
         let added = {
+            // A waited send queued while a driver is connected: no dispatcher may claim its
+            // record before its wait is registered below, or the driver would be given the
+            // hub's receipt timeout instead of this caller's wait (`receipt_window`). So it
+            // is written inside the dispatchers' turn, after the one handing over now — for
+            // at most the caller's wait (a driver slow to read holds the turn).
+            let _turn = match (state, wait, &live) {
+                (OutboxState::Queued, Some(wait), Some(_)) => {
+                    tokio::time::timeout(wait, backlog.turn()).await.ok()
+                }
+                _ => None,
+            };
             let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
-            self.ledger.outbox_add(new, commit).await?
+            match self.ledger.outbox_add(new, commit).await? {
+                Added::New(id) => Ok((
+                    id,
+                    match wait {
+                        Some(wait) => self.waiters.watch_send(id, wait),
+                        None => self.waiters.watch(id),
+                    },
+                )),
+                Added::Existing(record) => Err(record),
+            }
         };
-        let id = match added {
-            Added::New(id) => id,
-            Added::Existing(record) if same_send(&record.message, &message) => {
+        let (id, mut settled) = match added {
+            Ok(new) => new,
+            Err(record) if same_send(&record.message, &message) => {
                 return Box::pin(self.existing(&inst, record, wait))
                     .await
                     .map(SendOutcome::repeated);
             }
-            Added::Existing(record) => {
-                return Err(SendError::Conflict { outbox_id: record.id });
-            }
+            Err(record) => return Err(SendError::Conflict { outbox_id: record.id }),
         };
         let request_id = self.request_id(id);
-        let mut settled = match wait {
-            Some(wait) => self.waiters.watch_send(id, wait),
-            None => self.waiters.watch(id),
-        };
         // Where the send stands now, when known without asking the ledger.
         let known = match direct.zip(frame_message.as_deref()) {
             Some((conn, encoded)) => {
