@@ -456,3 +456,39 @@ async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_it
         "the queued send keeps the hub's receipt timeout"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_that_outlasts_a_senders_wait_does_not_hold_its_record_back() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    // A dispatcher's turn held past the caller's wait, as by one handing sends to a driver
+    // that reads slowly.
+    let backlog = hub.outbox.backlog(ONE);
+    let turn = backlog.turn().await;
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    let wait = Duration::from_millis(300);
+    let waited = {
+        let hub = hub.clone();
+        let request = SendRequest {
+            instance: ONE.into(),
+            message: outbound("waited".into()),
+            wait: Some(wait),
+            idempotency_key: None,
+        };
+        tokio::spawn(async move { hub.outbox.submit(request).await })
+    };
+    // Written once its wait is over, although the turn is still held: the caller is told
+    // where it stands instead of waiting for the dispatch.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while hub.ledger.outbox_get(1).await.unwrap().is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "the send was never written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(hub.ledger.outbox_get(1).await.unwrap().unwrap().state, OutboxState::Queued);
+    drop(turn);
+    assert_eq!(outbound_text(driver.frame().await), "waited");
+    match waited.await.unwrap() {
+        Err(SendError::Unknown { .. }) => {}
+        other => panic!("expected unknown, got {other:?}"),
+    }
+}

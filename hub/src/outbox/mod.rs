@@ -173,8 +173,9 @@ impl Outbox {
             // A waited send queued while a driver is connected: no dispatcher may claim its
             // record before its wait is registered below, or the driver would be given the
             // hub's receipt timeout instead of this caller's wait (`receipt_window`). So it
-            // is written inside the dispatchers' turn, after the one handing over now — for
-            // at most the caller's wait (a driver slow to read holds the turn).
+            // is written inside the dispatchers' turn, after the one handing over now — but
+            // waiting at most the caller's wait for it: a dispatch to a driver slow to read
+            // holds the turn, and the send is recorded within its wait all the same.
             let _turn = match (state, wait, &live) {
                 (OutboxState::Queued, Some(wait), Some(_)) => {
                     tokio::time::timeout(wait, backlog.turn()).await.ok()
