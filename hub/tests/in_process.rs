@@ -14,7 +14,7 @@ use channeld_hub::ledger::{
     RunEnd,
 };
 use channeld_hub::outbox::SendRequest;
-use channeld_hub::send::{SendError, SendState};
+use channeld_hub::send::{SendError, SendOutcome, SendState};
 use channeld_link::{FrameReader, FrameSink, Writer, spawn_writer};
 use channeld_protocol::frame::{Hello, Inbound, Lifecycle};
 use channeld_protocol::types::{
@@ -265,6 +265,23 @@ fn outbound(text: String) -> OutboundMessage {
     }
 }
 
+/// A send of `text` to `ONE` through the outbox, submitted on its own task (joined by the
+/// test) so the test can act while it waits.
+fn submit_in_background(
+    hub: &Arc<Hub>,
+    text: &str,
+    wait: Option<Duration>,
+) -> tokio::task::JoinHandle<Result<SendOutcome, SendError>> {
+    let hub = hub.clone();
+    let request = SendRequest {
+        instance: ONE.into(),
+        message: outbound(text.into()),
+        wait,
+        idempotency_key: None,
+    };
+    tokio::spawn(async move { hub.outbox.submit(request).await })
+}
+
 fn outbound_text(frame: Frame) -> String {
     match frame {
         Frame::Outbound(outbound) => outbound.message.body.text_str().to_owned(),
@@ -301,16 +318,7 @@ async fn a_queued_send_too_large_for_a_frame_fails_and_never_blocks_the_sends_be
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;
     // A send made as the driver connects queues behind them instead of overtaking.
-    let third = {
-        let hub = hub.clone();
-        let request = SendRequest {
-            instance: ONE.into(),
-            message: outbound("third".into()),
-            wait: None,
-            idempotency_key: None,
-        };
-        tokio::spawn(async move { hub.outbox.submit(request).await })
-    };
+    let third = submit_in_background(&hub, "third", None);
     for expected in ["first", "second", "third"] {
         assert_eq!(outbound_text(driver.frame().await), expected);
     }
@@ -422,16 +430,7 @@ async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_it
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;
     let wait = Duration::from_secs(2);
-    let waited = {
-        let hub = hub.clone();
-        let request = SendRequest {
-            instance: ONE.into(),
-            message: outbound("waited".into()),
-            wait: Some(wait),
-            idempotency_key: None,
-        };
-        tokio::spawn(async move { hub.outbox.submit(request).await })
-    };
+    let waited = submit_in_background(&hub, "waited", Some(wait));
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Not written yet: a dispatcher claiming it before its caller's wait was registered
     // would give the driver the hub's 30 s receipt timeout instead.
@@ -467,16 +466,7 @@ async fn a_dispatch_that_outlasts_a_senders_wait_does_not_hold_its_record_back()
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;
     let wait = Duration::from_millis(300);
-    let waited = {
-        let hub = hub.clone();
-        let request = SendRequest {
-            instance: ONE.into(),
-            message: outbound("waited".into()),
-            wait: Some(wait),
-            idempotency_key: None,
-        };
-        tokio::spawn(async move { hub.outbox.submit(request).await })
-    };
+    let waited = submit_in_background(&hub, "waited", Some(wait));
     // Written once its wait is over, although the turn is still held: the caller is told
     // where it stands instead of waiting for the dispatch.
     let deadline = tokio::time::Instant::now() + WAIT;
