@@ -457,6 +457,32 @@ async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_it
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_send_made_while_offline_keeps_its_wait_when_its_driver_connects_meanwhile() {
+    let hub = hub("", Ledger::in_memory().unwrap());
+    // The turn held while the send is being written, as when its record takes a while and the
+    // driver connects meanwhile: the connect-time dispatch must not claim the record before
+    // the caller's wait is registered.
+    let backlog = hub.outbox.backlog(ONE);
+    let turn = backlog.turn().await;
+    let wait = Duration::from_secs(2);
+    let waited = submit_in_background(&hub, "waited", Some(wait));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(hub.ledger.outbox_get(1).await.unwrap().is_none(), "written inside a turn");
+    let mut driver = Peer::connect(&hub);
+    driver.hello(&["accepted"]).await;
+    drop(turn);
+
+    assert_eq!(outbound_text(driver.frame().await), "waited");
+    // The driver never answers: the caller hears `unknown` when its own wait ends, not
+    // `handed` (the hub's receipt timeout would still be running).
+    match waited.await.unwrap() {
+        Err(SendError::Unknown { .. }) => {}
+        other => panic!("expected unknown, got {other:?}"),
+    }
+    assert_eq!(hub.ledger.outbox_get(1).await.unwrap().unwrap().state, OutboxState::Unknown);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dispatch_that_outlasts_a_senders_wait_does_not_hold_its_record_back() {
     let hub = hub("", Ledger::in_memory().unwrap());
     // A dispatcher's turn held past the caller's wait, as by one handing sends to a driver

@@ -170,14 +170,15 @@ impl Outbox {
         };
         // A new record with its caller watching it, or the record its idempotency key has.
         let added = {
-            // A waited send queued while a driver is connected: no dispatcher may claim its
-            // record before its wait is registered below, or the driver would be given the
-            // hub's receipt timeout instead of this caller's wait (`receipt_window`). So it
-            // is written inside the dispatchers' turn, after the one handing over now — but
-            // waiting at most the caller's wait for it: a dispatch to a driver slow to read
-            // holds the turn, and the send is recorded within its wait all the same.
-            let _turn = match (state, wait, &live) {
-                (OutboxState::Queued, Some(wait), Some(_)) => {
+            // A waited send that is queued: no dispatcher may claim its record before its
+            // wait is registered below, or the driver would be given the hub's receipt
+            // timeout instead of this caller's wait (`receipt_window`) — whether a driver is
+            // connected now (its dispatch under way) or connects while the record is written
+            // (the connect-time dispatch). So it is written inside the dispatchers' turn —
+            // but waiting at most the caller's wait for it: a dispatch to a driver slow to
+            // read holds the turn, and the send is recorded within its wait all the same.
+            let _turn = match (state, wait) {
+                (OutboxState::Queued, Some(wait)) => {
                     tokio::time::timeout(wait, backlog.turn()).await.ok()
                 }
                 _ => None,
