@@ -10,8 +10,8 @@ use channeld_hub::Hub;
 use channeld_hub::config::{HubConfig, Overrides};
 use channeld_hub::ledger::Commit;
 use channeld_hub::ledger::{
-    Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxState, Recorded, ReplyState,
-    RunEnd,
+    Added, DB_FILE, Durability, Ledger, NewInbound, NewSend, OutboxRecord, OutboxState, Recorded,
+    ReplyState, RunEnd,
 };
 use channeld_hub::outbox::SendRequest;
 use channeld_hub::send::{SendError, SendOutcome, SendState};
@@ -282,6 +282,18 @@ fn submit_in_background(
     tokio::spawn(async move { hub.outbox.submit(request).await })
 }
 
+/// Outbox record `id` once it is written.
+async fn written(hub: &Hub, id: i64) -> OutboxRecord {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(record) = hub.ledger.outbox_get(id).await.unwrap() {
+            return record;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "record {id} was never written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn outbound_text(frame: Frame) -> String {
     match frame {
         Frame::Outbound(outbound) => outbound.message.body.text_str().to_owned(),
@@ -409,7 +421,7 @@ async fn a_reply_too_big_for_a_frame_is_fitted_recorded_and_delivered_on_connect
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_its_wait() {
+async fn a_waited_send_queued_during_a_dispatch_is_handed_over_after_it_with_its_wait() {
     let hub = hub("", Ledger::in_memory().unwrap());
     let queued = NewSend {
         instance: ONE.into(),
@@ -424,17 +436,16 @@ async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_it
         other => panic!("{other:?}"),
     };
     // A dispatcher's turn, held as by one handing queued sends over right now: the driver's
-    // connect-time dispatch waits for it, and so does a waited send made meanwhile.
+    // connect-time dispatch waits for it. A waited send made meanwhile is recorded at once,
+    // queued behind the first, with its caller's wait registered as it is recorded.
     let backlog = hub.outbox.backlog(ONE);
     let turn = backlog.turn().await;
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;
     let wait = Duration::from_secs(2);
     let waited = submit_in_background(&hub, "waited", Some(wait));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // Not written yet: a dispatcher claiming it before its caller's wait was registered
-    // would give the driver the hub's 30 s receipt timeout instead.
-    assert!(hub.ledger.outbox_get(first + 1).await.unwrap().is_none(), "written inside a turn");
+    let record = written(&hub, first + 1).await;
+    assert_eq!(record.state, OutboxState::Queued);
     drop(turn);
 
     assert_eq!(outbound_text(driver.frame().await), "first");
@@ -457,50 +468,17 @@ async fn a_waited_send_queued_during_a_dispatch_is_written_after_it_and_keeps_it
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waited_send_made_while_offline_keeps_its_wait_when_its_driver_connects_meanwhile() {
-    let hub = hub("", Ledger::in_memory().unwrap());
-    // The turn held while the send is being written, as when its record takes a while and the
-    // driver connects meanwhile: the connect-time dispatch must not claim the record before
-    // the caller's wait is registered.
-    let backlog = hub.outbox.backlog(ONE);
-    let turn = backlog.turn().await;
-    let wait = Duration::from_secs(2);
-    let waited = submit_in_background(&hub, "waited", Some(wait));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(hub.ledger.outbox_get(1).await.unwrap().is_none(), "written inside a turn");
-    let mut driver = Peer::connect(&hub);
-    driver.hello(&["accepted"]).await;
-    drop(turn);
-
-    assert_eq!(outbound_text(driver.frame().await), "waited");
-    // The driver never answers: the caller hears `unknown` when its own wait ends, not
-    // `handed` (the hub's receipt timeout would still be running).
-    match waited.await.unwrap() {
-        Err(SendError::Unknown { .. }) => {}
-        other => panic!("expected unknown, got {other:?}"),
-    }
-    assert_eq!(hub.ledger.outbox_get(1).await.unwrap().unwrap().state, OutboxState::Unknown);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dispatch_that_outlasts_a_senders_wait_does_not_hold_its_record_back() {
+async fn a_dispatch_under_way_does_not_hold_a_new_sends_record_back() {
     let hub = hub("", Ledger::in_memory().unwrap());
     // A dispatcher's turn held past the caller's wait, as by one handing sends to a driver
-    // that reads slowly.
+    // that reads slowly: it holds back the new send's hand-over, not its record.
     let backlog = hub.outbox.backlog(ONE);
     let turn = backlog.turn().await;
     let mut driver = Peer::connect(&hub);
     driver.hello(&["accepted"]).await;
     let wait = Duration::from_millis(300);
     let waited = submit_in_background(&hub, "waited", Some(wait));
-    // Written once its wait is over, although the turn is still held: the caller is told
-    // where it stands instead of waiting for the dispatch.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while hub.ledger.outbox_get(1).await.unwrap().is_none() {
-        assert!(tokio::time::Instant::now() < deadline, "the send was never written");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(hub.ledger.outbox_get(1).await.unwrap().unwrap().state, OutboxState::Queued);
+    assert_eq!(written(&hub, 1).await.state, OutboxState::Queued);
     drop(turn);
     assert_eq!(outbound_text(driver.frame().await), "waited");
     match waited.await.unwrap() {

@@ -434,7 +434,8 @@ impl Ledger {
 
     /// Runs `f` inside the next batch; resolves once that batch committed as `commit` asks.
     /// `f` may run twice (the batch is redone when another call in it failed), so it only
-    /// reads and writes the database.
+    /// reads and writes the database (or registers what dropping its value withdraws, as
+    /// [`outbox_add_watched`](Self::outbox_add_watched) does).
     ///
     /// This and the two below box the call before they return a future, which holds only
     /// the box: an `async fn` keeps its arguments for its whole life, so each level of a call
@@ -887,6 +888,29 @@ impl Ledger {
         self.call_with(commit, move |txn| outbox::add(txn, &send))
     }
 
+    /// [`outbox_add`](Self::outbox_add), calling `watch` with a new record's id in the same
+    /// ledger call, so that what it registers (its caller's wait) is in place before any later
+    /// call — a dispatcher's claim — can see the record. `watch` runs again when the batch is
+    /// redone (what an earlier run returned is dropped then), and what it returned is dropped
+    /// when the batch does not commit: it may only register what its value's drop withdraws.
+    pub fn outbox_add_watched<W, F>(
+        &self,
+        send: NewSend,
+        commit: Commit,
+        watch: F,
+    ) -> impl Future<Output = Result<Result<(i64, W), OutboxRecord>, LedgerError>> + Send + '_
+    where
+        W: Send + 'static,
+        F: Fn(i64) -> W + Send + 'static,
+    {
+        self.call_with(commit, move |txn| {
+            Ok(match outbox::add(txn, &send)? {
+                Added::New(id) => Ok((id, watch(id))),
+                Added::Existing(record) => Err(record),
+            })
+        })
+    }
+
     /// Moves a send to `state` (with its receipt or error) when the state machine allows it.
     pub fn outbox_set(
         &self,
@@ -1034,6 +1058,64 @@ mod tests {
         ledger.record_inbound_now(inbound("e2"), same, Some((entry("e2"), 10))).await.unwrap();
         ledger.close().await;
         assert_eq!(written(), 2);
+    }
+
+    /// What `outbox_add_watched`'s `watch` registers is in place before a call queued right
+    /// after the add runs — as a dispatcher's claim of the new record would be.
+    #[tokio::test]
+    async fn a_watched_send_is_watched_before_the_next_call_sees_its_record() {
+        use std::future::Future;
+        use std::task::Poll;
+        use std::time::Duration;
+
+        /// Polls a ledger call once: that queues it, in this order.
+        async fn queue<F: Future + Unpin>(call: &mut F) {
+            std::future::poll_fn(|cx| {
+                assert!(std::pin::Pin::new(&mut *call).poll(cx).is_pending());
+                Poll::Ready(())
+            })
+            .await;
+        }
+
+        let ledger = Ledger::in_memory().unwrap();
+        // The ledger thread held in a call of its own until both calls below are queued.
+        let (entered, running) = std::sync::mpsc::channel::<()>();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (entered, held) = (Mutex::new(entered), Mutex::new(held));
+        let mut hold = Box::pin(ledger.call(move |_| {
+            let _ = entered.lock().unwrap().send(());
+            let _ = held.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            Ok(())
+        }));
+        queue(&mut hold).await;
+        running.recv_timeout(Duration::from_secs(10)).unwrap();
+
+        let watched = Arc::new(Mutex::new(Vec::new()));
+        let send = NewSend {
+            instance: "a.b".into(),
+            idempotency_key: None,
+            message: b"{}".to_vec(),
+            state: OutboxState::Queued,
+            now_ms: 1,
+            expires_ms: u64::MAX / 2,
+        };
+        let log = watched.clone();
+        let mut add = Box::pin(ledger.outbox_add_watched(send, Commit::Durable, move |id| {
+            log.lock().unwrap().push(id);
+        }));
+        queue(&mut add).await;
+        // What a claim queued after the add finds: the record, and whether it is watched.
+        let log = watched.clone();
+        let mut next = Box::pin(ledger.call(move |txn| {
+            let id: i64 = txn.query_row("SELECT max(id) FROM outbox", [], |r| r.get(0))?;
+            Ok((id, log.lock().unwrap().contains(&id)))
+        }));
+        queue(&mut next).await;
+        release.send(()).unwrap();
+
+        hold.await.unwrap();
+        let (id, ()) = add.await.unwrap().expect("a new record");
+        assert_eq!(next.await.unwrap(), (id, true), "the next call saw it unwatched");
     }
 
     /// The state column itself, not `inbound_outcome`'s reading of it.

@@ -24,7 +24,7 @@ pub use waiters::{OutboxOutcome, Waiters, Watch};
 use crate::connection::{Connection, ReceiptOutcome};
 use crate::ids::Ids;
 use crate::instance::{Instance, Registry};
-use crate::ledger::{Added, Commit, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
+use crate::ledger::{Commit, Ledger, LedgerError, NewSend, OutboxRecord, OutboxState};
 use crate::metrics::SendOutcome as SendMetric;
 use crate::send::{self, Outgoing, SendError, SendOutcome, SendState};
 
@@ -169,31 +169,19 @@ impl Outbox {
             Commit::Durable
         };
         // A new record with its caller watching it, or the record its idempotency key has.
+        // The wait is registered in the ledger call that adds the record: a dispatcher that
+        // claims it (the one under way, or the one a driver connecting now starts) finds the
+        // caller's wait there and gives the driver that (`receipt_window`), never the hub's
+        // receipt timeout while the caller waits for less.
         let added = {
-            // A waited send that is queued: no dispatcher may claim its record before its
-            // wait is registered below, or the driver would be given the hub's receipt
-            // timeout instead of this caller's wait (`receipt_window`) — whether a driver is
-            // connected now (its dispatch under way) or connects while the record is written
-            // (the connect-time dispatch). So it is written inside the dispatchers' turn —
-            // but waiting at most the caller's wait for it: a dispatch to a driver slow to
-            // read holds the turn, and the send is recorded within its wait all the same.
-            let _turn = match (state, wait) {
-                (OutboxState::Queued, Some(wait)) => {
-                    tokio::time::timeout(wait, backlog.turn()).await.ok()
-                }
-                _ => None,
-            };
             let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
-            match self.ledger.outbox_add(new, commit).await? {
-                Added::New(id) => Ok((
-                    id,
-                    match wait {
-                        Some(wait) => self.waiters.watch_send(id, wait),
-                        None => self.waiters.watch(id),
-                    },
-                )),
-                Added::Existing(record) => Err(record),
-            }
+            let waiters = self.waiters.clone();
+            self.ledger
+                .outbox_add_watched(new, commit, move |id| match wait {
+                    Some(wait) => waiters.watch_send(id, wait),
+                    None => waiters.watch(id),
+                })
+                .await?
         };
         let (id, mut settled) = match added {
             Ok(new) => new,
