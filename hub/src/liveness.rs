@@ -2,42 +2,106 @@
 //! progress answer — each accept loop between accepts, and the ledger thread by committing a
 //! batch. A wedged part stops the watchdog pings, so systemd restarts the hub.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::Notify;
 
 use crate::ledger::Ledger;
 
 /// Asks one part of the hub whether it is alive.
 #[derive(Debug, Clone)]
 pub struct Probe {
-    name: String,
-    /// Capacity 1: a question still unanswered when the next is asked is itself a "no".
-    tx: mpsc::Sender<oneshot::Sender<()>>,
+    name: Arc<str>,
+    shared: Arc<Shared>,
 }
 
 /// Held by the part being asked; it answers between units of work.
 #[derive(Debug)]
 pub struct Responder {
-    rx: mpsc::Receiver<oneshot::Sender<()>>,
+    shared: Arc<Shared>,
+}
+
+/// What a probe and its responder share: a few counters and two wake-ups, so that a hub with
+/// thousands of instances keeps a small allocation per accept loop (not a channel).
+#[derive(Debug, Default)]
+struct Shared {
+    /// Questions asked so far. One still unanswered when the next is asked is itself a "no".
+    asked: AtomicU64,
+    /// The newest question answered.
+    answered: AtomicU64,
+    /// The responder was dropped: its part ended.
+    gone: AtomicBool,
+    /// Wakes the responder when asked.
+    question: Notify,
+    /// Wakes the asker when answered or gone.
+    answer: Notify,
 }
 
 /// A probe for the part called `name`, and the responder that part keeps.
-pub fn pair(name: impl Into<String>) -> (Probe, Responder) {
-    let (tx, rx) = mpsc::channel(1);
-    (Probe { name: name.into(), tx }, Responder { rx })
+pub fn pair(name: impl Into<Arc<str>>) -> (Probe, Responder) {
+    let shared = Arc::new(Shared::default());
+    (Probe { name: name.into(), shared: shared.clone() }, Responder { shared })
 }
 
 impl Responder {
     /// Waits for a question and answers it. Cancel-safe, so it can sit in a `select!` next
-    /// to the part's real work. Never returns once nobody can ask any more.
+    /// to the part's real work: it answers only in the poll that returns.
     pub async fn answer(&mut self) {
-        match self.rx.recv().await {
-            Some(question) => {
-                let _ = question.send(());
+        let shared = &self.shared;
+        loop {
+            let asked = std::pin::pin!(shared.question.notified());
+            let newest = shared.asked.load(Ordering::Acquire);
+            if newest > shared.answered.load(Ordering::Acquire) {
+                shared.answered.store(newest, Ordering::Release);
+                shared.answer.notify_waiters();
+                return;
             }
-            None => std::future::pending().await,
+            asked.await;
+        }
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        self.shared.gone.store(true, Ordering::Release);
+        self.shared.answer.notify_waiters();
+    }
+}
+
+impl Probe {
+    /// Asks its part; `Err` when the previous question is still unanswered (`Silent`) or the
+    /// part ended (`Gone`). The number to wait for otherwise.
+    fn ask(&self, limit: Duration) -> Result<u64, Stalled> {
+        let shared = &self.shared;
+        if shared.gone.load(Ordering::Acquire) {
+            return Err(Stalled::Gone(self.name.to_string()));
+        }
+        let asked = shared.asked.load(Ordering::Acquire);
+        if shared.answered.load(Ordering::Acquire) < asked {
+            return Err(Stalled::Silent(self.name.to_string(), limit));
+        }
+        shared.asked.store(asked + 1, Ordering::Release);
+        shared.question.notify_one();
+        Ok(asked + 1)
+    }
+
+    /// Waits until question `number` is answered (`Ok(true)`), the part is gone
+    /// (`Ok(false)`), or `deadline` passed (`Err`).
+    async fn answered(&self, number: u64, deadline: Instant) -> Result<bool, ()> {
+        let shared = &self.shared;
+        loop {
+            let mut woken = std::pin::pin!(shared.answer.notified());
+            woken.as_mut().enable();
+            if shared.answered.load(Ordering::Acquire) >= number {
+                return Ok(true);
+            }
+            if shared.gone.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::time::timeout(left, woken).await.map_err(drop)?;
         }
     }
 }
@@ -67,7 +131,7 @@ impl Probes {
 
     /// Stops asking the part called `name` (it ended on purpose).
     pub fn retire(&self, name: &str) {
-        self.list.lock().unwrap_or_else(|p| p.into_inner()).retain(|probe| probe.name != name);
+        self.list.lock().unwrap_or_else(|p| p.into_inner()).retain(|probe| &*probe.name != name);
     }
 
     fn current(&self) -> Vec<Probe> {
@@ -92,27 +156,20 @@ impl Liveness {
     pub async fn check(&self, limit: Duration, stopping: bool) -> Result<(), Stalled> {
         let deadline = Instant::now() + limit;
         let probes = self.probes.current();
-        let mut answers = Vec::with_capacity(probes.len());
+        let mut asked = Vec::with_capacity(probes.len());
         for probe in &probes {
-            let (question, answer) = oneshot::channel();
-            match probe.tx.try_send(question) {
-                Ok(()) => answers.push((probe, answer)),
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    return Err(Stalled::Silent(probe.name.clone(), limit));
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) if stopping => {}
-                Err(mpsc::error::TrySendError::Closed(_)) => {
-                    return Err(Stalled::Gone(probe.name.clone()));
-                }
+            match probe.ask(limit) {
+                Ok(number) => asked.push((probe, number)),
+                Err(Stalled::Gone(_)) if stopping => {}
+                Err(stalled) => return Err(stalled),
             }
         }
-        for (probe, answer) in answers {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, answer).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) if stopping => {}
-                Ok(Err(_)) => return Err(Stalled::Gone(probe.name.clone())),
-                Err(_) => return Err(Stalled::Silent(probe.name.clone(), limit)),
+        for (probe, number) in asked {
+            match probe.answered(number, deadline).await {
+                Ok(true) => {}
+                Ok(false) if stopping => {}
+                Ok(false) => return Err(Stalled::Gone(probe.name.to_string())),
+                Err(()) => return Err(Stalled::Silent(probe.name.to_string(), limit)),
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
@@ -162,6 +219,30 @@ mod tests {
             liveness.check(LIMIT, false).await.unwrap();
         }
         part.abort();
+    }
+
+    /// The answer sits in a `select!` beside the part's work, which wins most polls: a
+    /// question is answered all the same (the answer is cancel-safe).
+    #[tokio::test]
+    async fn a_part_that_answers_between_units_of_work_is_alive() {
+        let (probe, mut responder) = pair("busy accept loop");
+        let part = tokio::spawn(async move {
+            let mut work = tokio::time::interval(Duration::from_millis(1));
+            loop {
+                tokio::select! {
+                    _ = work.tick() => {}
+                    () = responder.answer() => {}
+                }
+            }
+        });
+        let liveness = Liveness::new(probes(vec![probe]), Ledger::off());
+        for _ in 0..20 {
+            liveness.check(LIMIT, false).await.unwrap();
+        }
+        part.abort();
+        let _ = part.await;
+        // The part ended: the next question finds it gone.
+        assert!(matches!(liveness.check(LIMIT, false).await, Err(Stalled::Gone(_))));
     }
 
     #[tokio::test]
