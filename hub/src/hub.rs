@@ -44,7 +44,8 @@ pub const HUB_NAME: &str = concat!("channeld/", env!("CARGO_PKG_VERSION"));
 #[derive(Debug)]
 pub struct Hub {
     /// As loaded at start: the hub-wide settings, which only a restart changes. Instances and
-    /// runtimes a reload changes live in `instances` (and `applied`).
+    /// runtimes a reload changes live in `instances` (and `applied`): the instance list here
+    /// is left empty.
     pub config: HubConfig,
     pub instances: Arc<Registry>,
     /// The configuration in effect (the start's, then each reload's applied part); held by a
@@ -122,8 +123,13 @@ impl Hub {
             config.receipt_timeout,
         ));
         let locator_key = LocatorKey::new(ledger.id());
+        // One copy of the instance list, in `applied` (each instance has its own settings): a
+        // hub configured with thousands of instances holds each one's settings twice, not
+        // three times.
+        let applied = config.clone();
+        let config = HubConfig { instances: Vec::new(), ..config };
         Arc::new(Self {
-            applied: tokio::sync::Mutex::new(config.clone()),
+            applied: tokio::sync::Mutex::new(applied),
             config,
             instances,
             ledger,

@@ -67,7 +67,7 @@ pub(crate) fn accept_loop_name(inst: &Instance) -> String {
 
 /// [`run`] for a hub built by the caller (which keeps a handle to it).
 pub async fn run_hub(hub: Arc<Hub>, listeners: Listeners) -> io::Result<()> {
-    for warning in hub.config.warnings() {
+    for warning in hub.applied.lock().await.warnings() {
         warn!("{warning}");
     }
     match (hub.ledger.is_on(), hub.ledger.path()) {
