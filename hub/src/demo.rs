@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_protocol::ChannelId;
@@ -23,7 +24,7 @@ pub const DEMO_INSTANCE: &str = "console.demo";
 pub fn config(runtime_dir: &Path) -> HubConfig {
     let id = ChannelId::new(DEMO_INSTANCE).expect("static id is valid");
     let mut runtimes = BTreeMap::new();
-    runtimes.insert(DEFAULT_RUNTIME.to_owned(), RuntimeConfig::echo());
+    runtimes.insert(DEFAULT_RUNTIME.to_owned(), Arc::new(RuntimeConfig::echo()));
     HubConfig {
         runtime_dir: runtime_dir.to_owned(),
         state_dir: None,

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_protocol::ChannelId;
@@ -442,7 +443,8 @@ pub struct HubConfig {
     pub metrics_listen: Option<MetricsListen>,
     /// The AMQP send queue the hub consumes; `None` (the default) consumes none.
     pub amqp_sends: Option<AmqpSendsConfig>,
-    pub runtimes: BTreeMap<String, RuntimeConfig>,
+    /// Shared with the instances bound to each (`InstancePolicy::runtime`).
+    pub runtimes: BTreeMap<String, Arc<RuntimeConfig>>,
     pub instances: Vec<InstanceConfig>,
 }
 
@@ -494,7 +496,7 @@ impl HubConfig {
         };
 
         let mut runtimes = BTreeMap::new();
-        runtimes.insert(DEFAULT_RUNTIME.to_owned(), RuntimeConfig::echo());
+        runtimes.insert(DEFAULT_RUNTIME.to_owned(), Arc::new(RuntimeConfig::echo()));
         for (name, rt) in raw.runtime {
             let key = format!("runtime.{name}");
             if rt.kind == RuntimeKind::Exec && rt.command.is_empty() {
@@ -554,7 +556,7 @@ impl HubConfig {
                     .map(|max| positive(&format!("{key}.max_runs"), max))
                     .transpose()?,
             };
-            runtimes.insert(name, config);
+            runtimes.insert(name, Arc::new(config));
         }
 
         let mut instances = Vec::new();
@@ -676,7 +678,7 @@ impl HubConfig {
     }
 
     /// The runtime bound to `instance`.
-    pub fn runtime_for(&self, instance: &InstanceConfig) -> &RuntimeConfig {
+    pub fn runtime_for(&self, instance: &InstanceConfig) -> &Arc<RuntimeConfig> {
         self.runtimes.get(&instance.runtime).unwrap_or_else(|| &self.runtimes[DEFAULT_RUNTIME])
     }
 }

@@ -2,6 +2,7 @@
 //! serve and to stop, instances whose live settings change, and the keys whose new values
 //! only a restart applies (README lists them).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_protocol::ChannelId;
@@ -15,7 +16,7 @@ pub struct InstancePolicy {
     pub deny_notice: Option<String>,
     pub deny_notice_interval: Duration,
     /// The runtime the instance's runs use (its whole definition: a changed command counts).
-    pub runtime: RuntimeConfig,
+    pub runtime: Arc<RuntimeConfig>,
     /// Conversation history: the entries kept per conversation; `None`: off.
     pub history: Option<usize>,
 }
