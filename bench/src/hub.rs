@@ -109,8 +109,12 @@ impl HubProc {
             .with_context(|| format!("start {}", channeld.display()))?;
         let mut proc = Proc::new("channeld", child, Some(log));
         let control = runtime_dir.join("control.sock");
-        wait_until(&mut proc, Duration::from_secs(120), "open its control socket", || {
-            UnixStream::connect(&control).is_ok()
+        // Answered, not only bound: the hub binds its control socket with the instances'
+        // before it starts serving them, and answers on it once every instance's accept loop
+        // is started — what a resident size "with 0 connected" must include.
+        let ready = "{\"id\":1,\"op\":\"status\",\"limit\":1}\n";
+        wait_until(&mut proc, Duration::from_secs(120), "answer on its control socket", || {
+            request_at(&control, ready).is_ok()
         })?;
         Ok(Self { proc, runtime_dir })
     }
