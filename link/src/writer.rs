@@ -164,7 +164,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     mut closing: oneshot::Receiver<()>,
     progress: Arc<Progress>,
 ) -> io::Result<()> {
-    let mut batch = Vec::with_capacity(4096);
+    // Grown by the first frame, not allocated up front: a connection that is sent nothing
+    // after its handshake holds no 4 KiB for it.
+    let mut batch = Vec::new();
     let mut pace = Pace::default();
     // The close signal completes once, and polling a finished oneshot again panics: the
     // branch is off from then on. Closing the receiver refuses new frames but still yields
@@ -213,7 +215,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         }
         pace.wrote(Instant::now(), frames);
         if batch.capacity() > 4 * BATCH_BYTES {
-            batch = Vec::with_capacity(4096);
+            batch = Vec::new();
         }
     }
     writer.flush().await?;

@@ -27,18 +27,23 @@ pub struct LineFramer {
     max_line: usize,
     /// Discarding the tail of an oversize line until the next newline.
     discarding: bool,
+    /// `buf.len()` when it was last handed out for a read: what a read appended shows at the
+    /// next call.
+    filled: usize,
 }
 
 /// How much a single read may add to the buffer.
 pub const READ_CHUNK: usize = 16 * 1024;
 
-/// Capacity kept while idle; a buffer that grew for a large line shrinks back to this.
+/// Capacity kept while idle, and the room a read gets when the last one was small (a peer
+/// sending a message now and then): thousands of idle connections then hold 4 KiB each, not
+/// 16. A read that fills most of its room earns the next one a whole [`READ_CHUNK`].
 const IDLE_CAPACITY: usize = 4 * 1024;
 
 impl LineFramer {
     pub fn new(max_line: usize) -> Self {
         assert!(max_line >= 2, "a line needs room for at least one byte and a newline");
-        Self { buf: Vec::new(), pos: 0, scanned: 0, max_line, discarding: false }
+        Self { buf: Vec::new(), pos: 0, scanned: 0, max_line, discarding: false, filled: 0 }
     }
 
     /// Returns the next complete line or oversize report, or `None` when more input is needed.
@@ -97,6 +102,7 @@ impl LineFramer {
     /// read (at most [`READ_CHUNK`] bytes should be appended before calling
     /// [`next_line`](Self::next_line) again).
     pub fn buffer_for_read(&mut self) -> &mut Vec<u8> {
+        let last_read = self.buf.len().saturating_sub(self.filled);
         if self.pos > 0 {
             self.buf.drain(..self.pos);
             self.scanned -= self.pos;
@@ -105,7 +111,8 @@ impl LineFramer {
         if self.buf.is_empty() && self.buf.capacity() > IDLE_CAPACITY + READ_CHUNK {
             self.buf.shrink_to(IDLE_CAPACITY);
         }
-        self.buf.reserve(READ_CHUNK);
+        self.buf.reserve(read_room(last_read, self.buf.is_empty()));
+        self.filled = self.buf.len();
         &mut self.buf
     }
 
@@ -139,6 +146,12 @@ impl LineFramer {
     pub fn capacity(&self) -> usize {
         self.buf.capacity()
     }
+}
+
+/// The room the next read gets: a whole chunk while a line is in progress or the last read
+/// was large (traffic flowing), [`IDLE_CAPACITY`] otherwise. Pure.
+fn read_room(last_read: usize, empty: bool) -> usize {
+    if !empty || last_read > IDLE_CAPACITY / 2 { READ_CHUNK } else { IDLE_CAPACITY }
 }
 
 #[cfg(test)]
@@ -211,6 +224,33 @@ mod tests {
         assert_eq!(reports, 1);
         framer.extend(b"tail\nnext\n");
         assert_eq!(lines(&mut framer), vec![Ok(b"next".to_vec())]);
+    }
+
+    /// Reads the way a socket fills what `buffer_for_read` hands out: up to the room.
+    fn read(framer: &mut LineFramer, data: &[u8]) -> usize {
+        let buf = framer.buffer_for_read();
+        let room = buf.capacity() - buf.len();
+        let n = data.len().min(room);
+        buf.extend_from_slice(&data[..n]);
+        n
+    }
+
+    #[test]
+    fn small_reads_keep_a_small_buffer_and_full_ones_earn_a_chunk() {
+        let mut framer = LineFramer::new(64 * 1024);
+        // A peer sending a message now and then: the buffer stays at the idle size.
+        for _ in 0..10 {
+            read(&mut framer, b"{\"frame\":\"hello\"}\n");
+            assert_eq!(lines(&mut framer).len(), 1);
+            assert!(framer.capacity() <= IDLE_CAPACITY + 64, "{}", framer.capacity());
+        }
+        // Traffic flowing: a read that filled its room gets a whole chunk next.
+        let burst: Vec<u8> = b"0123456789abcde\n".repeat(4 * READ_CHUNK / 16);
+        let first = read(&mut framer, &burst);
+        assert!(first <= IDLE_CAPACITY + 64);
+        lines(&mut framer);
+        let second = read(&mut framer, &burst[first..]);
+        assert!(second >= READ_CHUNK, "{second}");
     }
 
     #[test]
