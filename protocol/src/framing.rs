@@ -37,7 +37,7 @@ pub const READ_CHUNK: usize = 16 * 1024;
 
 /// Capacity kept while idle, and the room a read gets when the last one was small (a peer
 /// sending a message now and then): thousands of idle connections then hold 4 KiB each, not
-/// 16. A read that fills most of its room earns the next one a whole [`READ_CHUNK`].
+/// 16. A read of more than half of that earns the next one a whole [`READ_CHUNK`].
 const IDLE_CAPACITY: usize = 4 * 1024;
 
 impl LineFramer {

@@ -297,7 +297,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
             }
             // Boxed, the four of them: awaited inline, the largest (an inbound's handling,
             // 4.7 KB) sized this loop's state, and so every connection's task, idle or not
-            // (8 KB each; ~3 KB boxed). A box lives only while its frame is handled.
+            // (8 KB each; 4 KB boxed). A box lives only while its frame is handled.
             Frame::Inbound(inbound) => {
                 Box::pin(inbound::on_message(hub, inst, conn, inbound)).await
             }
