@@ -67,7 +67,7 @@ pub(crate) async fn on_event(
 pub(crate) fn rerun(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
-    admitted: Admitted,
+    admitted: Box<Admitted>,
     run_id: String,
     attempt: u32,
 ) {
@@ -132,7 +132,12 @@ struct Place {
 
 /// The first decision, made on the reader with the run queue locked: an inbound that may go
 /// on takes its place in its session's queue in the same step, so places follow arrival.
-async fn take(hub: &Arc<Hub>, inst: &Arc<Instance>, conn: &Arc<Connection>, admitted: Admitted) {
+async fn take(
+    hub: &Arc<Hub>,
+    inst: &Arc<Instance>,
+    conn: &Arc<Connection>,
+    admitted: Box<Admitted>,
+) {
     Counters::bump(&inst.counters.inbound);
     let ledger = if hub.ledger.is_on() { Lookup::NotAsked } else { Lookup::Off };
     let policy = inst.policy();
@@ -225,7 +230,7 @@ async fn recorded(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
-    admitted: Admitted,
+    admitted: Box<Admitted>,
     mut place: Place,
     queued: Pending<(Recorded, Synced)>,
 ) {
@@ -274,7 +279,7 @@ async fn carry_out(
     hub: &Arc<Hub>,
     inst: &Arc<Instance>,
     conn: &Arc<Connection>,
-    admitted: Admitted,
+    admitted: Box<Admitted>,
     action: Action,
     place: Option<Place>,
     synced: Option<Synced>,

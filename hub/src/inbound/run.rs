@@ -39,7 +39,10 @@ session. Anything else goes to the agent.";
 /// What a run needs about one inbound, whichever frame carried it. The frame itself is not
 /// kept: [`Admitted::frame`] rebuilds it (its two fields are the event id and the input) for
 /// the ledger's record, and without a ledger the message moves from the decoded frame to the
-/// run's request uncopied.
+/// run's request uncopied. Made boxed: it is ~600 bytes and moves through the reader's
+/// decision, the ledger's answer, the run queue and the run's task, and every future that
+/// held it by value held its own copy (memcpy was 16.7 % of the hub's samples at 256 inbound
+/// in flight, 11.6 % boxed; an inbound's handling 4.7 → 2.3 KB, BENCHMARKS.md).
 #[derive(Debug, Clone)]
 pub struct Admitted {
     pub event_id: Id,
@@ -51,23 +54,23 @@ pub struct Admitted {
 }
 
 impl Admitted {
-    pub fn message(inbound: Inbound, identity_isolation: bool) -> Self {
+    pub fn message(inbound: Inbound, identity_isolation: bool) -> Box<Self> {
         let Inbound { event_id, message } = inbound;
-        Self {
+        Box::new(Self {
             event_id,
             origin: message.target.clone(),
             reply_to: Some(message.id.clone()),
             route: RouteKey::new(&message.target, message.sender.id.as_str(), identity_isolation),
             sender: Some(message.sender.clone()),
             input: RunInput::Message { message },
-        }
+        })
     }
 
-    pub fn event(frame: InboundEventFrame, identity_isolation: bool) -> Self {
+    pub fn event(frame: InboundEventFrame, identity_isolation: bool) -> Box<Self> {
         let InboundEventFrame { event_id, event } = frame;
         let context = event.context();
         let actor = context.participant.clone();
-        Self {
+        Box::new(Self {
             event_id,
             origin: context.target.clone(),
             reply_to: None,
@@ -78,7 +81,7 @@ impl Admitted {
             ),
             sender: actor,
             input: RunInput::Event { event },
-        }
+        })
     }
 
     /// The frame that carried it, as received (recorded in the ledger to run it again after
@@ -129,13 +132,13 @@ pub fn new_run_id(hub: &Hub) -> String {
 fn request(
     hub: &Hub,
     inst: &Instance,
-    admitted: Admitted,
+    admitted: Box<Admitted>,
     run_id: String,
     entry: Option<i64>,
     conn: Option<&Arc<Connection>>,
     redelivered: bool,
 ) -> (RunRequest, RouteKey) {
-    let Admitted { event_id, input, sender, origin, reply_to, route } = admitted;
+    let Admitted { event_id, input, sender, origin, reply_to, route } = *admitted;
     let route_id = route.session_id(0);
     // A route's first session (generation 0) is its route id: hashed once, not twice.
     let session = match inst.generation(&route_id) {
@@ -251,7 +254,7 @@ pub struct Queued {
     /// The connection that carried the inbound (`None` for a run queued again after a
     /// restart).
     pub origin: Option<Arc<Connection>>,
-    pub admitted: Admitted,
+    pub admitted: Box<Admitted>,
     pub run_id: String,
     /// Its item's ledger entry id, when known (not for a run queued again after a restart).
     pub entry: Option<i64>,
