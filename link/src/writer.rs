@@ -67,9 +67,17 @@ impl Progress {
 
 impl FrameSink {
     /// Encodes and queues a frame, waiting while the queue is full.
-    pub async fn send(&self, frame: &Frame) -> Result<(), SinkError> {
-        let line = encode(frame)?;
-        self.tx.send(line).await.map_err(|_| SinkError::Closed)
+    ///
+    /// The frame is encoded before the future is returned, and the future does not borrow
+    /// it: a caller that makes the frame in a statement of its own before awaiting
+    /// (`let sending = sink.send(&frame); drop(frame); sending.await`, or a temporary in a
+    /// `let`) does not keep it in its own state while the queue is full.
+    pub fn send<'a>(
+        &'a self,
+        frame: &Frame,
+    ) -> impl Future<Output = Result<(), SinkError>> + Send + use<'a> {
+        let line = encode(frame);
+        async move { self.tx.send(line?).await.map_err(|_| SinkError::Closed) }
     }
 
     /// Encodes and queues a frame, failing at once when the queue is full.

@@ -31,15 +31,18 @@ pub async fn refuse(
     message: String,
     retryable: bool,
 ) {
-    let _ = conn.sink.send(&Frame::error(Some(event_id.clone()), code, message, retryable)).await;
+    // Made and encoded in a statement of its own: the frame is not kept across the wait.
+    let sending = conn.sink.send(&Frame::error(Some(event_id.clone()), code, message, retryable));
+    let _ = sending.await;
 }
 
 /// Tells the driver the hub took responsibility (extension `accepted`). Like [`refuse`], it
 /// waits for room rather than drop the answer.
 pub async fn accept(conn: &Connection, event_id: &Id, duplicate: bool) {
     if conn.declaration.extensions.accepted {
-        let frame = Frame::Accepted(Accepted { event_id: event_id.clone(), duplicate });
-        let _ = conn.sink.send(&frame).await;
+        let sending =
+            conn.sink.send(&Frame::Accepted(Accepted { event_id: event_id.clone(), duplicate }));
+        let _ = sending.await;
     }
 }
 
