@@ -166,9 +166,11 @@ async fn take(
                 return;
             };
             let (hub, inst, conn) = (hub.clone(), inst.clone(), conn.clone());
-            hub.clone()
-                .runs
-                .spawn(async move { recorded(&hub, &inst, &conn, admitted, place, queued).await });
+            // Boxed, as a run's task is (`run::starter`): tokio copies a task's whole state
+            // when it spawns it and when it finishes, and this one would be 2.2 KB.
+            hub.clone().runs.spawn(async move {
+                Box::pin(recorded(&hub, &inst, &conn, admitted, place, queued)).await;
+            });
         }
         (action, place) => carry_out(hub, inst, conn, admitted, action, place, None).await,
     }
