@@ -434,6 +434,25 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
     }
 
+    /// The frame is encoded when `send` is called, so its caller may drop it before the
+    /// wait (this would not compile if the future borrowed it) and a frame changed after the
+    /// call is not what is written.
+    #[tokio::test]
+    async fn a_send_takes_its_frame_when_called_not_when_awaited() {
+        let (client, mut server) = tokio::io::duplex(64 * 1024);
+        let (sink, writer) = spawn_writer(client, 8);
+        let mut frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        let expected = encode(&frame).unwrap();
+        let sending = sink.send(&frame);
+        frame = Frame::Start(Lifecycle { request_id: "b".try_into().unwrap() });
+        drop(frame);
+        sending.await.unwrap();
+        writer.close().await.unwrap();
+        let mut received = Vec::new();
+        server.read_to_end(&mut received).await.unwrap();
+        assert_eq!(received, expected);
+    }
+
     #[tokio::test]
     async fn close_writes_what_was_queued_then_refuses_more() {
         let (client, mut server) = tokio::io::duplex(64 * 1024);

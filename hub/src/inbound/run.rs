@@ -42,7 +42,7 @@ session. Anything else goes to the agent.";
 /// run's request uncopied. Made boxed: it is ~600 bytes and moves through the reader's
 /// decision, the ledger's answer, the run queue and the run's task, and every future that
 /// held it by value held its own copy (memcpy was 16.7 % of the hub's samples at 256 inbound
-/// in flight, 11.6 % boxed; an inbound's handling 4.7 → 2.3 KB, BENCHMARKS.md).
+/// in flight, 11.6 % boxed; an inbound's handling 4.7 → 2.1 KB, BENCHMARKS.md).
 #[derive(Debug, Clone)]
 pub struct Admitted {
     pub event_id: Id,
