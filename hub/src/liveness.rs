@@ -219,6 +219,7 @@ mod tests {
             liveness.check(LIMIT, false).await.unwrap();
         }
         part.abort();
+        let _ = part.await;
     }
 
     /// The answer sits in a `select!` beside the part's work, which wins most polls: a
