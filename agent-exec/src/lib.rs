@@ -485,14 +485,16 @@ fn spawn(spec: &ExecSpec, run: &AgentRun) -> std::io::Result<Child> {
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .process_group(0);
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    // SAFETY: prctl and restore_in_child are async-signal-safe and touch no memory of the
+    // parent.
     unsafe {
         command.pre_exec(|| {
             // The agent dies with its parent, even on SIGKILL: no run outlives it.
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            // The agent runs under the policy the hub was started with.
+            channeld_link::sched::restore_in_child()
         });
     }
     command.spawn()

@@ -199,7 +199,11 @@ enum Cmd {
 
 fn main() -> ExitCode {
     // Thousands of driver connections in the scaling rows: the soft open-file limit goes to
-    // the hard one here, and every process the bench starts (the hub too) inherits it.
+    // the hard one here, and every process the bench starts (the hub too) inherits it. A
+    // privileged bench first lifts a hard limit too low for the top row (`ulimit -Hn` is
+    // often 20,000 in containers: room for 9,872 drivers); unprivileged, the row
+    // connects as many as the limit allows and says so.
+    let _ = phase::raise_hard_fd_limit(phase::TOP_FDS);
     if let Err(err) = channeld_link::process::raise_fd_limit() {
         eprintln!("channeld-bench: cannot raise the open-file limit: {err}");
     }

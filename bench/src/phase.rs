@@ -281,6 +281,30 @@ pub const TOP_DRIVERS: usize = 10_000;
 /// Descriptors the hub and the bench keep besides those of the drivers.
 const FD_MARGIN: usize = 256;
 
+/// Descriptors the scaling rows' top needs: two per driver in the hub, and the margin.
+pub const TOP_FDS: u64 = (2 * TOP_DRIVERS + FD_MARGIN) as u64;
+
+/// Raises the hard open-file limit (and the soft one with it) to `wanted` when it is lower:
+/// allowed to a privileged process (`CAP_SYS_RESOURCE`, up to `fs.nr_open`); unprivileged,
+/// it fails and the limits stay as they were (the scaling rows then connect fewer drivers
+/// and say so).
+pub fn raise_hard_fd_limit(wanted: u64) -> std::io::Result<()> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if limit.rlim_max >= wanted {
+        return Ok(());
+    }
+    let raised = libc::rlimit { rlim_cur: wanted, rlim_max: wanted };
+    // SAFETY: setrlimit reads the struct we own.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The most drivers this process can connect to one hub: the hub holds two descriptors per
 /// driver (its instance socket and the connection), the bench one; both run under the soft
 /// limit the bench raised to the hard one at start (inherited by the hub).

@@ -29,6 +29,8 @@ pub fn config(runtime_dir: &Path) -> HubConfig {
         runtime_dir: runtime_dir.to_owned(),
         state_dir: None,
         durability: crate::config::DurabilityMode::Full,
+        // The demo shares a terminal with its console driver: its threads keep the policy.
+        cpu_scheduling: crate::config::CpuScheduling::Inherit,
         retention: Duration::from_secs(7 * 86_400),
         outbox_ttl: Duration::from_secs(86_400),
         reply_ttl: Duration::from_secs(86_400),

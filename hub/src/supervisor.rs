@@ -107,14 +107,16 @@ pub fn spawn(instance: &InstanceConfig, stdin: Stdio) -> std::io::Result<Child> 
         .env("CHANNELD_SOCKET", &instance.socket)
         .stdin(stdin)
         .kill_on_drop(true);
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    // SAFETY: prctl and restore_in_child are async-signal-safe and touch no memory of the
+    // parent.
     unsafe {
         command.pre_exec(|| {
             // A driver whose hub died drains and exits instead of lingering.
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            // The driver runs under the policy the hub was started with.
+            channeld_link::sched::restore_in_child()
         });
     }
     command.spawn()

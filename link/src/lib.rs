@@ -1,10 +1,12 @@
 //! Async plumbing shared by the hub, the driver SDK and `channelctl`: framed connections over
 //! any byte stream (bounded reads, batched writes through a bounded queue), reconnect backoff,
-//! and the start-up every process shares ([`process`]: logging and signals).
+//! the start-up every process shares ([`process`]: logging and signals), and the CPU
+//! scheduling policy a process may move its threads to ([`sched`]).
 
 mod backoff;
 pub mod process;
 mod reader;
+pub mod sched;
 mod writer;
 
 pub use backoff::Backoff;

@@ -242,3 +242,68 @@ fn systemctl_reload_sends_the_hub_sighup() {
     let unit = std::fs::read_to_string(unit).unwrap();
     assert!(unit.lines().any(|l| l == "ExecReload=/bin/kill -HUP $MAINPID"), "{unit}");
 }
+
+/// The scheduling policy of every thread of process `pid` (field 41 of each task's `stat`).
+fn thread_policies(pid: i32) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("stat")).ok())
+        .map(|stat| {
+            let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+            after_name.split_whitespace().nth(38).unwrap().parse().unwrap()
+        })
+        .collect()
+}
+
+/// A hub (an exec agent that answers with its own policy, a spawned driver that writes its
+/// own) with `cpu_scheduling` set as given; returns the hub, the agent's answer and what the
+/// driver wrote.
+async fn policies_under(cpu_scheduling: &str) -> (HubProcess, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let driver_policy = dir.path().join("driver-policy");
+    let agent = write_script(
+        dir.path(),
+        "agent.sh",
+        "cat > /dev/null\necho \"policy $(cut -d' ' -f41 /proc/$$/stat)\"\n",
+    );
+    let driver = write_script(
+        dir.path(),
+        "driver.sh",
+        &format!(
+            "cut -d' ' -f41 /proc/$$/stat > '{0}.tmp' && mv '{0}.tmp' '{0}'\nexec sleep 60\n",
+            driver_policy.display()
+        ),
+    );
+    let hub = HubProcess::start(&format!(
+        "[hub]\n{cpu_scheduling}\n[runtime.agent]\nkind = \"exec\"\ncommand = [\"{}\"]\n\
+         [instance.\"{ONE}\"]\nallow = [\"alice\"]\nruntime = \"agent\"\n\
+         [instance.\"{TWO}\"]\nallow = [\"alice\"]\nspawn = [\"{}\"]\n",
+        agent.display(),
+        driver.display()
+    ));
+    let mut one = RawPeer::connect(&hub.socket(ONE)).await;
+    one.hello(ONE, caps(&["receive"]), &[]).await;
+    one.inbound(ONE, "m-1", "alice", "c1", "which policy?").await;
+    let answer = expect_deliver(one.frame().await).message.body.text_str().trim().to_owned();
+    eventually("the spawned driver wrote its policy", || driver_policy.exists()).await;
+    let written = std::fs::read_to_string(&driver_policy).unwrap().trim().to_owned();
+    (hub, answer, written)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hub_threads_run_batched_and_the_processes_it_starts_under_the_default_policy() {
+    const SCHED_OTHER: i32 = 0;
+    const SCHED_BATCH: i32 = 3;
+    let (hub, agent, driver) = policies_under("").await;
+    let policies = thread_policies(hub.pid());
+    assert!(policies.len() >= 3, "the hub runs its threads: {policies:?}");
+    assert!(policies.iter().all(|&p| p == SCHED_BATCH), "every hub thread batched: {policies:?}");
+    assert_eq!(agent, format!("policy {SCHED_OTHER}"), "the exec agent runs as started");
+    assert_eq!(driver, SCHED_OTHER.to_string(), "the spawned driver runs as started");
+
+    let (hub, agent, driver) = policies_under("cpu_scheduling = \"inherit\"").await;
+    let policies = thread_policies(hub.pid());
+    assert!(policies.iter().all(|&p| p == SCHED_OTHER), "inherit leaves them: {policies:?}");
+    assert_eq!(agent, format!("policy {SCHED_OTHER}"));
+    assert_eq!(driver, SCHED_OTHER.to_string());
+}

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use channeld_hub::Hub;
-use channeld_hub::config::{HubConfig, Overrides};
+use channeld_hub::config::{CpuScheduling, HubConfig, Overrides};
 use channeld_hub::ledger::LedgerError;
 use channeld_hub::listen::HubError;
 use clap::{Parser, Subcommand};
@@ -158,6 +158,7 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
         }
     };
     check_fd_limit(config.instances.len());
+    apply_cpu_scheduling(config.cpu_scheduling);
     // First the state directory's lock: a second hub must not touch the ledger (it would
     // start the first one's runs again) nor the sockets.
     let ledger = match channeld_hub::open_ledger(&config) {
@@ -197,6 +198,25 @@ async fn run_main(path: &std::path::Path, overrides: &Overrides) -> ExitCode {
             error!(error = %err, "hub failed");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Moves the hub's threads to `SCHED_BATCH` unless `hub.cpu_scheduling = "inherit"` (early:
+/// the ledger's threads, started later, inherit it). The hub runs on if it cannot.
+fn apply_cpu_scheduling(scheduling: CpuScheduling) {
+    use channeld_link::sched::{Batched, batch_threads};
+    if scheduling == CpuScheduling::Inherit {
+        return;
+    }
+    match batch_threads() {
+        Ok(Batched::Moved { threads }) => {
+            info!(threads, "hub threads run under SCHED_BATCH (hub.cpu_scheduling)");
+        }
+        Ok(Batched::LeftAsStarted { policy }) => info!(
+            policy,
+            "hub started under a scheduling policy other than the default; hub.cpu_scheduling leaves it"
+        ),
+        Err(err) => warn!(error = %err, "cannot move the hub's threads to SCHED_BATCH"),
     }
 }
 

@@ -63,6 +63,7 @@ pub fn plan(running: &HubConfig, new: &HubConfig) -> Reload {
         ("hub.runtime_dir", running.runtime_dir != new.runtime_dir),
         ("hub.state_dir", running.state_dir != new.state_dir),
         ("hub.durability", running.durability != new.durability),
+        ("hub.cpu_scheduling", running.cpu_scheduling != new.cpu_scheduling),
         ("hub.retention_days", running.retention != new.retention),
         ("hub.outbox_ttl_secs", running.outbox_ttl != new.outbox_ttl),
         ("hub.reply_ttl_secs", running.reply_ttl != new.reply_ttl),
@@ -141,7 +142,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::config::Overrides;
+    use crate::config::{CpuScheduling, Overrides};
 
     fn config(text: &str) -> HubConfig {
         HubConfig::parse(text, Path::new("t.toml"), &Overrides::default()).unwrap()
@@ -197,7 +198,7 @@ mod tests {
     fn restart_only_keys_are_named_and_keep_their_running_values() {
         let running = config(BASE);
         let new = config(
-            "[hub]\nreceipt_timeout_secs = 3\n[runtime.agent]\nkind = \"exec\"\ncommand = [\"/bin/a\"]\n\
+            "[hub]\nreceipt_timeout_secs = 3\ncpu_scheduling = \"inherit\"\n[runtime.agent]\nkind = \"exec\"\ncommand = [\"/bin/a\"]\n\
              [instance.\"a.one\"]\nallow = [\"carol\"]\nmax_inflight = 2\nsocket = \"/tmp/x.sock\"\n\
              [instance.\"a.two\"]\nallow = [\"bob\"]\nruntime = \"agent\"\n",
         );
@@ -205,12 +206,14 @@ mod tests {
         assert_eq!(
             reload.restart_only,
             [
+                "hub.cpu_scheduling",
                 "hub.receipt_timeout_secs",
                 "instance.\"a.one\".socket",
                 "instance.\"a.one\".max_inflight"
             ]
         );
         assert_eq!(reload.applied.receipt_timeout, running.receipt_timeout);
+        assert_eq!(reload.applied.cpu_scheduling, CpuScheduling::Batch);
         let one = &reload.applied.instances[0];
         assert_eq!(one.max_inflight, running.instances[0].max_inflight);
         assert_eq!(one.socket, running.instances[0].socket);
@@ -218,6 +221,6 @@ mod tests {
         // They stay pending (and named) until a restart; nothing else changes again.
         let again = plan(&reload.applied, &new);
         assert!(again.is_empty());
-        assert_eq!(again.restart_only.len(), 3);
+        assert_eq!(again.restart_only.len(), 4);
     }
 }

@@ -16,6 +16,17 @@ fn minimal_config_has_defaults() {
     assert_eq!(instance.max_queued, 64);
     assert_eq!(instance.allow, Allowlist::All);
     assert_eq!(config.runtime_for(instance).kind, RuntimeKind::Echo);
+    assert_eq!(config.cpu_scheduling, CpuScheduling::Batch);
+}
+
+#[test]
+fn cpu_scheduling_is_batch_or_inherit() {
+    let config = parse("[hub]\ncpu_scheduling = \"inherit\"\n").unwrap();
+    assert_eq!(config.cpu_scheduling, CpuScheduling::Inherit);
+    let config = parse("[hub]\ncpu_scheduling = \"batch\"\n").unwrap();
+    assert_eq!(config.cpu_scheduling, CpuScheduling::Batch);
+    let err = parse("[hub]\ncpu_scheduling = \"fifo\"\n").unwrap_err().to_string();
+    assert!(err.contains("cpu_scheduling") && err.contains("fifo"), "{err}");
 }
 
 #[test]
