@@ -25,7 +25,7 @@ pub enum Batched {
     LeftAsStarted { policy: i32 },
 }
 
-/// The policy of thread `tid` of this process (`0` for the calling thread): `libc::SCHED_*`,
+/// The policy of thread `tid` (of any process; `0` for the calling thread): `libc::SCHED_*`,
 /// without the reset-on-fork flag.
 pub fn policy_of(tid: i32) -> std::io::Result<i32> {
     // SAFETY: plain syscall on a thread of this process.
@@ -91,19 +91,12 @@ mod tests {
 
     use super::*;
 
-    /// Field 41 of `/proc/<pid>/stat`: the scheduling policy.
-    fn policy_in_stat(stat: &str) -> i32 {
-        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-        after_name.split_whitespace().nth(38).unwrap().parse().unwrap()
-    }
-
+    /// The policy of every thread of this process.
     fn thread_policies() -> Vec<i32> {
         std::fs::read_dir("/proc/self/task")
             .unwrap()
-            .map(|entry| {
-                let stat = std::fs::read_to_string(entry.unwrap().path().join("stat")).unwrap();
-                policy_in_stat(&stat)
-            })
+            .filter_map(|entry| entry.unwrap().file_name().to_str()?.parse().ok())
+            .map(|tid| policy_of(tid).unwrap())
             .collect()
     }
 
@@ -132,13 +125,17 @@ mod tests {
 
         // A child that restores runs under the default; one that does not inherits the batch.
         let child_policy = |restore: bool| {
-            let mut command = Command::new("cat");
-            command.arg("/proc/self/stat");
+            let mut command = Command::new("sleep");
+            command.arg("5");
             if restore {
                 // SAFETY: restore_in_child is async-signal-safe.
                 unsafe { command.pre_exec(restore_in_child) };
             }
-            policy_in_stat(&String::from_utf8(command.output().unwrap().stdout).unwrap())
+            let mut child = command.spawn().unwrap();
+            let policy = policy_of(i32::try_from(child.id()).unwrap()).unwrap();
+            child.kill().unwrap();
+            child.wait().unwrap();
+            policy
         };
         assert_eq!(child_policy(true), libc::SCHED_OTHER);
         assert_eq!(child_policy(false), libc::SCHED_BATCH);

@@ -243,15 +243,12 @@ fn systemctl_reload_sends_the_hub_sighup() {
     assert!(unit.lines().any(|l| l == "ExecReload=/bin/kill -HUP $MAINPID"), "{unit}");
 }
 
-/// The scheduling policy of every thread of process `pid` (field 41 of each task's `stat`).
+/// The scheduling policy of every thread of process `pid`.
 fn thread_policies(pid: i32) -> Vec<i32> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("stat")).ok())
-        .map(|stat| {
-            let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-            after_name.split_whitespace().nth(38).unwrap().parse().unwrap()
-        })
+        .filter_map(|task| task.ok()?.file_name().to_str()?.parse().ok())
+        .filter_map(|tid| channeld_link::sched::policy_of(tid).ok())
         .collect()
 }
 
