@@ -182,9 +182,20 @@ impl Report {
         (peer.median.rate_per_s > 0.0).then(|| row.median.rate_per_s / peer.median.rate_per_s)
     }
 
-    /// hub rate / the better mosquitto rate for a row.
-    pub fn ratio(phase: &Phase, row: &Row) -> Option<f64> {
-        Self::over(row, Self::mosquitto(phase, row.window))
+    /// The lowest and highest rate among `row`'s repetitions (its median's when it has none).
+    fn rate_range(row: &Row) -> (f64, f64) {
+        let rates = row.reps.iter().map(|rep| rep.rate_per_s);
+        let low = rates.clone().fold(f64::INFINITY, f64::min);
+        let high = rates.fold(f64::NEG_INFINITY, f64::max);
+        if low.is_finite() { (low, high) } else { (row.median.rate_per_s, row.median.rate_per_s) }
+    }
+
+    /// How far `row` ÷ `peer` moves across their repetitions: the lowest of the row's rates
+    /// over the highest of the peer's, and the other way round. `None` without a peer rate.
+    fn over_range(row: &Row, peer: Option<&Row>) -> Option<(f64, f64)> {
+        let (low, high) = Self::rate_range(row);
+        let (peer_low, peer_high) = Self::rate_range(peer?);
+        (peer_low > 0.0).then(|| (low / peer_high, high / peer_low))
     }
 
     pub fn markdown(&self) -> String {
@@ -223,8 +234,8 @@ impl Report {
             );
         }
         out.push_str(
-            "\n| CPUs | path | ledger | in flight | round trips/s | p50 µs | p99 µs | p50 fsyncs | best mosquitto rt/s | hub/mosquitto | two-hop rt/s | hub/two-hop | errors |\n\
-             |---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            "\n| CPUs | path | ledger | in flight | round trips/s | repetitions rt/s | p50 µs | p99 µs | p50 fsyncs | best mosquitto rt/s | hub/mosquitto | two-hop rt/s | hub/two-hop | errors |\n\
+             |---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         );
         for phase in &self.phases {
             for row in &phase.rows {
@@ -247,9 +258,10 @@ impl Report {
                     }
                     _ => String::new(),
                 };
+                let (low, high) = Self::rate_range(row);
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {fsyncs} | {} | {} | {hop_rate} | {hop_ratio} | {} |",
+                    "| {} | {} | {} | {} | {} | {}–{} | {:.1} | {:.1} | {fsyncs} | {} | {} | {hop_rate} | {hop_ratio} | {} |",
                     phase.mode,
                     row.path.label(),
                     match row.ledger {
@@ -259,6 +271,8 @@ impl Report {
                     },
                     row.window,
                     fmt_rate(row.median.rate_per_s),
+                    fmt_rate(low),
+                    fmt_rate(high),
                     row.median.p50_us,
                     row.median.p99_us,
                     peer_rate,
@@ -338,29 +352,34 @@ impl Report {
             let mode = &phase.mode;
             for path in [PathKind::Send, PathKind::Inbound] {
                 let name = path.label();
+                // A ratio of medians, with how far it moves across the two rows' repetitions.
                 let line = |ledger: bool,
                             window: usize,
                             what: &str,
-                            value: Option<f64>,
+                            (row, peer): (&Row, Option<&Row>),
                             goal: f64| {
-                    let value = value?;
+                    let value = Self::over(row, peer)?;
+                    let (low, high) = Self::over_range(row, peer)?;
                     let ledger = if ledger { "on" } else { "off" };
                     Some(format!(
-                        "{mode} {name}, ledger {ledger}, {window} in flight: {what} {value:.2} (target ≥ {goal}): {}",
+                        "{mode} {name}, ledger {ledger}, {window} in flight: {what} {value:.2} \
+                         (repetitions {low:.2}–{high:.2}; target ≥ {goal}): {}",
                         verdict(value >= goal)
                     ))
                 };
                 if let Some(row) = Self::hub_row(phase, path, false, 1)
                     && path == PathKind::Send
                 {
-                    lines.extend(line(false, 1, "÷ best mosquitto", Self::ratio(phase, row), 1.25));
+                    let peer = Self::mosquitto(phase, 1);
+                    lines.extend(line(false, 1, "÷ best mosquitto", (row, peer), 1.25));
                 }
                 if let Some(row) = Self::hub_row(phase, path, false, 16) {
-                    lines.extend(line(false, 16, "÷ best mosquitto", Self::ratio(phase, row), 5.0));
+                    let peer = Self::mosquitto(phase, 16);
+                    lines.extend(line(false, 16, "÷ best mosquitto", (row, peer), 5.0));
                 }
                 if let Some(row) = Self::hub_row(phase, path, false, 256) {
                     let hop = Self::find(phase, 256, &[PathKind::EchoTwoHop]);
-                    lines.extend(line(false, 256, "÷ two-hop ceiling", Self::over(row, hop), 0.5));
+                    lines.extend(line(false, 256, "÷ two-hop ceiling", (row, hop), 0.5));
                 }
                 if let Some(row) = Self::hub_row(phase, path, true, 1)
                     && phase.fsync_us > 0.0
@@ -374,11 +393,12 @@ impl Report {
                     ));
                 }
                 if let Some(row) = Self::hub_row(phase, path, true, 16) {
-                    lines.extend(line(true, 16, "÷ best mosquitto", Self::ratio(phase, row), 1.5));
+                    let peer = Self::mosquitto(phase, 16);
+                    lines.extend(line(true, 16, "÷ best mosquitto", (row, peer), 1.5));
                 }
                 if let Some(row) = Self::hub_row(phase, path, true, 256) {
                     let off = Self::hub_row(phase, path, false, 256);
-                    lines.extend(line(true, 256, "÷ ledger off", Self::over(row, off), 0.5));
+                    lines.extend(line(true, 256, "÷ ledger off", (row, off), 0.5));
                 }
             }
         }
@@ -463,6 +483,62 @@ pub fn fmt_rate(rate: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(path: PathKind, ledger: Option<bool>, window: usize, rates: &[f64]) -> Row {
+        let sample = |rate_per_s| Sample { rate_per_s, ..Sample::default() };
+        let reps: Vec<Sample> = rates.iter().copied().map(sample).collect();
+        Row { path, ledger, window, median: reps[reps.len() / 2], reps }
+    }
+
+    fn report(rows: Vec<Row>) -> Report {
+        Report {
+            schema: String::new(),
+            quick: false,
+            machine: Machine {
+                cpus: 2,
+                kernel: String::new(),
+                mosquitto: String::new(),
+                load_before: String::new(),
+                load_after: String::new(),
+            },
+            settings: Settings {
+                payload_bytes: 64,
+                repetitions: 3,
+                measure_ms: 1000,
+                windows: vec![16],
+                hub_max_inflight: 512,
+                ledger_durability: "full".into(),
+            },
+            phases: vec![Phase {
+                mode: "unpinned".into(),
+                cpus: String::new(),
+                rows,
+                scale: Scale::default(),
+                fsync_us: 0.0,
+                load: String::new(),
+            }],
+            idle_drivers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_ratio_says_how_far_it_moves_across_the_repetitions() {
+        let report = report(vec![
+            row(PathKind::Send, Some(false), 16, &[50_000.0, 60_000.0, 70_000.0]),
+            row(PathKind::Mosquitto, None, 16, &[10_000.0, 12_000.0, 14_000.0]),
+            // The slower mosquitto configuration is not the one compared with.
+            row(PathKind::MosquittoNagle, None, 16, &[9_000.0, 11_000.0, 20_000.0]),
+        ]);
+        let targets = report.targets();
+        assert_eq!(
+            targets,
+            ["unpinned send → receipt (hub), ledger off, 16 in flight: ÷ best mosquitto 5.00 \
+              (repetitions 3.57–7.00; target ≥ 5): met"],
+        );
+        let table = report.markdown();
+        assert!(table.contains("| 60,000 | 50,000–70,000 |"), "{table}");
+        assert!(table.contains("| 12,000 | 10,000–14,000 |"), "{table}");
+    }
 
     #[test]
     fn rates_get_thousands_separators() {
