@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use rusqlite::{Transaction, params};
+use rusqlite::{Connection, params};
 
 use super::LedgerError;
 use super::store::Cached;
@@ -16,7 +16,7 @@ const PREFIX: &str = "agent_env:";
 
 /// Records the names of `instance`'s agent environment; none forgets it.
 pub fn set_agent_env_names(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     names: &[String],
 ) -> Result<(), LedgerError> {
@@ -34,7 +34,7 @@ pub fn set_agent_env_names(
 }
 
 /// The names recorded for each instance whose driver gave its runs an environment.
-pub fn agent_env_names(txn: &Transaction<'_>) -> Result<HashMap<String, Vec<String>>, LedgerError> {
+pub fn agent_env_names(txn: &Connection) -> Result<HashMap<String, Vec<String>>, LedgerError> {
     // `PREFIX` with `:` bumped to `;`: the keys between are exactly those starting with it.
     let mut stmt = txn
         .prepare("SELECT key, value FROM meta WHERE key >= 'agent_env:' AND key < 'agent_env;'")?;

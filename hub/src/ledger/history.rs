@@ -23,7 +23,7 @@ use std::collections::HashMap;
 
 use channeld_protocol::ext::HistoryRole;
 use channeld_protocol::types::InboundMessage;
-use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde::Deserialize;
 
 use super::LedgerError;
@@ -193,7 +193,7 @@ pub fn slack(cap: i64) -> i64 {
 
 /// Appends `new` at once: [`hold`], then [`write_all`] (tests).
 #[cfg(test)]
-pub fn append(txn: &Transaction<'_>, new: &NewHistory, cap: usize) -> Result<(), LedgerError> {
+pub fn append(txn: &Connection, new: &NewHistory, cap: usize) -> Result<(), LedgerError> {
     hold(new.clone(), cap);
     write_all(txn)?;
     committed();
@@ -267,13 +267,13 @@ pub fn holding() -> bool {
 /// Moves what is held into `history` when [`MOVE_AT`] entries wait, or whatever waits with
 /// `all`; whether it moved any. A failed move leaves the entries held and part
 /// of the move in the transaction, which the caller rolls back (`store::write_held_rows`).
-pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
+pub fn write(txn: &Connection, all: bool) -> Result<bool, LedgerError> {
     let waiting = HELD.with(|held| held.borrow().entries.waiting().len());
     store::write_held_rows(txn, (waiting, MOVE_AT, all), write_held, mark, undo)
 }
 
 /// Every entry the ledger thread holds written into `history` (before a read or a prune).
-pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+pub fn write_all(txn: &Connection) -> Result<(), LedgerError> {
     write(txn, true).map(drop)
 }
 
@@ -285,7 +285,7 @@ pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
 /// The numbers live in the rows: a rolled-back move, a prune or a restart needs no count
 /// kept aside (BENCHMARKS.md, fix 26). A conversation's newest number is read once per
 /// move, and it is trimmed once, to the highest number its entries' trims keep.
-fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+fn write_held(txn: &Connection) -> Result<(), LedgerError> {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
         let waiting = held.entries.waiting();
@@ -356,7 +356,7 @@ const FLOOR: &str = "SELECT min(id) FROM (
 /// logged one after the last move carry its generation or a later one, and all of them are
 /// at or past the move's floor. Held again in time order (to the millisecond; a message
 /// before its reply) and written at once.
-pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+pub fn rebuild(txn: &Connection) -> Result<(), LedgerError> {
     let (generation, floor) = last_move(txn)?;
     HELD.with(|held| *held.borrow_mut() = Held { generation, ..Held::default() });
     let mut stmt = txn.prepare(
@@ -411,7 +411,7 @@ pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
 }
 
 /// The last move's generation and floor (`meta.history_moved`).
-fn last_move(txn: &Transaction<'_>) -> Result<(i64, i64), LedgerError> {
+fn last_move(txn: &Connection) -> Result<(i64, i64), LedgerError> {
     let moved: Option<String> = txn
         .query_row("SELECT value FROM meta WHERE key = 'history_moved'", [], |row| row.get(0))
         .optional()?;
@@ -425,7 +425,7 @@ fn last_move(txn: &Transaction<'_>) -> Result<(i64, i64), LedgerError> {
 /// Lowers the floor of the last move to `instance`'s inbound `event_id`: a reply the
 /// operator sends again belongs to an inbound that had settled, below the floor, and its
 /// entry may be logged before a move sees the reply on its way.
-pub fn keep_from(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Result<(), LedgerError> {
+pub fn keep_from(txn: &Connection, instance: &str, event_id: &str) -> Result<(), LedgerError> {
     let id: Option<i64> = txn
         .query_row_cached(
             "SELECT id FROM inbound WHERE instance = ?1 AND event_id = ?2",
@@ -444,12 +444,7 @@ pub fn keep_from(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Resul
 }
 
 /// Inserts one entry numbered `seq` in its conversation's `thread` (`''` for none).
-fn insert(
-    txn: &Transaction<'_>,
-    new: &NewHistory,
-    thread: &str,
-    seq: i64,
-) -> Result<(), LedgerError> {
+fn insert(txn: &Connection, new: &NewHistory, thread: &str, seq: i64) -> Result<(), LedgerError> {
     txn.exec_cached(
         "INSERT INTO history (instance, conversation, thread, role, text, sender, message_id,
              event_id, reply_id, at_ms, seq)
@@ -516,7 +511,7 @@ const PRUNE: &str = "DELETE FROM history WHERE id < coalesce(
 /// (ids grow with time, so that is all of them but for a clock set back); returns how many
 /// went. It reads only the rows it deletes and one more: no index on the time is written
 /// with every entry for it.
-pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+pub fn prune(txn: &Connection, before_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(PRUNE, params![before_ms as i64])?)
 }
 
@@ -592,7 +587,7 @@ mod tests {
     fn a_full_conversation_is_trimmed_in_steps_and_the_newest_cap_entries_stay() {
         let mut conn = open_in_memory().unwrap();
         let txn = conn.transaction().unwrap();
-        let count = |txn: &Transaction<'_>| -> i64 {
+        let count = |txn: &Connection| -> i64 {
             txn.query_row("SELECT count(*) FROM history", [], |row| row.get(0)).unwrap()
         };
         assert_eq!((slack(2), slack(8), slack(200), slack(1000)), (0, 2, 50, 64));
@@ -700,7 +695,7 @@ mod tests {
         let mut conn = open_in_memory().unwrap();
         let txn = conn.transaction().unwrap();
         forget_held();
-        let count = |txn: &Transaction<'_>| -> usize {
+        let count = |txn: &Connection| -> usize {
             let n: i64 =
                 txn.query_row("SELECT count(*) FROM history", [], |row| row.get(0)).unwrap();
             n as usize

@@ -2,7 +2,7 @@
 //! its run ended and whether the reply reached the driver, find the replies still owed, and
 //! recover the runs a crash interrupted. Synchronous functions over one transaction.
 
-use rusqlite::{OptionalExtension, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::LedgerError;
 use super::items::{self, NewItem};
@@ -107,7 +107,7 @@ pub struct RecoveredRun {
 /// `history`: the cap of the message's history entry, which the caller holds when this
 /// records a new entry (`history::hold`), with the generation it is held in.
 pub fn record(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     new: &NewInbound,
     rehash: Rehash,
     history: Option<(usize, i64)>,
@@ -198,7 +198,7 @@ impl StoredRow {
     }
 }
 
-fn stored_frame(txn: &Transaction<'_>, new: &NewInbound) -> Result<Option<Vec<u8>>, LedgerError> {
+fn stored_frame(txn: &Connection, new: &NewInbound) -> Result<Option<Vec<u8>>, LedgerError> {
     Ok(txn
         .query_row_cached(
             "SELECT frame FROM inbound WHERE instance = ?1 AND event_id = ?2",
@@ -212,7 +212,7 @@ fn stored_frame(txn: &Transaction<'_>, new: &NewInbound) -> Result<Option<Vec<u8
 /// any run that ended with a reply (its entry settles as the reply's record is made, so
 /// the stored state alone no longer says so), `Delivered` for one that ended without.
 pub fn outcome(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
 ) -> Result<Option<(InboundState, Option<String>)>, LedgerError> {
@@ -237,7 +237,7 @@ pub fn outcome(
 /// Records how a run ended (see [`RunEnd::state`]); its reply's delivery record is the
 /// caller's, in the same transaction. False when the entry is not running.
 pub fn finish(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
     end: &RunEnd,
@@ -277,7 +277,7 @@ const FINISH: &str = "UPDATE inbound SET state = ?3, reply = ?4, error_code = ?5
 /// the entry owed none: only a `Replied` entry moves (`Running → Delivered` is a run's end,
 /// not this transition).
 pub fn mark_delivered(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
     now_ms: u64,
@@ -294,7 +294,7 @@ pub fn mark_delivered(
 
 /// Finished runs whose reply is owed but has no delivery record: written by a hub from before
 /// replies were tracked (schema 2), oldest first. The hub records each as a pending reply.
-pub fn untracked_replies(txn: &Transaction<'_>) -> Result<Vec<PendingReply>, LedgerError> {
+pub fn untracked_replies(txn: &Connection) -> Result<Vec<PendingReply>, LedgerError> {
     let mut stmt = txn.prepare_cached(&untracked_sql())?;
     let rows = stmt.query_map(params![InboundState::Replied.as_str()], |row| {
         Ok(PendingReply {
@@ -318,7 +318,7 @@ fn untracked_sql() -> String {
 
 /// Counts a run's start as an attempt (see [`NewInbound::started`]). False when the entry
 /// is not running.
-pub fn start(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Result<bool, LedgerError> {
+pub fn start(txn: &Connection, instance: &str, event_id: &str) -> Result<bool, LedgerError> {
     let updated = txn.exec_cached(
         "UPDATE inbound SET attempts = attempts + 1 WHERE instance = ?1 AND event_id = ?2
              AND state = ?3",
@@ -334,7 +334,7 @@ pub fn start(txn: &Transaction<'_>, instance: &str, event_id: &str) -> Result<bo
 /// Arrival order: by `received_ms`, then by run id. The hub gives run ids
 /// (`run-r-<boot nonce>-<n>`) in arrival order, and entries received in the same millisecond
 /// come from one boot, so a shorter `<n>` is an earlier one.
-pub fn recover(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<RecoveredRun>, LedgerError> {
+pub fn recover(txn: &Connection, now_ms: u64) -> Result<Vec<RecoveredRun>, LedgerError> {
     let running: Vec<(String, String, String, Vec<u8>, u32)> = {
         let mut stmt = txn.prepare(&recover_sql())?;
         let rows = stmt.query_map(params![InboundState::Running.as_str()], |row| {
@@ -378,7 +378,7 @@ fn recover_sql() -> String {
 /// highest id in the table, so deleting it would hand its id (and those before it) out
 /// again, and what is written behind the inbound (history's floor, the inbox items' rebuild
 /// in `items.rs`) finds its rows by ids that only grow.
-pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+pub fn prune(txn: &Connection, before_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
 }
 
@@ -640,7 +640,7 @@ pub(crate) mod tests {
 
     /// The entry of a run that replied as a hub before schema 3 left it: `replied`, the
     /// reply owed by the entry (no delivery record).
-    fn before_schema_3(txn: &Transaction<'_>, event_id: &str) {
+    fn before_schema_3(txn: &Connection, event_id: &str) {
         let updated = txn
             .execute("UPDATE inbound SET state = 'replied' WHERE event_id = ?1", [event_id])
             .unwrap();

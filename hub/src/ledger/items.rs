@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use channeld_protocol::Frame;
 use channeld_protocol::ids::Id;
 use channeld_protocol::types::{MessageTarget, Participant};
-use rusqlite::{OptionalExtension, Row, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use super::LedgerError;
 use super::store::{self, Cached, HeldMark, HeldRows};
@@ -164,7 +164,7 @@ impl NewItem {
 }
 
 /// The id the next recorded inbound's item takes; [`hold`] takes it.
-pub fn next_id(txn: &Transaction<'_>) -> Result<i64, LedgerError> {
+pub fn next_id(txn: &Connection) -> Result<i64, LedgerError> {
     if let Some(id) = HELD.with(|held| held.borrow().next_id) {
         return Ok(id);
     }
@@ -229,19 +229,19 @@ pub fn holding() -> bool {
 /// Writes what is held into `items` when [`WRITE_AT`] items wait, or whatever waits with
 /// `all`; whether it wrote any. A failed write leaves the items held and part
 /// of the write in the transaction, which the caller rolls back (`store::write_held_rows`).
-pub fn write(txn: &Transaction<'_>, all: bool) -> Result<bool, LedgerError> {
+pub fn write(txn: &Connection, all: bool) -> Result<bool, LedgerError> {
     let waiting = HELD.with(|held| held.borrow().items.waiting().len());
     store::write_held_rows(txn, (waiting, WRITE_AT, all), write_held, mark, undo)
 }
 
 /// Every item the ledger thread holds written (before a read, a change or a prune).
-pub fn write_all(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+pub fn write_all(txn: &Connection) -> Result<(), LedgerError> {
     write(txn, true).map(drop)
 }
 
 /// Writes the held items not yet written, each conversation's together, and records the
 /// highest id written and the next inbound id (`meta.items_written`).
-fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+fn write_held(txn: &Connection) -> Result<(), LedgerError> {
     HELD.with(|held| {
         let mut held = held.borrow_mut();
         let mut waiting: Vec<&HeldItem> = held.items.waiting().iter().collect();
@@ -269,7 +269,7 @@ fn write_held(txn: &Transaction<'_>) -> Result<(), LedgerError> {
     })
 }
 
-fn insert(txn: &Transaction<'_>, item: &HeldItem) -> Result<(), LedgerError> {
+fn insert(txn: &Connection, item: &HeldItem) -> Result<(), LedgerError> {
     txn.exec_cached(
         "INSERT INTO items (id, instance, event_id, conversation, thread, message_id, sender,
              received_ms, updated_ms)
@@ -290,7 +290,7 @@ fn insert(txn: &Transaction<'_>, item: &HeldItem) -> Result<(), LedgerError> {
 
 /// The highest item id the last write wrote and the next inbound id then
 /// (`meta.items_written`).
-fn last_write(txn: &Transaction<'_>) -> Result<(i64, i64), LedgerError> {
+fn last_write(txn: &Connection) -> Result<(i64, i64), LedgerError> {
     let value: Option<String> = txn
         .query_row_cached("SELECT value FROM meta WHERE key = 'items_written'", [], |row| {
             row.get(0)
@@ -306,7 +306,7 @@ fn last_write(txn: &Transaction<'_>) -> Result<(i64, i64), LedgerError> {
 /// Rebuilds the items a crash left held (the ledger thread's first step): the inbound rows
 /// recorded since the last write (their ids at or past its next inbound id) whose item id
 /// is past the highest it wrote, from their stored frames, and writes them.
-pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
+pub fn rebuild(txn: &Connection) -> Result<(), LedgerError> {
     HELD.with(|held| *held.borrow_mut() = Held::default());
     let (written, next_inbound) = last_write(txn)?;
     let mut stmt = txn.prepare(
@@ -336,7 +336,7 @@ pub fn rebuild(txn: &Transaction<'_>) -> Result<(), LedgerError> {
 
 /// The item of `event_id` with what `read` shows of it.
 pub fn get(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
 ) -> Result<Option<ItemView>, LedgerError> {
@@ -358,7 +358,7 @@ pub fn get(
 /// Up to `limit` items before entry `before` in the same conversation and thread (`None`:
 /// outside any thread), newest first.
 pub fn context(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     conversation: &str,
     thread: Option<&str>,
@@ -382,7 +382,7 @@ pub fn context(
 /// Items newest first: of one instance or all, only unhandled ones or all, below entry
 /// `before`, at most `limit`.
 pub fn list(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: Option<&str>,
     unhandled: bool,
     before: Option<i64>,
@@ -407,7 +407,7 @@ fn list_sql() -> String {
 
 /// Records the outbox record of the reply `respond` sent (the first one stays).
 pub fn set_reply(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
     outbox_id: i64,
@@ -425,7 +425,7 @@ pub fn set_reply(
 /// Marks an item handled `by` (`respond` or `complete`); the first marking stays. False when
 /// there is no such item.
 pub fn mark_handled(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
     by: &str,
@@ -450,7 +450,7 @@ pub fn mark_handled(
 /// Deletes items last touched before `before_ms` (with the inbound entries they describe).
 /// It walks the items received before then, oldest first (ids grow with arrival), and stops
 /// at the first one received since: no index on the time is written with every item for it.
-pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+pub fn prune(txn: &Connection, before_ms: u64) -> Result<usize, LedgerError> {
     write_all(txn)?;
     Ok(txn.exec_cached(PRUNE, params![before_ms as i64])?)
 }
@@ -474,7 +474,7 @@ mod tests {
     }
 
     /// Holds an item as a recorded inbound does; returns its id.
-    fn add(txn: &Transaction<'_>, instance: &str, event_id: &str, new: &NewItem, now: u64) -> i64 {
+    fn add(txn: &Connection, instance: &str, event_id: &str, new: &NewItem, now: u64) -> i64 {
         let id = next_id(txn).unwrap();
         hold(id, instance, event_id, new.clone(), now);
         id
@@ -482,7 +482,7 @@ mod tests {
 
     /// Records an inbound message `event_id` in `conversation` (with its item) as the hub
     /// does; returns the item's id.
-    fn recorded(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
+    fn recorded(txn: &Connection, event_id: &str, conversation: &str, now: u64) -> i64 {
         let (_, bytes) = crate::ledger::inbound::test_message(event_id, conversation, Some("t"));
         let frame = channeld_protocol::decode(&bytes).unwrap();
         let new = crate::ledger::NewInbound {
@@ -502,7 +502,7 @@ mod tests {
         }
     }
 
-    fn written(txn: &Transaction<'_>) -> Vec<(i64, String)> {
+    fn written(txn: &Connection) -> Vec<(i64, String)> {
         let mut stmt = txn.prepare("SELECT id, event_id FROM items ORDER BY id").unwrap();
         let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?))).unwrap();
         rows.collect::<Result<_, _>>().unwrap()

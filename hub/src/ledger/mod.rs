@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use rusqlite::{Transaction, params};
+use rusqlite::{Connection, params};
 use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
@@ -168,14 +168,14 @@ struct Body<T, F> {
 
 impl<T, F> Body<T, F>
 where
-    F: Fn(&Transaction<'_>) -> Result<T, LedgerError>,
+    F: Fn(&Connection) -> Result<T, LedgerError>,
 {
     fn new(f: F, storage: StorageFlag) -> Self {
         Self { f, result: None, storage }
     }
 
     /// Runs the function (in a savepoint of its own when `savepoint`); false when it failed.
-    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+    fn run(&mut self, txn: &Connection, savepoint: bool) -> bool {
         let result = if savepoint { store::savepoint(txn, &self.f) } else { (self.f)(txn) };
         if let Err(err) = &result {
             self.storage.note(err);
@@ -201,9 +201,9 @@ struct Call<T, F> {
 impl<T, F> store::Work for Call<T, F>
 where
     T: Send,
-    F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
+    F: Fn(&Connection) -> Result<T, LedgerError> + Send,
 {
-    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+    fn run(&mut self, txn: &Connection, savepoint: bool) -> bool {
         self.body.run(txn, savepoint)
     }
 
@@ -228,9 +228,9 @@ struct EarlyCall<T, F> {
 impl<T, F> store::Work for EarlyCall<T, F>
 where
     T: Send,
-    F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send,
+    F: Fn(&Connection) -> Result<T, LedgerError> + Send,
 {
-    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+    fn run(&mut self, txn: &Connection, savepoint: bool) -> bool {
         self.body.run(txn, savepoint)
     }
 
@@ -427,7 +427,7 @@ impl Ledger {
     fn call<T, F>(&self, f: F) -> impl Future<Output = Result<T, LedgerError>> + Send + '_
     where
         T: Send + 'static,
-        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+        F: Fn(&Connection) -> Result<T, LedgerError> + Send + 'static,
     {
         self.call_with(Commit::Durable, f)
     }
@@ -448,7 +448,7 @@ impl Ledger {
     ) -> impl Future<Output = Result<T, LedgerError>> + Send + '_
     where
         T: Send + 'static,
-        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+        F: Fn(&Connection) -> Result<T, LedgerError> + Send + 'static,
     {
         // Not `queue_with(..).await.answer()`: the future would hold that one's future and
         // then `answer`'s beside it (the settle task grew to 1,568 bytes that way).
@@ -467,7 +467,7 @@ impl Ledger {
     fn queue_with<T, F>(&self, commit: Commit, f: F) -> impl Future<Output = Pending<T>> + Send + '_
     where
         T: Send + 'static,
-        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+        F: Fn(&Connection) -> Result<T, LedgerError> + Send + 'static,
     {
         let (done, answer) = oneshot::channel();
         let job = Box::new(Call { body: Body::new(f, self.storage.clone()), done });
@@ -479,7 +479,7 @@ impl Ledger {
     fn queue_early<T, F>(&self, f: F) -> impl Future<Output = Pending<(T, Synced)>> + Send + '_
     where
         T: Send + 'static,
-        F: Fn(&Transaction<'_>) -> Result<T, LedgerError> + Send + 'static,
+        F: Fn(&Connection) -> Result<T, LedgerError> + Send + 'static,
     {
         let (done, answer) = oneshot::channel();
         let body = Body::new(f, self.storage.clone());
@@ -1161,7 +1161,7 @@ mod tests {
         assert!(ledger.untracked_replies().await.unwrap().is_empty());
         // A reply a hub before schema 3 left owed is recorded for delivery at a restart,
         // which settles its entry in the same step.
-        let old = |txn: &Transaction<'_>| {
+        let old = |txn: &Connection| {
             Ok(txn.execute("UPDATE inbound SET state = 'replied' WHERE event_id = 'e2'", [])?)
         };
         assert_eq!(ledger.call(old).await.unwrap(), 1);
@@ -1216,7 +1216,7 @@ mod tests {
     async fn history_held_by_a_failed_call_is_dropped_and_a_redone_batch_holds_once() {
         let ledger = Ledger::in_memory().unwrap();
         let holds = |text: &'static str, fails: bool| {
-            move |_: &Transaction<'_>| {
+            move |_: &Connection| {
                 history::hold(entry(text), 10);
                 if fails { Err(LedgerError::Sql("refused".into())) } else { Ok(()) }
             }
@@ -1243,7 +1243,7 @@ mod tests {
         use store::Work;
         let mut conn = schema::open_in_memory().unwrap();
         let early = |done| {
-            let f = |txn: &Transaction<'_>| -> Result<i64, LedgerError> {
+            let f = |txn: &Connection| -> Result<i64, LedgerError> {
                 Ok(txn.query_row("SELECT 41 + 1", [], |r| r.get(0))?)
             };
             EarlyCall { body: Body::new(f, StorageFlag::default()), done: Some(done), synced: None }

@@ -2,7 +2,7 @@
 //! idempotent by key, claimed for dispatch in order, settled, expired and retried on request.
 //! Synchronous functions over one transaction.
 
-use rusqlite::{OptionalExtension, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use super::LedgerError;
 use super::state::{self, OUTBOX_STATES, OutboxState};
@@ -61,7 +61,7 @@ pub const EXPIRED: &str = "expired while queued";
 const COLUMNS: &str = "id, instance, idempotency_key, message, state, receipt, error, attempts, created_ms, updated_ms, expires_ms";
 
 /// Adds a send, or returns the record that already holds its idempotency key.
-pub fn add(txn: &Transaction<'_>, send: &NewSend) -> Result<Added, LedgerError> {
+pub fn add(txn: &Connection, send: &NewSend) -> Result<Added, LedgerError> {
     if let Some(key) = &send.idempotency_key {
         let existing = txn
             .query_row_cached(
@@ -97,7 +97,7 @@ pub fn add(txn: &Transaction<'_>, send: &NewSend) -> Result<Added, LedgerError> 
 /// Moves record `id` to `next` (with a receipt or an error) if the state machine allows it
 /// from where it stands; false when it does not (or the record is gone).
 pub fn transition(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     id: i64,
     next: OutboxState,
     receipt: Option<&[u8]>,
@@ -121,7 +121,7 @@ const TRANSITION: &str = "UPDATE outbox SET state = ?2, receipt = COALESCE(?3, r
 /// Claims the queued sends of `instance` for dispatch, oldest first: each becomes `sent`.
 /// Those past their expiry fail instead and are not returned.
 pub fn claim_queued(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     now_ms: u64,
     limit: usize,
@@ -156,12 +156,12 @@ pub fn claim_queued(
 }
 
 /// Fails queued sends past their expiry, for every instance; returns their ids.
-pub fn expire(txn: &Transaction<'_>, now_ms: u64) -> Result<Vec<i64>, LedgerError> {
+pub fn expire(txn: &Connection, now_ms: u64) -> Result<Vec<i64>, LedgerError> {
     expire_where(txn, None, now_ms)
 }
 
 fn expire_where(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: Option<&str>,
     now_ms: u64,
 ) -> Result<Vec<i64>, LedgerError> {
@@ -189,7 +189,7 @@ fn expire_where(
 
 /// After a restart nothing is in flight: what was handed to a driver becomes `unknown`.
 /// Returns how many records changed.
-pub fn restart(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
+pub fn restart(txn: &Connection, now_ms: u64) -> Result<usize, LedgerError> {
     let in_flight: Vec<i64> = {
         let mut stmt = txn.prepare("SELECT id FROM outbox WHERE state = ?1")?;
         let rows = stmt.query_map(params![OutboxState::Sent.as_str()], |row| row.get(0))?;
@@ -205,7 +205,7 @@ pub fn restart(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError>
     Ok(changed)
 }
 
-pub fn get(txn: &Transaction<'_>, id: i64) -> Result<Option<OutboxRecord>, LedgerError> {
+pub fn get(txn: &Connection, id: i64) -> Result<Option<OutboxRecord>, LedgerError> {
     Ok(txn
         .query_row_cached(&format!("SELECT {COLUMNS} FROM outbox WHERE id = ?1"), params![id], row)
         .optional()?)
@@ -236,7 +236,7 @@ pub struct OutboxSummary {
 pub const PREVIEW_CHARS: usize = 100;
 
 /// How many records each instance has in each state (the metrics' outbox depth).
-pub fn counts(txn: &Transaction<'_>) -> Result<Vec<(String, OutboxState, u64)>, LedgerError> {
+pub fn counts(txn: &Connection) -> Result<Vec<(String, OutboxState, u64)>, LedgerError> {
     let mut stmt = txn.prepare_cached(
         "SELECT instance, state, count(*) FROM outbox GROUP BY state, instance ORDER BY instance",
     )?;
@@ -250,7 +250,7 @@ pub fn counts(txn: &Transaction<'_>) -> Result<Vec<(String, OutboxState, u64)>, 
 /// previews are cut in SQL (the stored message is an `OutboundMessage` as JSON), so no whole
 /// message is read into memory.
 pub fn list(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: Option<&str>,
     state: Option<OutboxState>,
     before: Option<i64>,
@@ -297,7 +297,7 @@ pub fn list(
 
 /// An operator's explicit retry: an `unknown` or `failed` record goes back to `queued`.
 pub fn requeue(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     id: i64,
     now_ms: u64,
     expires_ms: u64,
@@ -315,7 +315,7 @@ pub fn requeue(
 }
 
 /// Deletes final records last touched before `before_ms`; returns how many went.
-pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+pub fn prune(txn: &Connection, before_ms: u64) -> Result<usize, LedgerError> {
     let finals = state::sql_list(&OUTBOX_STATES, OutboxState::is_final, OutboxState::as_str);
     Ok(txn.execute(
         &format!("DELETE FROM outbox WHERE state IN ({finals}) AND updated_ms < ?1"),

@@ -6,7 +6,7 @@
 
 use std::sync::LazyLock;
 
-use rusqlite::{OptionalExtension, Transaction, params};
+use rusqlite::{Connection, OptionalExtension, params};
 
 use channeld_protocol::ext::STREAM_SEQ_KEY;
 use channeld_protocol::types::OutboundMessage;
@@ -132,7 +132,7 @@ pub(super) const NOT_HANDED: &str = "state <> 'handed'";
 
 /// Records a reply as `pending`, due now. A second reply for the same event is ignored (a
 /// run's outcome is recorded once). Returns its id.
-pub fn add(txn: &Transaction<'_>, reply: &NewReply, now_ms: u64) -> Result<i64, LedgerError> {
+pub fn add(txn: &Connection, reply: &NewReply, now_ms: u64) -> Result<i64, LedgerError> {
     insert(txn, reply, ReplyState::Pending, now_ms)?;
     Ok(txn.query_row_cached(
         "SELECT id FROM replies WHERE instance = ?1 AND event_id = ?2",
@@ -146,7 +146,7 @@ pub fn add(txn: &Transaction<'_>, reply: &NewReply, now_ms: u64) -> Result<i64, 
 /// of its own; else as [`add`] does, `pending`, claimed in its turn. `None` when it was not
 /// claimed (also when the event has a reply already: a run's outcome is recorded once).
 pub fn add_claimed(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     reply: &NewReply,
     now_ms: u64,
 ) -> Result<Option<HandedReply>, LedgerError> {
@@ -172,7 +172,7 @@ pub fn add_claimed(
 /// Inserts a new reply, due now, `pending` (no attempt yet) or `handed` (its first); nothing
 /// when the event has one. Returns how many rows it added.
 fn insert(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     reply: &NewReply,
     state: ReplyState,
     now_ms: u64,
@@ -209,7 +209,7 @@ static HELD_SQL: LazyLock<String> = LazyLock::new(|| {
 /// conversation only the oldest reply still on its way, and only once it is due. They become
 /// `handed` with one more attempt counted.
 pub fn claim_due(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     now_ms: u64,
     limit: usize,
@@ -256,7 +256,7 @@ fn claim_sql() -> String {
 /// written: its inbound entry settled when the record was made (`RunEnd::state`,
 /// `Ledger::reply_add`).
 pub fn answer(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     answer: &ReplyAnswer,
     now_ms: u64,
     jitter: f64,
@@ -328,7 +328,7 @@ pub fn answer(
 
 /// The state of the reply to `event_id`, if the run produced one.
 pub fn state_of(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: &str,
     event_id: &str,
 ) -> Result<Option<ReplyState>, LedgerError> {
@@ -344,7 +344,7 @@ pub fn state_of(
 
 /// Expires the replies past their TTL that were waiting to be handed over, for every
 /// instance; returns how many.
-pub fn expire(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
+pub fn expire(txn: &Connection, now_ms: u64) -> Result<usize, LedgerError> {
     let expired: Vec<(String, String)> = {
         let mut stmt = txn.prepare_cached(&expire_sql())?;
         let rows = stmt.query_map(params![now_ms as i64], |row| Ok((row.get(0)?, row.get(1)?)))?;
@@ -373,7 +373,7 @@ fn expire_sql() -> String {
 }
 
 /// After a restart nothing is handed over: every `handed` reply is `pending` again, due now.
-pub fn restart(txn: &Transaction<'_>, now_ms: u64) -> Result<usize, LedgerError> {
+pub fn restart(txn: &Connection, now_ms: u64) -> Result<usize, LedgerError> {
     let from = ReplyState::Handed;
     Ok(txn.execute(
         &restart_sql(),
@@ -392,7 +392,7 @@ fn restart_sql() -> String {
 
 /// Makes the retryable failures of `instance` due now (its driver is Ready again); returns
 /// how many.
-pub fn due_now(txn: &Transaction<'_>, instance: &str, now_ms: u64) -> Result<usize, LedgerError> {
+pub fn due_now(txn: &Connection, instance: &str, now_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(
         &format!(
             "UPDATE replies SET next_ms = ?3
@@ -404,7 +404,7 @@ pub fn due_now(txn: &Transaction<'_>, instance: &str, now_ms: u64) -> Result<usi
 
 /// The earliest time after `after_ms` that something is due for any instance: a retry, or
 /// an expiry. (What is due already is handed over when its driver connects or is kicked.)
-pub fn next_wake(txn: &Transaction<'_>, after_ms: u64) -> Result<Option<u64>, LedgerError> {
+pub fn next_wake(txn: &Connection, after_ms: u64) -> Result<Option<u64>, LedgerError> {
     let wake: Option<i64> =
         txn.query_row_cached(&next_wake_sql(), params![after_ms as i64], |row| row.get(0))?;
     Ok(wake.map(|ms| ms.max(0) as u64))
@@ -464,7 +464,7 @@ fn record(row: &rusqlite::Row<'_>) -> rusqlite::Result<ReplyRecord> {
 /// Lists replies, newest first, `text` and `error` cut to [`PREVIEW_CHARS`] characters;
 /// only those of `instance`, in `state`, with an id below `before`, when given.
 pub fn list(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     instance: Option<&str>,
     state: Option<ReplyState>,
     before: Option<i64>,
@@ -485,7 +485,7 @@ pub fn list(
 }
 
 /// One reply with its whole text and error.
-pub fn get(txn: &Transaction<'_>, id: i64) -> Result<Option<ReplyRecord>, LedgerError> {
+pub fn get(txn: &Connection, id: i64) -> Result<Option<ReplyRecord>, LedgerError> {
     Ok(txn
         .query_row_cached(&format!("SELECT {} WHERE id = ?1", columns(None)), params![id], record)
         .optional()?)
@@ -494,7 +494,7 @@ pub fn get(txn: &Transaction<'_>, id: i64) -> Result<Option<ReplyRecord>, Ledger
 /// An operator's explicit retry: an `unknown`, `failed` or `expired` reply becomes `pending`,
 /// due now, with a new TTL.
 pub fn requeue(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     id: i64,
     now_ms: u64,
     expires_ms: u64,
@@ -521,7 +521,7 @@ pub fn requeue(
 }
 
 /// How many replies each instance has in each state (states with none are left out).
-pub fn counts(txn: &Transaction<'_>) -> Result<Vec<ReplyCount>, LedgerError> {
+pub fn counts(txn: &Connection) -> Result<Vec<ReplyCount>, LedgerError> {
     let mut counts = Vec::new();
     for sql in counts_sql() {
         let mut stmt = txn.prepare_cached(&sql)?;
@@ -555,7 +555,7 @@ fn counts_sql() -> [String; 2] {
 }
 
 /// Deletes final replies last touched before `before_ms`; returns how many went.
-pub fn prune(txn: &Transaction<'_>, before_ms: u64) -> Result<usize, LedgerError> {
+pub fn prune(txn: &Connection, before_ms: u64) -> Result<usize, LedgerError> {
     Ok(txn.execute(&prune_sql(), params![before_ms as i64])?)
 }
 
@@ -632,7 +632,7 @@ mod tests {
     }
 
     /// Records an inbound whose run replied `text` in `conversation`: the reply is pending.
-    fn replied(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
+    fn replied(txn: &Connection, event_id: &str, conversation: &str, now: u64) -> i64 {
         let new = NewInbound {
             instance: "a.b".into(),
             event_id: event_id.into(),
@@ -650,7 +650,7 @@ mod tests {
 
     /// `event_id`'s run ends with the reply `re <event>` in `conversation`, recorded with
     /// its delivery record as `Ledger::finish_run` does: pending; its id.
-    fn run_replied(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) -> i64 {
+    fn run_replied(txn: &Connection, event_id: &str, conversation: &str, now: u64) -> i64 {
         let reply = NewReply {
             instance: "a.b".into(),
             event_id: event_id.into(),
@@ -663,7 +663,7 @@ mod tests {
         add(txn, &reply, now).unwrap()
     }
 
-    fn get_by_event(txn: &Transaction<'_>, event_id: &str) -> ReplyRecord {
+    fn get_by_event(txn: &Connection, event_id: &str) -> ReplyRecord {
         let id: i64 = txn
             .query_row("SELECT id FROM replies WHERE event_id = ?1", [event_id], |r| r.get(0))
             .unwrap();
@@ -681,18 +681,18 @@ mod tests {
         }
     }
 
-    fn claimed(txn: &Transaction<'_>, now: u64) -> Vec<String> {
+    fn claimed(txn: &Connection, now: u64) -> Vec<String> {
         claim_due(txn, "a.b", now, 100).unwrap().into_iter().map(|r| r.event_id).collect()
     }
 
-    fn inbound_state(txn: &Transaction<'_>, event_id: &str) -> String {
+    fn inbound_state(txn: &Connection, event_id: &str) -> String {
         txn.query_row("SELECT state FROM inbound WHERE event_id = ?1", [event_id], |r| r.get(0))
             .unwrap()
     }
 
     /// Records a message `q <event>` in `conversation` at `now` as the ledger's call does when
     /// its instance keeps history (cap 10): the row with the cap and generation, the entry held.
-    fn admitted(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) {
+    fn admitted(txn: &Connection, event_id: &str, conversation: &str, now: u64) {
         let (message, frame) = crate::ledger::inbound::test_message(event_id, conversation, None);
         let new = NewInbound {
             instance: "a.b".into(),
@@ -710,14 +710,14 @@ mod tests {
     }
 
     /// `event_id`'s run replied `re <event>`, and its driver posted it at `now`.
-    fn posted_with_history(txn: &Transaction<'_>, event_id: &str, conversation: &str, now: u64) {
+    fn posted_with_history(txn: &Connection, event_id: &str, conversation: &str, now: u64) {
         run_replied(txn, event_id, conversation, now);
         assert_eq!(claimed(txn, now), [event_id]);
         let answer = ReplyAnswer { history: Some(10), ..say(event_id, Answer::Posted) };
         assert_eq!(super::answer(txn, &answer, now, 0.0).unwrap(), Some(ReplyState::Posted));
     }
 
-    fn history_texts(txn: &Transaction<'_>, conversation: &str) -> Vec<String> {
+    fn history_texts(txn: &Connection, conversation: &str) -> Vec<String> {
         history::recent(txn, "a.b", conversation, None, 100)
             .unwrap()
             .into_iter()
@@ -815,7 +815,7 @@ mod tests {
         let mut db = db();
         let txn = db.transaction().unwrap();
         replied(&txn, "e1", "c1", 10);
-        let row = |txn: &Transaction<'_>| -> (String, i64) {
+        let row = |txn: &Connection| -> (String, i64) {
             txn.query_row("SELECT state, updated_ms FROM inbound WHERE event_id = 'e1'", [], |r| {
                 Ok((r.get(0)?, r.get(1)?))
             })

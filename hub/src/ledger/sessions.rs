@@ -3,17 +3,13 @@
 
 use std::collections::HashMap;
 
-use rusqlite::{Transaction, params};
+use rusqlite::{Connection, params};
 
 use super::LedgerError;
 use super::store::Cached;
 
 /// Starts a new session generation for a route; returns it.
-pub fn bump_generation(
-    txn: &Transaction<'_>,
-    instance: &str,
-    route: &str,
-) -> Result<u64, LedgerError> {
+pub fn bump_generation(txn: &Connection, instance: &str, route: &str) -> Result<u64, LedgerError> {
     txn.exec_cached(
         "INSERT INTO sessions (instance, route, generation) VALUES (?1, ?2, 1)
          ON CONFLICT (instance, route) DO UPDATE SET generation = generation + 1",
@@ -28,10 +24,7 @@ pub fn bump_generation(
 }
 
 /// Every session generation of `instance`, by route.
-pub fn generations(
-    txn: &Transaction<'_>,
-    instance: &str,
-) -> Result<HashMap<String, u64>, LedgerError> {
+pub fn generations(txn: &Connection, instance: &str) -> Result<HashMap<String, u64>, LedgerError> {
     let mut stmt = txn.prepare("SELECT route, generation FROM sessions WHERE instance = ?1")?;
     let rows = stmt.query_map(params![instance], |row| {
         Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)? as u64))

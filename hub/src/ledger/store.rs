@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use rusqlite::{Connection, Transaction};
+use rusqlite::Connection;
 use tokio::sync::mpsc::{Receiver, Sender};
 use tracing::{error, info};
 
@@ -90,7 +90,7 @@ pub trait Work: Send {
     /// Runs the call in `txn`, in a savepoint of its own when `savepoint`; false when it
     /// failed. Run again (in a new transaction) when the batch is redone, so it must not
     /// act outside the database.
-    fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool;
+    fn run(&mut self, txn: &Connection, savepoint: bool) -> bool;
     /// A durable job's batch committed and the log syncer will sync it (`durability =
     /// "full"`): a call that answers at its commit answers now, and hears the sync in
     /// [`finish`](Work::finish). Not called when the batch did not commit, nor when the
@@ -144,13 +144,13 @@ pub enum Message {
 #[derive(Clone, Copy)]
 pub struct Behind {
     /// First thing on the thread: what a crash left unwritten is rebuilt.
-    pub start: fn(&Transaction<'_>) -> Result<(), LedgerError>,
+    pub start: fn(&Connection) -> Result<(), LedgerError>,
     /// The state to return to when what follows does not commit.
     pub mark: fn() -> BehindMark,
     pub undo: fn(BehindMark),
     /// In a batch's transaction after its calls: writes what is due (all of it with `true`);
     /// whether it wrote anything.
-    pub write: fn(&Transaction<'_>, bool) -> Result<bool, LedgerError>,
+    pub write: fn(&Connection, bool) -> Result<bool, LedgerError>,
     /// The transaction committed: what it wrote is forgotten.
     pub committed: fn(),
     /// Whether anything is held.
@@ -228,9 +228,9 @@ impl<T> HeldRows<T> {
 /// redone, and a failed write behind the jobs is dropped with its batch's first try
 /// ([`apply`]).
 pub fn write_held_rows(
-    txn: &Transaction<'_>,
+    txn: &Connection,
     (waiting, at, all): (usize, usize, bool),
-    write_held: fn(&Transaction<'_>) -> Result<(), LedgerError>,
+    write_held: fn(&Connection) -> Result<(), LedgerError>,
     mark: fn() -> HeldMark,
     undo: fn(HeldMark),
 ) -> Result<bool, LedgerError> {
@@ -518,7 +518,7 @@ impl LedgerThread {
         let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
         self.set_sync(plan.commit);
         let behind = (self.behind, &mut self.behind_failing);
-        let outcome = apply(&mut self.conn, batch, metrics, &self.storage, behind);
+        let outcome = apply(&self.conn, batch, metrics, &self.storage, behind);
         match (outcome.is_ok(), self.durability, plan.commit) {
             (true, Durability::Full, "NORMAL") => self.unsynced = true,
             (true, _, "FULL") => self.unsynced = false,
@@ -565,7 +565,7 @@ impl LedgerThread {
 /// When the write behind fails, the batch is redone the same way without it: what it would
 /// have written stays held for the next batch, and the jobs' writes stand.
 fn apply(
-    conn: &mut Connection,
+    conn: &Connection,
     batch: &mut Vec<(Job, Commit)>,
     metrics: &LedgerMetrics,
     storage: &StorageFlag,
@@ -637,19 +637,59 @@ fn behind_failed(storage: &StorageFlag, failing: &mut bool, err: &LedgerError) {
 /// Begins a batch's transaction. When it cannot, the batch's jobs are dropped unrun: their
 /// callers hear `Unavailable`.
 fn begin<'c>(
-    conn: &'c mut Connection,
+    conn: &'c Connection,
     batch: &mut Vec<(Job, Commit)>,
-) -> Result<Transaction<'c>, LedgerError> {
-    conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(|err| {
+) -> Result<Batch<'c>, LedgerError> {
+    Batch::begin(conn).map_err(|err| {
         error!(error = %err, "ledger cannot begin a transaction");
         batch.clear();
         LedgerError::Commit
     })
 }
 
+/// A batch's transaction, begun and committed with statements from the connection's cache:
+/// rusqlite's `Transaction` runs `BEGIN` and `COMMIT` through `execute_batch`, which parses
+/// them again for every transaction (5 % of the ledger thread on a sequential durable send,
+/// BENCHMARKS.md thirty-first round). Dropped without a commit, or after a commit that
+/// failed and left the transaction open, it rolls back.
+struct Batch<'c> {
+    conn: &'c Connection,
+}
+
+impl<'c> Batch<'c> {
+    fn begin(conn: &'c Connection) -> rusqlite::Result<Self> {
+        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+        Ok(Self { conn })
+    }
+
+    fn commit(self) -> rusqlite::Result<()> {
+        self.conn.prepare_cached("COMMIT")?.execute([]).map(drop)
+    }
+}
+
+impl std::ops::Deref for Batch<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        // After a commit the connection is back in autocommit; a commit that failed may have
+        // rolled back already (SQLite does on a full disk) or left the transaction open.
+        if !self.conn.is_autocommit()
+            && let Err(err) = self.conn.prepare_cached("ROLLBACK").and_then(|mut s| s.execute([]))
+        {
+            error!(error = %err, "ledger cannot roll a batch back");
+        }
+    }
+}
+
 /// Commits a batch's transaction and observes it.
 fn commit(
-    tx: Transaction<'_>,
+    tx: Batch<'_>,
     changes_before: u64,
     began: Instant,
     jobs: usize,
@@ -681,8 +721,8 @@ fn commit(
 
 /// Runs `f` in a savepoint so a failing job leaves no partial writes in its batch.
 pub fn savepoint<T>(
-    txn: &Transaction<'_>,
-    f: impl FnOnce(&Transaction<'_>) -> Result<T, LedgerError>,
+    txn: &Connection,
+    f: impl FnOnce(&Connection) -> Result<T, LedgerError>,
 ) -> Result<T, LedgerError> {
     txn.prepare_cached("SAVEPOINT job")?.execute([])?;
     match f(txn) {
@@ -740,6 +780,50 @@ mod tests {
         // With a log syncer no commit waits for the disk: durable jobs hear after its sync.
         assert_eq!(batch_plan(Durability::Full, true, true), plan("NORMAL", true));
         assert_eq!(batch_plan(Durability::Full, false, true), plan("NORMAL", false));
+    }
+
+    /// A batch's transaction is immediate, commits what it wrote, rolls back when dropped
+    /// uncommitted, and reuses its statements instead of preparing them again.
+    #[test]
+    fn a_batch_commits_or_rolls_back_with_cached_statements() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (x INTEGER)").unwrap();
+        let count = |conn: &Connection| -> i64 {
+            conn.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap()
+        };
+
+        let batch = Batch::begin(&conn).unwrap();
+        assert!(!conn.is_autocommit());
+        batch.execute("INSERT INTO t VALUES (1)", []).unwrap();
+        drop(batch);
+        assert!(conn.is_autocommit());
+        assert_eq!(count(&conn), 0, "an uncommitted batch rolls back");
+
+        for x in 0..3 {
+            let batch = Batch::begin(&conn).unwrap();
+            batch.execute("INSERT INTO t VALUES (?1)", [x]).unwrap();
+            batch.commit().unwrap();
+            assert!(conn.is_autocommit());
+        }
+        assert_eq!(count(&conn), 3);
+
+        // Both statements stay prepared in the cache, to be run again (rusqlite's own
+        // transactions finalize theirs).
+        let mut prepared = Vec::new();
+        // SAFETY: the handle is the live connection's; the statements it lists and their
+        // text are only read, while the connection and its cache are not used.
+        unsafe {
+            let db = conn.handle();
+            let mut stmt = rusqlite::ffi::sqlite3_next_stmt(db, std::ptr::null_mut());
+            while !stmt.is_null() {
+                let sql = std::ffi::CStr::from_ptr(rusqlite::ffi::sqlite3_sql(stmt));
+                prepared.push(sql.to_string_lossy().into_owned());
+                stmt = rusqlite::ffi::sqlite3_next_stmt(db, stmt);
+            }
+        }
+        for sql in ["BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"] {
+            assert_eq!(prepared.iter().filter(|s| *s == sql).count(), 1, "{sql} in {prepared:?}");
+        }
     }
 
     fn thread(conn: Connection) -> LedgerThread {
@@ -866,9 +950,9 @@ mod tests {
     }
 
     impl Work for TestJob {
-        fn run(&mut self, txn: &Transaction<'_>, savepoint: bool) -> bool {
+        fn run(&mut self, txn: &Connection, savepoint: bool) -> bool {
             self.runs.fetch_add(1, Ordering::SeqCst);
-            let work = |txn: &Transaction<'_>| {
+            let work = |txn: &Connection| {
                 txn.execute("INSERT INTO meta (key, value) VALUES (?1, 'x')", [self.name])?;
                 if self.fails { Err(LedgerError::Sql("refused".into())) } else { Ok(()) }
             };

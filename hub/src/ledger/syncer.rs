@@ -152,7 +152,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use rusqlite::Transaction;
+    use rusqlite::Connection;
 
     use super::*;
     use crate::ledger::store::Work;
@@ -166,7 +166,7 @@ mod tests {
     }
 
     impl Work for Named {
-        fn run(&mut self, _txn: &Transaction<'_>, _savepoint: bool) -> bool {
+        fn run(&mut self, _txn: &Connection, _savepoint: bool) -> bool {
             true
         }
 
