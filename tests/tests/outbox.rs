@@ -1,7 +1,7 @@
 //! The outbox through the real `channeld` and `channelctl`: an operator's retry of a send
-//! whose outcome is unknown, refusals decided before a send is queued, idempotency keys that
-//! conflict, listings that stay under the control line limit, and queued sends answered at
-//! once.
+//! whose outcome is unknown (a driver that never answered, a hub killed mid-send), refusals
+//! decided before a send is queued, idempotency keys that conflict, listings that stay under
+//! the control line limit, and queued sends answered at once.
 
 use std::time::{Duration, Instant};
 
@@ -97,6 +97,44 @@ async fn outbox_retry_resends_an_unknown_send_through_channelctl() {
     assert_eq!(shown["id"], id);
     assert_eq!(shown["receipt"]["message_id"], "posted-on-retry");
     assert_eq!(shown["attempts"], 2);
+}
+
+/// A send handed straight to its driver has its ledger row written with its outcome (the
+/// send journal holds it until then): a hub killed after the driver took it, before any
+/// outcome, lists it as unknown once restarted, and a retry hands the same request over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_taken_before_the_hub_was_killed_is_unknown_after_the_restart() {
+    let mut hub = hub("");
+    let mut first_driver = driver(&hub).await;
+    let text = "taken before the crash";
+    let send = hub.ctl_async(&["send", ONE, "--conversation", "c1", "--timeout", "60", text]);
+    let first = expect_outbound(first_driver.frame().await);
+    hub.kill();
+    let out = send.await.unwrap();
+    assert_ne!(out.status.code(), Some(0), "the caller saw no outcome: {}", stdout(&out));
+    drop(first_driver);
+
+    hub.restart();
+    // The row came from the journal: the hub held the send rather than recording it first.
+    assert!(hub.log().contains("recorded sends a crash left in the send journal"), "{}", hub.log());
+    let listed = json_of(&hub.ctl(&["outbox", "--state", "unknown", "--json"]));
+    let records = listed["records"].as_array().unwrap();
+    assert_eq!(records.len(), 1, "{listed}");
+    assert_eq!(records[0]["text"], text);
+    let id = records[0]["id"].as_i64().unwrap();
+
+    let mut driver = driver(&hub).await;
+    let retry = hub.ctl_async(&["outbox", "retry", &id.to_string()]);
+    let again = expect_outbound(driver.frame().await);
+    assert_eq!(again.request_id, first.request_id, "a retry is the same request");
+    assert_eq!(again.message.body.text_str(), text);
+    driver.send(receipt_for(ONE, &again.request_id, "c1", "posted-after-restart")).await;
+    let out = retry.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "stdout {} stderr {}", stdout(&out), stderr(&out));
+    // One record in all: the retry reused it.
+    let all = json_of(&hub.ctl(&["outbox", "--json"]));
+    assert_eq!(all["records"].as_array().unwrap().len(), 1, "{all}");
+    assert_eq!(all["records"][0]["state"], "receipted");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,6 +18,7 @@ pub mod drivers;
 pub mod history;
 pub mod inbound;
 pub mod items;
+mod journal;
 mod lock;
 pub mod ops;
 pub mod outbox;
@@ -35,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use tokio::sync::{mpsc, oneshot};
 
 use lock::StateLock;
@@ -44,7 +45,7 @@ pub use cork::{corked, release};
 pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
 pub use items::{Item, ItemView, NewItem};
-pub use outbox::{Added, Claimed, NewSend, OutboxRecord, OutboxSummary};
+pub use outbox::{Added, Claimed, NewSend, OutboxIds, OutboxRecord, OutboxSummary};
 pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, StoredReply};
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
@@ -132,6 +133,52 @@ fn check_state_dir(dir: &Path) -> Result<(), LedgerError> {
 }
 
 /// The database file at `path` cannot be used: which problem, and the remedy.
+/// The record a held send is written as: `sent`, one attempt, no key.
+fn held_send(entry: &journal::Entry) -> NewSend {
+    NewSend {
+        instance: entry.instance.clone(),
+        idempotency_key: None,
+        message: entry.message.clone().into_bytes(),
+        state: OutboxState::Sent,
+        now_ms: entry.now_ms,
+        expires_ms: entry.expires_ms,
+    }
+}
+
+/// Writes a held send's row (the ledger thread, first in a batch; or the recovery).
+fn write_held(txn: &Connection, entry: &journal::Entry) -> Result<(), LedgerError> {
+    outbox::insert(txn, entry.id, &held_send(entry))
+}
+
+/// Writes the journal's sends whose rows a crash left unwritten, as `sent` records (the
+/// restart then makes them `unknown`), in one transaction synced before the journal is
+/// emptied.
+fn recover_held(conn: &rusqlite::Connection, held: &[journal::Entry]) -> Result<(), LedgerError> {
+    if held.is_empty() {
+        return Ok(());
+    }
+    // Synced before the journal is emptied, whatever the durability setting (the ledger
+    // thread sets its own before its first batch).
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    let txn = conn.unchecked_transaction()?;
+    let mut written = 0;
+    for entry in held {
+        let exists = txn
+            .query_row("SELECT 1 FROM outbox WHERE id = ?1", params![entry.id], |_| Ok(()))
+            .optional()?
+            .is_some();
+        if !exists {
+            write_held(&txn, entry)?;
+            written += 1;
+        }
+    }
+    txn.commit()?;
+    if written > 0 {
+        tracing::warn!(sends = written, "recorded sends a crash left in the send journal");
+    }
+    Ok(())
+}
+
 fn unusable(path: &Path, err: schema::OpenError) -> LedgerError {
     use schema::OpenError;
     let remedy = match &err {
@@ -309,6 +356,9 @@ pub struct Ledger {
     path: Option<PathBuf>,
     metrics: LedgerMetrics,
     storage: StorageFlag,
+    /// Where direct sends are held before their rows are written (a ledger in a file).
+    sends: Option<Arc<journal::Journal>>,
+    outbox_ids: Arc<OutboxIds>,
 }
 
 impl Ledger {
@@ -322,6 +372,8 @@ impl Ledger {
             path: None,
             metrics: LedgerMetrics::default(),
             storage: StorageFlag::default(),
+            sends: None,
+            outbox_ids: Arc::new(OutboxIds::new(1)),
         }
     }
 
@@ -338,14 +390,22 @@ impl Ledger {
         check_state_dir(dir)?;
         let lock = StateLock::acquire(dir)?;
         let conn = schema::open(&path, durability).map_err(|err| unusable(&path, err))?;
-        Self::start(conn, durability, Some(path.clone()), Some(lock))
+        let journal_err = |err: std::io::Error| LedgerError::Unusable {
+            path: dir.join(journal::FILES[0]),
+            problem: err.to_string(),
+            remedy: REMEDY_DIR,
+        };
+        let (sends, held) = journal::Journal::open(dir).map_err(journal_err)?;
+        recover_held(&conn, &held).map_err(|err| open_err(err.to_string()))?;
+        sends.recovered().map_err(journal_err)?;
+        Self::start(conn, durability, Some(path.clone()), Some(lock), Some(sends))
             .map_err(|err| open_err(err.to_string()))
     }
 
     /// A ledger in memory: everything works, nothing survives the process (tests).
     pub fn in_memory() -> Result<Self, LedgerError> {
         let conn = schema::open_in_memory().map_err(|err| LedgerError::Sql(err.to_string()))?;
-        Self::start(conn, Durability::Normal, None, None)
+        Self::start(conn, Durability::Normal, None, None, None)
     }
 
     fn start(
@@ -353,12 +413,17 @@ impl Ledger {
         durability: Durability,
         path: Option<PathBuf>,
         lock: Option<StateLock>,
+        sends: Option<journal::Journal>,
     ) -> Result<Self, LedgerError> {
         let id = schema::ledger_id(&conn)?;
+        let outbox_ids = Arc::new(OutboxIds::after_table(&conn)?);
+        let sends = sends.map(Arc::new);
         let metrics = LedgerMetrics::default();
         let storage = StorageFlag::default();
-        let (tx, thread) = store::spawn(conn, durability, metrics.clone(), storage.clone(), BEHIND)
-            .map_err(|err| LedgerError::Sql(err.to_string()))?;
+        let held = store::Held { journal: sends.clone(), write: write_held };
+        let (tx, thread) =
+            store::spawn(conn, durability, metrics.clone(), storage.clone(), BEHIND, held)
+                .map_err(|err| LedgerError::Sql(err.to_string()))?;
         Ok(Self {
             tx: Some(tx),
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -367,6 +432,8 @@ impl Ledger {
             path,
             metrics,
             storage,
+            sends,
+            outbox_ids,
         })
     }
 
@@ -885,7 +952,8 @@ impl Ledger {
         send: NewSend,
         commit: Commit,
     ) -> impl Future<Output = Result<Added, LedgerError>> + Send + '_ {
-        self.call_with(commit, move |txn| outbox::add(txn, &send))
+        let ids = self.outbox_ids.clone();
+        self.call_with(commit, move |txn| outbox::add(txn, &ids, &send))
     }
 
     /// [`outbox_add`](Self::outbox_add), calling `watch` with a new record's id in the same
@@ -903,11 +971,47 @@ impl Ledger {
         W: Send + 'static,
         F: Fn(i64) -> W + Send + 'static,
     {
+        let ids = self.outbox_ids.clone();
         self.call_with(commit, move |txn| {
-            Ok(match outbox::add(txn, &send)? {
+            Ok(match outbox::add(txn, &ids, &send)? {
                 Added::New(id) => Ok((id, watch(id))),
                 Added::Existing(record) => Err(record),
             })
+        })
+    }
+
+    /// Holds a keyless send handed straight to its driver, whose caller hears nothing before
+    /// its outcome is recorded durably: the send is appended to the journal (`journal.rs`)
+    /// and given its id at once, and its row is written in the ledger thread's next batch —
+    /// normally the one recording its outcome. Gives the send back when it cannot be held
+    /// (no journal, a key, or the line could not be written): [`outbox_add`] records it
+    /// instead.
+    ///
+    /// [`outbox_add`]: Self::outbox_add
+    pub fn outbox_hold(&self, send: NewSend) -> Result<i64, NewSend> {
+        let Some(journal) = &self.sends else { return Err(send) };
+        // Only while the ledger thread waits for work: under load the add rides in a batch
+        // with other calls for less than the journal's write costs the hub's worker
+        // (BENCHMARKS.md, thirty-first round).
+        let worth = journal.idle() && self.queue_depth() == 0;
+        if !worth || send.idempotency_key.is_some() || send.state != OutboxState::Sent {
+            return Err(send);
+        }
+        let message = match String::from_utf8(send.message) {
+            Ok(message) => message,
+            Err(err) => return Err(NewSend { message: err.into_bytes(), ..send }),
+        };
+        let entry = journal::Entry {
+            id: self.outbox_ids.next(),
+            instance: send.instance,
+            message,
+            now_ms: send.now_ms,
+            expires_ms: send.expires_ms,
+        };
+        let id = entry.id;
+        journal.hold(entry.clone()).map(|()| id).map_err(|err| {
+            tracing::warn!(error = %err, "cannot append to the send journal; recording the send first");
+            held_send(&entry)
         })
     }
 
@@ -1271,5 +1375,110 @@ mod tests {
         let (value, synced) = answer.await.unwrap().unwrap();
         assert_eq!(value, 42);
         synced.wait().await.unwrap();
+    }
+
+    fn direct_send(text: &str) -> NewSend {
+        NewSend {
+            instance: "a.b".into(),
+            idempotency_key: None,
+            message: format!(r#"{{"body":{{"text":"{text}"}}}}"#).into_bytes(),
+            state: OutboxState::Sent,
+            now_ms: 5,
+            expires_ms: 500,
+        }
+    }
+
+    /// Holds `send` once the ledger thread waits for work (it holds only then).
+    async fn hold(ledger: &Ledger, mut send: NewSend) -> i64 {
+        for _ in 0..1000 {
+            match ledger.outbox_hold(send) {
+                Ok(id) => return id,
+                Err(back) => send = back,
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        panic!("the ledger thread never waited for work");
+    }
+
+    /// Rows committed in the file, seen from another connection: (id, state).
+    fn committed_sends(dir: &Path) -> Vec<(i64, String)> {
+        let conn = rusqlite::Connection::open(dir.join(DB_FILE)).unwrap();
+        let mut stmt = conn.prepare("SELECT id, state FROM outbox ORDER BY id").unwrap();
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.collect::<Result<_, _>>().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_held_send_is_written_in_the_batch_that_records_its_outcome() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
+        let id = hold(&ledger, direct_send("hi")).await;
+        assert!(committed_sends(dir.path()).is_empty(), "holding commits nothing");
+        let journal = std::fs::read_to_string(dir.path().join(journal::FILES[0])).unwrap();
+        assert!(journal.contains(r#"{\"body\":{\"text\":\"hi\"}}"#), "{journal}");
+
+        let receipt = br#"{"message_id":"m1"}"#.to_vec();
+        let set = ledger.outbox_set(id, OutboxState::Receipted, Some(receipt.clone()), None, 9);
+        assert!(set.await.unwrap(), "the row was there for its outcome");
+        assert_eq!(committed_sends(dir.path()), vec![(id, "receipted".to_owned())]);
+        let record = ledger.outbox_get(id).await.unwrap().unwrap();
+        assert_eq!(record.message, direct_send("hi").message);
+        assert_eq!((record.attempts, record.created_ms, record.expires_ms), (1, 5, 500));
+        assert_eq!(record.receipt, Some(receipt));
+
+        // A send with a key, or queued, is not held: it is recorded first, and its id is
+        // never one a held send has.
+        let keyed = NewSend { idempotency_key: Some("k".into()), ..direct_send("k") };
+        assert!(ledger.outbox_hold(keyed).is_err());
+        let queued = NewSend { state: OutboxState::Queued, ..direct_send("q") };
+        let queued = ledger.outbox_hold(queued).unwrap_err();
+        let held = hold(&ledger, direct_send("again")).await;
+        let Added::New(added) = ledger.outbox_add(queued, Commit::Durable).await.unwrap() else {
+            panic!("new")
+        };
+        assert_ne!(held, added);
+        // A read queued after the hold finds the held row.
+        assert_eq!(ledger.outbox_get(held).await.unwrap().unwrap().state, OutboxState::Sent);
+        ledger.close().await;
+    }
+
+    #[tokio::test]
+    async fn sends_held_at_a_crash_are_recorded_when_the_ledger_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
+        let first = hold(&ledger, direct_send("one")).await;
+        ledger.outbox_set(first, OutboxState::Receipted, None, None, 9).await.unwrap();
+        ledger.close().await;
+
+        // The hub died after holding two sends: their lines are in the journal, the rows
+        // are not.
+        let (journal, found) = journal::Journal::open(dir.path()).unwrap();
+        // Lines stay until their file turns; the ledger skips those whose rows exist.
+        assert_eq!(found.iter().map(|entry| entry.id).collect::<Vec<_>>(), vec![first]);
+        for id in [first + 1, first + 2] {
+            let message = format!(r#"{{"n":{id}}}"#);
+            let entry =
+                journal::Entry { id, instance: "a.b".into(), message, now_ms: 5, expires_ms: 500 };
+            journal.hold(entry).unwrap();
+        }
+        drop(journal);
+        assert_eq!(committed_sends(dir.path()).len(), 1);
+
+        let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
+        let sent = |id| (id, "sent".to_owned());
+        let expected = vec![(first, "receipted".to_owned()), sent(first + 1), sent(first + 2)];
+        assert_eq!(committed_sends(dir.path()), expected);
+        for name in journal::FILES {
+            assert_eq!(std::fs::metadata(dir.path().join(name)).unwrap().len(), 0);
+        }
+        assert_eq!(ledger.outbox_restart(10).await.unwrap(), 2, "both become unknown");
+        let record = ledger.outbox_get(first + 2).await.unwrap().unwrap();
+        assert_eq!((record.state, record.message), (OutboxState::Unknown, br#"{"n":3}"#.to_vec()));
+        // Ids go on after the recovered ones.
+        assert_eq!(hold(&ledger, direct_send("next")).await, first + 3);
+
+        // Stopping writes what is still held.
+        ledger.close().await;
+        assert_eq!(committed_sends(dir.path()).last(), Some(&sent(first + 3)));
     }
 }

@@ -2,6 +2,8 @@
 //! idempotent by key, claimed for dispatch in order, settled, expired and retried on request.
 //! Synchronous functions over one transaction.
 
+use std::sync::atomic::{AtomicI64, Ordering};
+
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::LedgerError;
@@ -38,6 +40,28 @@ pub struct NewSend {
     pub expires_ms: u64,
 }
 
+/// Outbox record ids, given out by the hub rather than by SQLite: a held send
+/// (`journal.rs`) has its id before its row is written, so every row takes one from here.
+#[derive(Debug)]
+pub struct OutboxIds(AtomicI64);
+
+impl OutboxIds {
+    pub const fn new(next: i64) -> Self {
+        Self(AtomicI64::new(next))
+    }
+
+    /// The largest id in `txn`'s outbox plus one, or 1.
+    pub fn after_table(txn: &Connection) -> Result<Self, LedgerError> {
+        let next: i64 =
+            txn.query_row("SELECT COALESCE(MAX(id), 0) + 1 FROM outbox", [], |row| row.get(0))?;
+        Ok(Self::new(next))
+    }
+
+    pub fn next(&self) -> i64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
 /// The answer to [`add`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Added {
@@ -61,7 +85,7 @@ pub const EXPIRED: &str = "expired while queued";
 const COLUMNS: &str = "id, instance, idempotency_key, message, state, receipt, error, attempts, created_ms, updated_ms, expires_ms";
 
 /// Adds a send, or returns the record that already holds its idempotency key.
-pub fn add(txn: &Connection, send: &NewSend) -> Result<Added, LedgerError> {
+pub fn add(txn: &Connection, ids: &OutboxIds, send: &NewSend) -> Result<Added, LedgerError> {
     if let Some(key) = &send.idempotency_key {
         let existing = txn
             .query_row_cached(
@@ -76,12 +100,20 @@ pub fn add(txn: &Connection, send: &NewSend) -> Result<Added, LedgerError> {
             return Ok(Added::Existing(record));
         }
     }
+    let id = ids.next();
+    insert(txn, id, send)?;
+    Ok(Added::New(id))
+}
+
+/// Writes record `id` (a new send, or a held one: `journal.rs`).
+pub fn insert(txn: &Connection, id: i64, send: &NewSend) -> Result<(), LedgerError> {
     let attempts = u32::from(send.state == OutboxState::Sent);
     txn.exec_cached(
-        "INSERT INTO outbox (instance, idempotency_key, message, state, attempts, created_ms,
-             updated_ms, expires_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7)",
+        "INSERT INTO outbox (id, instance, idempotency_key, message, state, attempts,
+             created_ms, updated_ms, expires_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8)",
         params![
+            id,
             send.instance,
             send.idempotency_key,
             send.message,
@@ -91,7 +123,7 @@ pub fn add(txn: &Connection, send: &NewSend) -> Result<Added, LedgerError> {
             send.expires_ms as i64
         ],
     )?;
-    Ok(Added::New(txn.last_insert_rowid()))
+    Ok(())
 }
 
 /// Moves record `id` to `next` (with a receipt or an error) if the state machine allows it
@@ -363,6 +395,8 @@ mod tests {
     use super::*;
     use crate::ledger::schema;
 
+    static IDS: OutboxIds = OutboxIds::new(1);
+
     fn db() -> Connection {
         schema::open_in_memory().unwrap()
     }
@@ -390,12 +424,13 @@ mod tests {
     fn idempotency_keys_return_the_existing_record() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        let Added::New(id) = add(&txn, &send(Some("k1"), OutboxState::Sent, "{}", 100)).unwrap()
+        let Added::New(id) =
+            add(&txn, &IDS, &send(Some("k1"), OutboxState::Sent, "{}", 100)).unwrap()
         else {
             panic!("new")
         };
         assert!(transition(&txn, id, OutboxState::Receipted, Some(b"{\"r\":1}"), None, 2).unwrap());
-        match add(&txn, &send(Some("k1"), OutboxState::Sent, "{}", 100)).unwrap() {
+        match add(&txn, &IDS, &send(Some("k1"), OutboxState::Sent, "{}", 100)).unwrap() {
             Added::Existing(record) => {
                 assert_eq!(record.id, id);
                 assert_eq!(record.state, OutboxState::Receipted);
@@ -404,7 +439,7 @@ mod tests {
             other => panic!("expected the existing record, got {other:?}"),
         }
         assert!(matches!(
-            add(&txn, &send(Some("k2"), OutboxState::Sent, "{}", 100)).unwrap(),
+            add(&txn, &IDS, &send(Some("k2"), OutboxState::Sent, "{}", 100)).unwrap(),
             Added::New(_)
         ));
         assert!(matches!(requeue(&txn, id, 3, 100), Err(LedgerError::NotRetryable { .. })));
@@ -415,9 +450,10 @@ mod tests {
     fn counts_group_records_by_instance_and_state() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        add(&txn, &send(None, OutboxState::Queued, "{}", 100)).unwrap();
-        add(&txn, &send(None, OutboxState::Queued, "{}", 100)).unwrap();
-        let Added::New(id) = add(&txn, &send(None, OutboxState::Sent, "{}", 100)).unwrap() else {
+        add(&txn, &IDS, &send(None, OutboxState::Queued, "{}", 100)).unwrap();
+        add(&txn, &IDS, &send(None, OutboxState::Queued, "{}", 100)).unwrap();
+        let Added::New(id) = add(&txn, &IDS, &send(None, OutboxState::Sent, "{}", 100)).unwrap()
+        else {
             panic!("new")
         };
         assert!(transition(&txn, id, OutboxState::Unknown, None, Some("no receipt"), 2).unwrap());
@@ -436,7 +472,8 @@ mod tests {
     fn a_settled_send_never_moves_again() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        let Added::New(id) = add(&txn, &send(None, OutboxState::Sent, "{}", 100)).unwrap() else {
+        let Added::New(id) = add(&txn, &IDS, &send(None, OutboxState::Sent, "{}", 100)).unwrap()
+        else {
             panic!("new")
         };
         assert!(transition(&txn, id, OutboxState::Unknown, None, Some("no receipt"), 2).unwrap());
@@ -453,7 +490,9 @@ mod tests {
         let txn = db.transaction().unwrap();
         let mut ids = Vec::new();
         for (n, expires) in [(1, 100), (2, 5), (3, 100)] {
-            match add(&txn, &send(None, OutboxState::Queued, &n.to_string(), expires)).unwrap() {
+            match add(&txn, &IDS, &send(None, OutboxState::Queued, &n.to_string(), expires))
+                .unwrap()
+            {
                 Added::New(id) => ids.push(id),
                 other => panic!("{other:?}"),
             }
@@ -474,11 +513,12 @@ mod tests {
     fn expiry_fails_only_queued_sends_past_their_time_and_names_them() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        let Added::New(due) = add(&txn, &send(None, OutboxState::Queued, "a", 5)).unwrap() else {
+        let Added::New(due) = add(&txn, &IDS, &send(None, OutboxState::Queued, "a", 5)).unwrap()
+        else {
             panic!()
         };
-        add(&txn, &send(None, OutboxState::Queued, "b", 50)).unwrap();
-        add(&txn, &send(None, OutboxState::Sent, "c", 5)).unwrap();
+        add(&txn, &IDS, &send(None, OutboxState::Queued, "b", 50)).unwrap();
+        add(&txn, &IDS, &send(None, OutboxState::Sent, "c", 5)).unwrap();
         assert_eq!(expire(&txn, 10).unwrap(), vec![due]);
         assert!(expire(&txn, 10).unwrap().is_empty(), "expired once");
         assert_eq!(list(&txn, None, Some(OutboxState::Queued), None, 10).unwrap().len(), 1);
@@ -489,11 +529,12 @@ mod tests {
     fn pruning_removes_only_final_records_past_the_window() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        let Added::New(done) = add(&txn, &send(None, OutboxState::Sent, "a", 500)).unwrap() else {
+        let Added::New(done) = add(&txn, &IDS, &send(None, OutboxState::Sent, "a", 500)).unwrap()
+        else {
             panic!()
         };
         transition(&txn, done, OutboxState::Receipted, Some(b"{}"), None, 10).unwrap();
-        add(&txn, &send(None, OutboxState::Queued, "b", 500)).unwrap();
+        add(&txn, &IDS, &send(None, OutboxState::Queued, "b", 500)).unwrap();
         assert_eq!(prune(&txn, 100).unwrap(), 1);
         assert!(get(&txn, done).unwrap().is_none());
         assert_eq!(list(&txn, None, None, None, 10).unwrap().len(), 1);
@@ -528,7 +569,9 @@ mod listing_tests {
                 now_ms: 1,
                 expires_ms: 100,
             };
-            let Added::New(id) = add(&txn, &send).unwrap() else { panic!() };
+            let Added::New(id) = add(&txn, &OutboxIds::new(n + 1), &send).unwrap() else {
+                panic!()
+            };
             ids.push(id);
         }
         let long_error = "x".repeat(10_000);

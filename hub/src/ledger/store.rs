@@ -27,6 +27,7 @@ use tracing::{error, info};
 
 use super::LedgerError;
 use super::checkpointer::{self, Checkpointer};
+use super::journal::{Entry, Journal, Taken};
 use super::schema::Durability;
 use super::syncer::Syncer;
 
@@ -157,6 +158,50 @@ pub struct Behind {
     pub holding: fn() -> bool,
 }
 
+/// The sends held in the journal (`journal.rs`): the thread writes them first in every
+/// batch, so any call queued after a send was held finds its row.
+#[derive(Clone)]
+pub struct Held {
+    /// None for a ledger in memory: every send is recorded before it is handed over.
+    pub journal: Option<Arc<Journal>>,
+    /// Writes one held send's row.
+    pub write: fn(&Connection, &Entry) -> Result<(), LedgerError>,
+}
+
+impl Held {
+    /// No journal (tests of the thread alone).
+    #[cfg(test)]
+    pub const NONE: Held = Held { journal: None, write: |_, _| Ok(()) };
+
+    /// Takes the held sends as a batch begins.
+    fn take(&self) -> Taken {
+        self.journal.as_ref().map(|journal| journal.take()).unwrap_or_default()
+    }
+
+    /// Writes `taken`'s rows; when one fails, the transaction holds part of them (the caller
+    /// rolls back, or writes them in a savepoint).
+    fn write(&self, txn: &Connection, taken: &Taken) -> Result<(), LedgerError> {
+        taken.held.iter().try_for_each(|entry| (self.write)(txn, entry))
+    }
+
+    /// After the batch: rows written and committed let the journal forget them; otherwise
+    /// they are held again for the next batch.
+    fn settle(&self, taken: Taken, written: bool) {
+        let Some(journal) = &self.journal else { return };
+        if written { journal.committed(taken) } else { journal.restore(taken) }
+    }
+
+    fn holding(&self) -> bool {
+        self.journal.as_ref().is_some_and(|journal| journal.holding())
+    }
+
+    fn set_idle(&self, idle: bool) {
+        if let Some(journal) = &self.journal {
+            journal.set_idle(idle);
+        }
+    }
+}
+
 /// Where [`Behind::undo`] returns to (opaque to the thread): each written-behind table's
 /// [`HeldMark`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -264,6 +309,7 @@ pub fn spawn(
     metrics: LedgerMetrics,
     storage: StorageFlag,
     behind: Behind,
+    held: Held,
 ) -> std::io::Result<(Sender<Message>, JoinHandle<()>)> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Message>(QUEUE_CAPACITY);
     // A runtime of the thread's own, only for its timer: waiting for a job at most until a
@@ -284,6 +330,7 @@ pub fn spawn(
             syncer: None,
             checkpointer,
             behind,
+            held,
         };
         thread.start_behind();
         thread.run(rx, &timer, &metrics);
@@ -366,6 +413,7 @@ struct LedgerThread {
     /// The thread that checkpoints the write-ahead log (none in memory).
     checkpointer: Option<Checkpointer>,
     behind: Behind,
+    held: Held,
 }
 
 /// Where SQLite keeps `conn`'s write-ahead log; `None` for a database in memory.
@@ -383,6 +431,7 @@ impl LedgerThread {
         let mut batch: Vec<(Job, Commit)> = Vec::with_capacity(64);
         let mut stopping = false;
         while !stopping {
+            self.held.set_idle(true);
             let first = if self.unsynced || (self.behind.holding)() {
                 match timer.block_on(async { tokio::time::timeout(FLUSH_DELAY, rx.recv()).await }) {
                     Ok(message) => message,
@@ -398,6 +447,7 @@ impl LedgerThread {
             } else {
                 rx.blocking_recv()
             };
+            self.held.set_idle(false);
             match first {
                 Some(Message::Job(job, commit)) => batch.push((job, commit)),
                 Some(Message::Jobs(jobs)) => batch.extend(jobs),
@@ -420,6 +470,9 @@ impl LedgerThread {
         }
         // Jobs queued after the stop get `Unavailable` as their senders see the channel close.
         rx.close();
+        if self.held.holding() {
+            self.apply(&mut batch, metrics);
+        }
         self.write_behind();
         if let Some(syncer) = self.syncer.take() {
             syncer.finish();
@@ -518,7 +571,7 @@ impl LedgerThread {
         let plan = batch_plan(self.durability, any_durable, self.syncer.is_some());
         self.set_sync(plan.commit);
         let behind = (self.behind, &mut self.behind_failing);
-        let outcome = apply(&self.conn, batch, metrics, &self.storage, behind);
+        let outcome = apply(&self.conn, batch, metrics, &self.storage, behind, &self.held);
         match (outcome.is_ok(), self.durability, plan.commit) {
             (true, Durability::Full, "NORMAL") => self.unsynced = true,
             (true, _, "FULL") => self.unsynced = false,
@@ -570,13 +623,29 @@ fn apply(
     metrics: &LedgerMetrics,
     storage: &StorageFlag,
     (behind, failing): (Behind, &mut bool),
+    held: &Held,
 ) -> Result<(), LedgerError> {
     let began = Instant::now();
     let jobs = batch.len();
     let changes_before = conn.total_changes();
     let mark = (behind.mark)();
-    let mut tx = begin(conn, batch)?;
-    let mut clean = batch.iter_mut().all(|(job, _)| job.run(&tx, false));
+    let taken = held.take();
+    let mut tx = match begin(conn, batch) {
+        Ok(tx) => tx,
+        Err(err) => {
+            held.settle(taken, false);
+            return Err(err);
+        }
+    };
+    // The held sends' rows first: the calls after them may settle them.
+    let mut held_written = match held.write(&tx, &taken) {
+        Ok(()) => true,
+        Err(err) => {
+            storage.note(&err);
+            false
+        }
+    };
+    let mut clean = held_written && batch.iter_mut().all(|(job, _)| job.run(&tx, false));
     let mut write_behind = true;
     if clean {
         // What is due behind the calls.
@@ -591,7 +660,15 @@ fn apply(
     if !clean {
         drop(tx);
         (behind.undo)(mark);
-        tx = begin(conn, batch)?;
+        tx = match begin(conn, batch) {
+            Ok(tx) => tx,
+            Err(err) => {
+                held.settle(taken, false);
+                return Err(err);
+            }
+        };
+        // Held sends that cannot be written are held again; the calls still run.
+        held_written = savepoint(&tx, |tx| held.write(tx, &taken)).is_ok();
         for (job, _) in batch.iter_mut() {
             let before = (behind.mark)();
             if !job.run(&tx, true) {
@@ -612,6 +689,7 @@ fn apply(
         }
     }
     let outcome = commit(tx, changes_before, began, jobs, metrics, storage);
+    held.settle(taken, held_written && outcome.is_ok());
     match outcome {
         Ok(()) => (behind.committed)(),
         Err(_) => (behind.undo)(mark),
@@ -838,6 +916,7 @@ mod tests {
             syncer: None,
             checkpointer: None,
             behind: Behind::NONE,
+            held: Held::NONE,
         }
     }
 

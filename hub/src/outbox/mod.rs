@@ -173,15 +173,27 @@ impl Outbox {
         // claims it (the one under way, or the one a driver connecting now starts) finds the
         // caller's wait there and gives the driver that (`receipt_window`), never the hub's
         // receipt timeout while the caller waits for less.
-        let added = {
-            let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
-            let waiters = self.waiters.clone();
-            self.ledger
-                .outbox_add_watched(new, commit, move |id| match wait {
-                    Some(wait) => waiters.watch_send(id, wait),
-                    None => waiters.watch(id),
-                })
-                .await?
+        // Such a send is held in the send journal instead: its row is written with its
+        // outcome, in one ledger transaction (`ledger/journal.rs`).
+        let held = match (commit, wait) {
+            (Commit::Deferred, Some(wait)) => match self.ledger.outbox_hold(new) {
+                Ok(id) => Ok((id, self.waiters.watch_send(id, wait))),
+                Err(new) => Err(new),
+            },
+            _ => Err(new),
+        };
+        let added = match held {
+            Ok(held) => Ok(held),
+            Err(new) => {
+                let _queuing = (state == OutboxState::Queued).then(|| backlog.queuing());
+                let waiters = self.waiters.clone();
+                self.ledger
+                    .outbox_add_watched(new, commit, move |id| match wait {
+                        Some(wait) => waiters.watch_send(id, wait),
+                        None => waiters.watch(id),
+                    })
+                    .await?
+            }
         };
         let (id, mut settled) = match added {
             Ok(new) => new,
