@@ -107,20 +107,25 @@ impl Journal {
         Ok(())
     }
 
-    /// Appends `entry` and holds it for the ledger thread. When the line cannot be written
-    /// the send is not held (and the caller records it the slow way).
-    pub fn hold(&self, entry: Entry) -> io::Result<()> {
+    /// Appends `entry` and holds it for the ledger thread, unless another send is held
+    /// already (`Ok(false)`: sends come faster than the ledger thread's batches, and the
+    /// caller records it the usual way, in a batch with others). When the line cannot be
+    /// written the send is not held either.
+    pub fn hold(&self, entry: &Entry) -> io::Result<bool> {
         // Each line starts on a new one: a line a failed write left cut short (a full disk)
         // ends there, and only it is lost.
         let mut line = Vec::with_capacity(entry.message.len() + 128);
         line.push(b'\n');
-        serde_json::to_writer(&mut line, &entry).map_err(io::Error::other)?;
         let mut inner = self.lock();
+        if !inner.held.is_empty() {
+            return Ok(false);
+        }
+        serde_json::to_writer(&mut line, entry).map_err(io::Error::other)?;
         let active = inner.active;
         inner.files[active].write_all(&line)?;
         inner.sizes[active] += line.len() as u64;
-        inner.held.push(entry);
-        Ok(())
+        inner.held.push(entry.clone());
+        Ok(true)
     }
 
     /// Takes the held sends (the ledger thread, as a batch starts), turning to the other file
@@ -211,15 +216,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (journal, found) = Journal::open(dir.path()).unwrap();
         assert!(found.is_empty());
-        journal.hold(entry(1)).unwrap();
-        journal.hold(entry(2)).unwrap();
+        assert!(journal.hold(&entry(1)).unwrap());
+        assert!(!journal.hold(&entry(9)).unwrap(), "one send held at a time");
         assert!(journal.holding());
+        // Taken by a batch that never committed (the hub died): the line stays.
+        let _taken = journal.take();
+        assert!(journal.hold(&entry(2)).unwrap());
         drop(journal);
         // A write cut a line short (a full disk, a power loss); the next line still reads.
         let mut file = OpenOptions::new().append(true).open(dir.path().join(FILES[0])).unwrap();
         file.write_all(b"\n{\"id\":3,\"instance\":\"sl").unwrap();
         let (journal, _) = Journal::open(dir.path()).unwrap();
-        journal.hold(entry(4)).unwrap();
+        assert!(journal.hold(&entry(4)).unwrap());
         drop(journal);
 
         let (journal, found) = Journal::open(dir.path()).unwrap();
@@ -236,13 +244,13 @@ mod tests {
         let (journal, _) = Journal::open(dir.path()).unwrap();
         let size = |index: usize| std::fs::metadata(dir.path().join(FILES[index])).unwrap().len();
         let big = Entry { message: "x".repeat(ROTATE_AT as usize), ..entry(1) };
-        journal.hold(big.clone()).unwrap();
+        assert!(journal.hold(&big).unwrap());
 
         // Past the limit: the next send goes to the other file, the first is emptied once
         // the batch that took its sends committed.
         let taken = journal.take();
         assert_eq!(taken.held, vec![big.clone()]);
-        journal.hold(entry(2)).unwrap();
+        assert!(journal.hold(&entry(2)).unwrap());
         assert!(size(0) > ROTATE_AT && size(1) > 0);
         // That batch failed: its send is held again, first, and the file keeps it.
         journal.restore(taken);

@@ -990,9 +990,9 @@ impl Ledger {
     /// [`outbox_add`]: Self::outbox_add
     pub fn outbox_hold(&self, send: NewSend) -> Result<i64, NewSend> {
         let Some(journal) = &self.sends else { return Err(send) };
-        // Only while the ledger thread waits for work: under load the add rides in a batch
-        // with other calls for less than the journal's write costs the hub's worker
-        // (BENCHMARKS.md, thirty-first round).
+        // Only while the ledger thread waits for work, and one send at a time: under load
+        // the add rides in a batch with other calls for less than the journal's write costs
+        // the hub's worker (BENCHMARKS.md, thirty-first round).
         let worth = journal.idle() && self.queue_depth() == 0;
         if !worth || send.idempotency_key.is_some() || send.state != OutboxState::Sent {
             return Err(send);
@@ -1009,10 +1009,14 @@ impl Ledger {
             expires_ms: send.expires_ms,
         };
         let id = entry.id;
-        journal.hold(entry.clone()).map(|()| id).map_err(|err| {
-            tracing::warn!(error = %err, "cannot append to the send journal; recording the send first");
-            held_send(&entry)
-        })
+        match journal.hold(&entry) {
+            Ok(true) => Ok(id),
+            Ok(false) => Err(held_send(&entry)),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot append to the send journal; recording the send first");
+                Err(held_send(&entry))
+            }
+        }
     }
 
     /// Moves a send to `state` (with its receipt or error) when the state machine allows it.
@@ -1459,7 +1463,8 @@ mod tests {
             let message = format!(r#"{{"n":{id}}}"#);
             let entry =
                 journal::Entry { id, instance: "a.b".into(), message, now_ms: 5, expires_ms: 500 };
-            journal.hold(entry).unwrap();
+            assert!(journal.hold(&entry).unwrap());
+            let _taken = journal.take();
         }
         drop(journal);
         assert_eq!(committed_sends(dir.path()).len(), 1);
