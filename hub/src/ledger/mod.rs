@@ -391,8 +391,12 @@ impl Ledger {
         let lock = StateLock::acquire(dir)?;
         let conn = schema::open(&path, durability).map_err(|err| unusable(&path, err))?;
         let journal_err = |err: std::io::Error| LedgerError::Unusable {
-            path: dir.join(journal::FILES[0]),
-            problem: err.to_string(),
+            path: dir.to_owned(),
+            problem: format!(
+                "its send journal ({} and {}): {err}",
+                journal::FILES[0],
+                journal::FILES[1]
+            ),
             remedy: REMEDY_DIR,
         };
         let (sends, held) = journal::Journal::open(dir).map_err(journal_err)?;
@@ -983,9 +987,10 @@ impl Ledger {
     /// Holds a keyless send handed straight to its driver, whose caller hears nothing before
     /// its outcome is recorded durably: the send is appended to the journal (`journal.rs`)
     /// and given its id at once, and its row is written in the ledger thread's next batch —
-    /// normally the one recording its outcome. Gives the send back when it cannot be held
-    /// (no journal, a key, or the line could not be written): [`outbox_add`] records it
-    /// instead.
+    /// normally the one recording its outcome. Gives the send back when it is not held —
+    /// a ledger in memory, a key, a queued send, the ledger thread at work or with calls
+    /// queued, another send held, or a line that could not be written — and
+    /// [`outbox_add`] records it instead.
     ///
     /// [`outbox_add`]: Self::outbox_add
     pub fn outbox_hold(&self, send: NewSend) -> Result<i64, NewSend> {

@@ -78,8 +78,8 @@ pub struct Outbox {
 /// sends (each wave's first starts alone too, but after the last of the previous wave; only
 /// the first wave after sequential sends has its first held): those are recorded in their
 /// batches and their outcomes synced together, and a held one's outcome would take a sync
-/// of its own, out of step with theirs (BENCHMARKS.md, thirty-first round: −6 to −10 % at
-/// 16 in flight).
+/// of its own, out of step with theirs (BENCHMARKS.md, thirty-first round: −6.5 to −20 %
+/// at 16 in flight).
 #[derive(Debug)]
 struct Flight {
     under_way: AtomicUsize,
@@ -657,6 +657,7 @@ mod tests {
         let held: Vec<bool> = (0..3).map(|_| flight.start().1).collect();
         assert_eq!(held, [false, true, true]);
     }
+
     #[test]
     fn a_key_may_repeat_only_the_same_message() {
         let stored = serde_json::to_vec(&message("c1", "deploy 881 finished")).unwrap();
