@@ -18,9 +18,9 @@
 //! send be held. So the file never holds a line whose row was written, and a record pruned
 //! long after its send cannot come back from it.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Read};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -75,13 +75,7 @@ impl Journal {
     /// may have left without a row. The file is emptied by [`recovered`](Self::recovered),
     /// once that row is written.
     pub fn open(dir: &Path) -> io::Result<(Self, Vec<Entry>)> {
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(dir.join(FILE))?;
+        let mut file = super::lock::open_private(&dir.join(FILE))?;
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)?;
         let found = first_line(&bytes).into_iter().collect();

@@ -22,6 +22,12 @@ pub struct StateLock {
     _file: File,
 }
 
+/// Opens `path` to read and write, creating it readable by the hub's user only (mode 0600)
+/// and keeping what it holds: the state lock's file and the send journal's.
+pub fn open_private(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)
+}
+
 impl StateLock {
     /// Takes the lock of `dir` (which must exist), or says which process holds it.
     pub fn acquire(dir: &Path) -> Result<Self, LedgerError> {
@@ -29,14 +35,7 @@ impl StateLock {
         let fail = |message: String| LedgerError::Open { path: path.clone(), message };
         // Opened close-on-exec (Rust's default): agents and drivers the hub starts never
         // inherit the lock.
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|err| fail(err.to_string()))?;
+        let mut file = open_private(&path).map_err(|err| fail(err.to_string()))?;
         match flock(&file, FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => {}
             Err(Errno::WOULDBLOCK) => {
