@@ -22,7 +22,6 @@ use std::fs::File;
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
@@ -45,8 +44,6 @@ pub struct Entry {
 #[derive(Debug)]
 pub struct Journal {
     inner: Mutex<Inner>,
-    /// The ledger thread waits for work (set by the thread).
-    idle: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -80,7 +77,7 @@ impl Journal {
         file.read_to_end(&mut bytes)?;
         let found = first_line(&bytes).into_iter().collect();
         let inner = Inner { file, slot: Slot::Free };
-        Ok((Self { inner: Mutex::new(inner), idle: AtomicBool::new(false) }, found))
+        Ok((Self { inner: Mutex::new(inner) }, found))
     }
 
     /// Empties the file: what it held is in the ledger (committed and synced).
@@ -146,17 +143,6 @@ impl Journal {
     /// Whether a send is held (the ledger thread writes it before it stops).
     pub fn holding(&self) -> bool {
         matches!(self.lock().slot, Slot::Held(_))
-    }
-
-    /// The ledger thread starts (`true`) or stops waiting for work.
-    pub fn set_idle(&self, idle: bool) {
-        self.idle.store(idle, Ordering::Relaxed);
-    }
-
-    /// Whether the ledger thread waits for work: a send is worth holding then (see
-    /// `Ledger::outbox_hold`).
-    pub fn idle(&self) -> bool {
-        self.idle.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

@@ -984,18 +984,14 @@ impl Ledger {
     /// its outcome is recorded durably: the send is appended to the journal (`journal.rs`)
     /// and given its id at once, and its row is written in the ledger thread's next batch —
     /// normally the one recording its outcome. Gives the send back when it is not held —
-    /// a ledger in memory, a key, a queued send, the ledger thread at work or with calls
-    /// queued, another send held, or a line that could not be written — and
-    /// [`outbox_add`] records it instead.
+    /// a ledger in memory, a key, a queued send, another send in the journal's slot, or a
+    /// line that could not be written — and [`outbox_add`] records it instead. The caller
+    /// holds only a sequential caller's sends (`outbox::Flight`).
     ///
     /// [`outbox_add`]: Self::outbox_add
     pub fn outbox_hold(&self, send: NewSend) -> Result<i64, NewSend> {
         let Some(journal) = &self.sends else { return Err(send) };
-        // Only while the ledger thread waits for work, and one send at a time: under load
-        // the add rides in a batch with other calls for less than the journal's write costs
-        // the hub's worker (BENCHMARKS.md, thirty-first round).
-        let worth = journal.idle() && self.queue_depth() == 0;
-        if !worth || send.idempotency_key.is_some() || send.state != OutboxState::Sent {
+        if send.idempotency_key.is_some() || send.state != OutboxState::Sent {
             return Err(send);
         }
         let message = match String::from_utf8(send.message) {
@@ -1393,16 +1389,9 @@ mod tests {
         }
     }
 
-    /// Holds `send` once the ledger thread waits for work (it holds only then).
-    async fn hold(ledger: &Ledger, mut send: NewSend) -> i64 {
-        for _ in 0..1000 {
-            match ledger.outbox_hold(send) {
-                Ok(id) => return id,
-                Err(back) => send = back,
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-        }
-        panic!("the ledger thread never waited for work");
+    /// Holds `send`, which the journal's free slot takes.
+    fn hold(ledger: &Ledger, send: NewSend) -> i64 {
+        ledger.outbox_hold(send).unwrap_or_else(|_| panic!("the journal's slot is free"))
     }
 
     /// Rows committed in the file, seen from another connection: (id, state).
@@ -1417,7 +1406,7 @@ mod tests {
     async fn a_held_send_is_written_in_the_batch_that_records_its_outcome() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
-        let id = hold(&ledger, direct_send("hi")).await;
+        let id = hold(&ledger, direct_send("hi"));
         assert!(committed_sends(dir.path()).is_empty(), "holding commits nothing");
         let journal = std::fs::read_to_string(dir.path().join(journal::FILE)).unwrap();
         assert!(journal.contains(r#"{\"body\":{\"text\":\"hi\"}}"#), "{journal}");
@@ -1437,7 +1426,7 @@ mod tests {
         assert!(ledger.outbox_hold(keyed).is_err());
         let queued = NewSend { state: OutboxState::Queued, ..direct_send("q") };
         let queued = ledger.outbox_hold(queued).unwrap_err();
-        let held = hold(&ledger, direct_send("again")).await;
+        let held = hold(&ledger, direct_send("again"));
         let Added::New(added) = ledger.outbox_add(queued, Commit::Durable).await.unwrap() else {
             panic!("new")
         };
@@ -1451,7 +1440,7 @@ mod tests {
     async fn sends_held_at_a_crash_are_recorded_when_the_ledger_opens() {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path(), Durability::Full).unwrap();
-        let first = hold(&ledger, direct_send("one")).await;
+        let first = hold(&ledger, direct_send("one"));
         ledger.outbox_set(first, OutboxState::Receipted, None, None, 9).await.unwrap();
         ledger.close().await;
 
@@ -1475,7 +1464,7 @@ mod tests {
         let record = ledger.outbox_get(id).await.unwrap().unwrap();
         assert_eq!((record.state, record.message), (OutboxState::Unknown, br#"{"n":2}"#.to_vec()));
         // Ids go on after the recovered one.
-        assert_eq!(hold(&ledger, direct_send("next")).await, id + 1);
+        assert_eq!(hold(&ledger, direct_send("next")), id + 1);
 
         // Stopping writes what is still held.
         ledger.close().await;

@@ -194,12 +194,6 @@ impl Held {
     fn holding(&self) -> bool {
         self.journal.as_ref().is_some_and(|journal| journal.holding())
     }
-
-    fn set_idle(&self, idle: bool) {
-        if let Some(journal) = &self.journal {
-            journal.set_idle(idle);
-        }
-    }
 }
 
 /// Where [`Behind::undo`] returns to (opaque to the thread): each written-behind table's
@@ -431,7 +425,6 @@ impl LedgerThread {
         let mut batch: Vec<(Job, Commit)> = Vec::with_capacity(64);
         let mut stopping = false;
         while !stopping {
-            self.held.set_idle(true);
             let first = if self.unsynced || (self.behind.holding)() {
                 match timer.block_on(async { tokio::time::timeout(FLUSH_DELAY, rx.recv()).await }) {
                     Ok(message) => message,
@@ -447,7 +440,6 @@ impl LedgerThread {
             } else {
                 rx.blocking_recv()
             };
-            self.held.set_idle(false);
             match first {
                 Some(Message::Job(job, commit)) => batch.push((job, commit)),
                 Some(Message::Jobs(jobs)) => batch.extend(jobs),
