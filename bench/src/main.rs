@@ -318,6 +318,20 @@ fn load_average() -> String {
         .unwrap_or_default()
 }
 
+/// The CPU idle driver (`/sys/devices/system/cpu/cpuidle`), with the guest's halt-polling
+/// window when the driver is `haltpoll` (`0 ns`: an idle CPU halts at once, and its next
+/// wake-up exits to the hypervisor).
+fn cpu_idle() -> String {
+    let read = |path: &str| std::fs::read_to_string(path).ok().map(|text| text.trim().to_owned());
+    let Some(driver) = read("/sys/devices/system/cpu/cpuidle/current_driver") else {
+        return "unknown".into();
+    };
+    match read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
+        Some(ns) if driver == "haltpoll" => format!("{driver}, guest_halt_poll_ns {ns}"),
+        _ => driver,
+    }
+}
+
 fn run_all(args: &RunArgs) -> Result<()> {
     let bin_dir = bin_dir(args)?;
     procs::binary(&bin_dir, "channeld", "build it with `cargo build --release -p channeld-hub`")?;
@@ -372,6 +386,7 @@ fn run_all(args: &RunArgs) -> Result<()> {
             mosquitto: broker::mosquitto_version().unwrap_or_else(|| "mosquitto".into()),
             load_before,
             load_after: load_average(),
+            cpu_idle: cpu_idle(),
         },
         settings: Settings {
             payload_bytes: payload::PAYLOAD_BYTES,

@@ -143,6 +143,11 @@ pub struct Machine {
     pub load_before: String,
     #[serde(default)]
     pub load_after: String,
+    /// The kernel's CPU idle driver and, under `haltpoll`, how long an idle CPU polls before
+    /// it halts: on a virtual machine that halts at once, every wake-up of an idle CPU (an
+    /// fsync's completion, a peer on the other CPU) goes through the hypervisor.
+    #[serde(default)]
+    pub cpu_idle: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -203,7 +208,7 @@ impl Report {
         let s = &self.settings;
         let _ = writeln!(
             out,
-            "## channeld vs mosquitto{}\n\n{} CPUs, {}, {}; load average {} before, {} after. \
+            "## channeld vs mosquitto{}\n\n{} CPUs, {}, {}; load average {} before, {} after; CPU idle: {}. \
              Payload {} bytes; median of {} repetitions of {} ms each. \
              Hub config: `hub.max_inflight = {}` (default 4) so 256 inbound runs fit in flight; ledger durability `{}`.\n\n\
              Paths: *send → receipt*: control client → hub → SDK driver (posts at once) → receipt → hub → client. \
@@ -220,6 +225,7 @@ impl Report {
             self.machine.mosquitto,
             self.machine.load_before,
             self.machine.load_after,
+            self.machine.cpu_idle,
             s.payload_bytes,
             s.repetitions,
             s.measure_ms,
@@ -500,6 +506,7 @@ mod tests {
                 mosquitto: String::new(),
                 load_before: String::new(),
                 load_after: String::new(),
+                cpu_idle: "haltpoll, guest_halt_poll_ns 0".into(),
             },
             settings: Settings {
                 payload_bytes: 64,
@@ -538,6 +545,7 @@ mod tests {
         let table = report.markdown();
         assert!(table.contains("| 60,000 | 50,000–70,000 |"), "{table}");
         assert!(table.contains("| 12,000 | 10,000–14,000 |"), "{table}");
+        assert!(table.contains("; CPU idle: haltpoll, guest_halt_poll_ns 0."), "{table}");
     }
 
     #[test]
