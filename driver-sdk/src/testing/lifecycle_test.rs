@@ -296,7 +296,15 @@ async fn lingers_until_its_deadline(asks_after: Duration) {
     stopped.unwrap();
     let (after, asked) = saw.recv().await.expect("run stopped");
     let deadline = after.expect("a deadline once asked to stop");
-    // The drain time, counted from about when the run was asked to stop.
+    // The drain time, counted from about when the run was asked to stop. "About": stopping
+    // the task cancels the run's token (a child of the process's) a moment before the SDK
+    // fixes the deadline as it starts waiting, so a run woken on another thread may read
+    // the clock first (by 2.6 µs in a CI run). A deadline counted from the run's late
+    // question would be `asks_after` (0.7 s) later still.
     let left = deadline.saturating_duration_since(asked);
-    assert!(left <= super::DRAIN && left >= super::DRAIN - Duration::from_secs(1), "{left:?}");
+    let slack = Duration::from_millis(100);
+    assert!(
+        left <= super::DRAIN + slack && left >= super::DRAIN - Duration::from_secs(1),
+        "{left:?}"
+    );
 }
