@@ -319,16 +319,23 @@ fn load_average() -> String {
 }
 
 /// The CPU idle driver (`/sys/devices/system/cpu/cpuidle`), with the guest's halt-polling
-/// window when the driver is `haltpoll` (`0 ns`: an idle CPU halts at once, and its next
-/// wake-up exits to the hypervisor).
+/// window when the driver is `haltpoll`.
 fn cpu_idle() -> String {
-    let read = |path: &str| std::fs::read_to_string(path).ok().map(|text| text.trim().to_owned());
-    let Some(driver) = read("/sys/devices/system/cpu/cpuidle/current_driver") else {
-        return "unknown".into();
-    };
-    match read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
-        Some(ns) if driver == "haltpoll" => format!("{driver}, guest_halt_poll_ns {ns}"),
-        _ => driver,
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    describe_cpu_idle(
+        read("/sys/devices/system/cpu/cpuidle/current_driver").as_deref(),
+        read("/sys/module/haltpoll/parameters/guest_halt_poll_ns").as_deref(),
+    )
+}
+
+/// How the report names the CPU idle setting, from the two files' contents: the halt-polling
+/// window counts only under `haltpoll` (`0`: an idle CPU halts at once, and its next
+/// wake-up exits to the hypervisor).
+fn describe_cpu_idle(driver: Option<&str>, poll_ns: Option<&str>) -> String {
+    match (driver.map(str::trim), poll_ns.map(str::trim)) {
+        (None, _) => "unknown".into(),
+        (Some("haltpoll"), Some(ns)) => format!("haltpoll, guest_halt_poll_ns {ns}"),
+        (Some(driver), _) => driver.to_owned(),
     }
 }
 
@@ -403,4 +410,21 @@ fn run_all(args: &RunArgs) -> Result<()> {
     println!("{}", report.markdown());
     eprintln!("channeld-bench: results written to {}", args.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::describe_cpu_idle;
+
+    #[test]
+    fn the_cpu_idle_setting_names_halt_polling_only_under_haltpoll() {
+        assert_eq!(
+            describe_cpu_idle(Some("haltpoll\n"), Some("0\n")),
+            "haltpoll, guest_halt_poll_ns 0"
+        );
+        // A module loaded but not the idle driver in use says nothing about idling.
+        assert_eq!(describe_cpu_idle(Some("intel_idle\n"), Some("200000\n")), "intel_idle");
+        assert_eq!(describe_cpu_idle(Some("haltpoll"), None), "haltpoll");
+        assert_eq!(describe_cpu_idle(None, Some("0")), "unknown");
+    }
 }
