@@ -110,7 +110,7 @@ async fn peer(
             return Ok(());
         }
     };
-    let (mut reader, sink, _writer) = split_unix(stream, PEER_QUEUE);
+    let (mut reader, sink, _writer) = split_unix(stream, PEER_QUEUE)?;
     let id = |suffix: &str| Id::new(format!("{channel}-{suffix}")).expect("short id");
     let capabilities = Capabilities { receive: true, send: true, ..Capabilities::default() };
     let hello = Frame::Hello(Hello {

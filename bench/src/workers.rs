@@ -498,7 +498,7 @@ async fn drive(
     let stream = UnixStream::connect(socket)
         .await
         .with_context(|| format!("connect {}", socket.display()))?;
-    let (mut reader, sink, _writer) = split_unix(stream, 1024);
+    let (mut reader, sink, _writer) = split_unix(stream, 1024)?;
     let channel = ChannelId::new(INSTANCE).context("channel id")?;
     let mut capabilities = Capabilities::default();
     capabilities.set("receive", true);

@@ -11,7 +11,7 @@ use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use channeld_link::{FrameReader, FrameSink, split_unix};
+use channeld_link::{FrameReader, FrameSink, QuietRead, split_unix};
 use channeld_protocol::ext::{Extensions, PeerDeclaration};
 use channeld_protocol::frame::{
     CommandFrame, CommandResultFrame, Delivery, EffectFrame, ErrorFrame, EventFrame,
@@ -20,7 +20,6 @@ use channeld_protocol::frame::{
 use channeld_protocol::types::{DeliveryReceipt, Health, LifecycleEvent};
 use channeld_protocol::{Frame, Id};
 use tokio::net::UnixStream;
-use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -123,7 +122,10 @@ impl<D: Driver> Session<D> {
         admissions: &mpsc::Sender<Admission>,
     ) -> SessionEnd {
         let launch = &self.shared.launch;
-        let (mut reader, sink, writer) = split_unix(stream, SEND_QUEUE);
+        let (mut reader, sink, writer) = match split_unix(stream, SEND_QUEUE) {
+            Ok(split) => split,
+            Err(err) => return SessionEnd::Lost(format!("could not watch the connection: {err}")),
+        };
         let hello_id = request_id(launch, "hello");
         let hello = Frame::Hello(Hello {
             request_id: hello_id.clone(),
@@ -220,7 +222,7 @@ impl<D: Driver> Session<D> {
     /// closed (an `accepted`, a `deliver`) may still be unread.
     async fn read_what_is_left(
         &self,
-        reader: &mut FrameReader<OwnedReadHalf>,
+        reader: &mut FrameReader<QuietRead>,
         sink: &FrameSink,
         negotiated: Extensions,
         hello_id: &Id,
@@ -239,7 +241,7 @@ impl<D: Driver> Session<D> {
     /// first is handed back to be dispatched.
     async fn await_hello_ack(
         &self,
-        reader: &mut FrameReader<OwnedReadHalf>,
+        reader: &mut FrameReader<QuietRead>,
         sink: &FrameSink,
         hello_id: &Id,
     ) -> Result<(Extensions, Option<Frame>), SessionEnd> {

@@ -5,6 +5,7 @@
 
 mod backoff;
 pub mod process;
+pub mod quiet;
 mod reader;
 pub mod sched;
 mod writer;
@@ -14,18 +15,20 @@ pub use reader::FrameReader;
 pub use writer::{FrameSink, SinkError, Writer, spawn_writer};
 
 use tokio::net::UnixStream;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+pub use quiet::{QuietRead, QuietWrite};
 
 /// Default capacity of a connection's outgoing frame queue.
 pub const DEFAULT_QUEUE: usize = 1024;
 
 /// Splits a connected Unix stream into a frame reader and a frame sink whose writer task
-/// is spawned on the current runtime.
+/// is spawned on the current runtime. The stream is registered for readability only
+/// ([`quiet`]); registering it fails only when the reactor cannot take one more descriptor.
 pub fn split_unix(
     stream: UnixStream,
     queue: usize,
-) -> (FrameReader<OwnedReadHalf>, FrameSink, Writer) {
-    let (read, write): (OwnedReadHalf, OwnedWriteHalf) = stream.into_split();
+) -> std::io::Result<(FrameReader<QuietRead>, FrameSink, Writer)> {
+    let (read, write) = quiet::split(stream)?;
     let (sink, task) = spawn_writer(write, queue);
-    (FrameReader::new(read), sink, task)
+    Ok((FrameReader::new(read), sink, task))
 }

@@ -4,14 +4,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use channeld_link::{FrameReader, FrameSink, Writer, split_unix};
+use channeld_link::{FrameReader, FrameSink, QuietRead, Writer, split_unix};
 use channeld_protocol::frame::{ErrorFrame, Hello, Inbound, Lifecycle};
 use channeld_protocol::types::{
     Capabilities, InboundMessage, MessageBody, MessageTarget, Participant,
 };
 use channeld_protocol::{ChannelId, DecodeError, Frame, Id};
 use tokio::net::UnixStream;
-use tokio::net::unix::OwnedReadHalf;
 
 /// How long a test waits for one frame.
 pub const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
@@ -19,7 +18,7 @@ pub const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 /// One raw connection.
 #[derive(Debug)]
 pub struct RawPeer {
-    pub reader: FrameReader<OwnedReadHalf>,
+    pub reader: FrameReader<QuietRead>,
     pub sink: FrameSink,
     writer: Option<Writer>,
 }
@@ -33,7 +32,7 @@ impl RawPeer {
     }
 
     pub fn from_stream(stream: UnixStream) -> Self {
-        let (reader, sink, writer) = split_unix(stream, 1024);
+        let (reader, sink, writer) = split_unix(stream, 1024).expect("watch the connection");
         Self { reader, sink, writer: Some(writer) }
     }
 

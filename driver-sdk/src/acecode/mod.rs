@@ -16,7 +16,7 @@ pub mod convert;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use channeld_link::{FrameReader, FrameSink, split_unix};
+use channeld_link::{FrameReader, FrameSink, QuietRead, split_unix};
 use channeld_protocol::acecode::{
     self as wire, ActionParams, HostLine, InitializeParams, InitializeResult, Outcome,
     PROTOCOL_VERSION, Request, Response, SendResult, SendTextParams, SetTypingParams, event,
@@ -32,7 +32,6 @@ use channeld_protocol::{Frame, Id};
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
-use tokio::net::unix::OwnedReadHalf;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -210,7 +209,8 @@ where
         let token = session_token.clone();
         tokio::spawn(async move { session.run(theirs, &token, &admissions).await })
     };
-    let (reader, sink, writer) = split_unix(ours, SESSION_QUEUE);
+    let (reader, sink, writer) =
+        split_unix(ours, SESSION_QUEUE).map_err(|err| RunError::Driver(err.into()))?;
     let mut bridge = Bridge {
         channel,
         account,
@@ -260,7 +260,7 @@ struct Bridge {
 impl Bridge {
     async fn serve<R: AsyncRead + Unpin>(
         &mut self,
-        mut reader: FrameReader<OwnedReadHalf>,
+        mut reader: FrameReader<QuietRead>,
         host: &mut HostReader<R>,
         init_id: u64,
     ) {

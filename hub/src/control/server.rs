@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_control::{ErrorBody, MAX_CONTROL_LINE, Op, Request, Response, SendArgs, code};
-use channeld_link::spawn_writer;
+use channeld_link::{quiet, spawn_writer};
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
@@ -48,7 +48,13 @@ pub(crate) async fn accept_loop(hub: Arc<Hub>, listener: UnixListener, mut liven
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let creds = peer_creds(&stream);
-                    let (read, write) = stream.into_split();
+                    let (read, write) = match quiet::split(stream) {
+                        Ok(halves) => halves,
+                        Err(err) => {
+                            warn!(error = %err, "could not watch a new control connection");
+                            continue;
+                        }
+                    };
                     if !creds.as_ref().is_some_and(|cred| policy.admits(cred)) {
                         let who = describe_peer(creds.as_ref());
                         warn!(

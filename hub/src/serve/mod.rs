@@ -12,7 +12,7 @@ mod driver;
 use std::sync::Arc;
 use std::time::Duration;
 
-use channeld_link::{FrameReader, FrameSink, spawn_writer};
+use channeld_link::{FrameReader, FrameSink, quiet, spawn_writer};
 use channeld_protocol::ext::PeerDeclaration;
 use channeld_protocol::{DecodeError, Frame};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -60,7 +60,13 @@ pub(crate) async fn accept_loop(
                     let slot = unidentified.clone().try_acquire_owned().ok();
                     hub.clone().connections.spawn(async move {
                         let creds = peer_creds(&stream);
-                        let (read, write) = stream.into_split();
+                        let (read, write) = match quiet::split(stream) {
+                            Ok(halves) => halves,
+                            Err(err) => {
+                                warn!(instance = %inst.config.id, error = %err, "could not watch a new connection");
+                                return;
+                            }
+                        };
                         match (creds.as_ref().filter(|cred| policy.admits(cred)), slot) {
                             (Some(cred), Some(slot)) => {
                                 serve_counted(hub, inst, read, write, cred.pid, Some(slot)).await;
