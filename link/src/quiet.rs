@@ -28,8 +28,9 @@ pub fn split(stream: UnixStream) -> io::Result<(QuietRead, QuietWrite)> {
     Ok((QuietRead { shared: shared.clone() }, QuietWrite { shared, waiting: None, shut: false }))
 }
 
-/// Registers `stream` (non-blocking, as `into_std` and `try_clone` of one leave it) with the
-/// current runtime's reactor for `interest` only.
+/// Registers `stream` with the current runtime's reactor for `interest` only. `into_std`
+/// leaves a stream non-blocking and a duplicate shares that flag; it is set here anyway, so
+/// no caller can hand over a blocking descriptor.
 fn register(stream: StdUnixStream, interest: Interest) -> io::Result<AsyncFd<StdUnixStream>> {
     stream.set_nonblocking(true)?;
     // SAFETY: the stream owns its descriptor, which stays open and the same until the
