@@ -28,11 +28,11 @@ pub fn split(stream: UnixStream) -> io::Result<(QuietRead, QuietWrite)> {
     Ok((QuietRead { shared: shared.clone() }, QuietWrite { shared, waiting: None, shut: false }))
 }
 
-/// Registers `stream` with the current runtime's reactor for `interest` only. `into_std`
-/// leaves a stream non-blocking and a duplicate shares that flag; it is set here anyway, so
-/// no caller can hand over a blocking descriptor.
+/// Registers `stream` with the current runtime's reactor for `interest` only. Both callers
+/// hand over a non-blocking descriptor: `into_std` leaves tokio's stream non-blocking, and a
+/// duplicate shares that flag with its original (one open file description). A blocking one
+/// would stall the runtime on a full buffer, which the 4 MiB write test would show as a hang.
 fn register(stream: StdUnixStream, interest: Interest) -> io::Result<AsyncFd<StdUnixStream>> {
-    stream.set_nonblocking(true)?;
     // SAFETY: the stream owns its descriptor, which stays open and the same until the
     // `AsyncFd` that owns the stream is dropped.
     Ok(unsafe { AsyncFd::register_with_interest(stream, interest) }?)
