@@ -11,7 +11,7 @@ use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use channeld_link::{FrameReader, FrameSink, QuietRead, split_unix};
+use channeld_link::{FRAMES_BETWEEN_CHECKS, FrameReader, FrameSink, QuietRead, split_unix};
 use channeld_protocol::ext::{Extensions, PeerDeclaration};
 use channeld_protocol::frame::{
     CommandFrame, CommandResultFrame, Delivery, EffectFrame, ErrorFrame, EventFrame,
@@ -99,6 +99,20 @@ pub(crate) struct Session<D> {
     pub queued: Arc<Semaphore>,
 }
 
+/// What a session's frame loop woke for.
+enum Woke<T> {
+    /// A frame, the end of the stream, or a read error.
+    Item(T),
+    /// The session is asked to stop.
+    Stop,
+    /// Time for a heartbeat.
+    Heartbeat,
+    /// Time to expire the replies that waited too long.
+    Sweep,
+    /// The connection's writer ended (a write failed).
+    WriterGone,
+}
+
 /// A queued hub request's right to run: it holds its queue slot and waits for a handler.
 struct Permit {
     queued: tokio::sync::OwnedSemaphorePermit,
@@ -171,43 +185,77 @@ impl<D: Driver> Session<D> {
         let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
         heartbeat.tick().await;
         let mut sweep = tokio::time::interval(Duration::from_secs(5));
-        let end = loop {
-            let item = match first.take() {
-                Some(frame) => Ok(Some(Ok(frame))),
-                None => tokio::select! {
-                    biased;
-                    () = session_token.cancelled() => {
-                        let stop = Frame::Stop(Lifecycle { request_id: request_id(launch, "stop") });
+        // The loop's futures borrow the sink, which is dropped after it.
+        let end = {
+            // Made once per session, not per frame: a fresh one registers its waiter again.
+            let (stopping, writer_gone) = (session_token.cancelled(), sink.closed());
+            tokio::pin!(stopping, writer_gone);
+            // Frames taken since the other wake-ups were last polled ahead of the socket
+            // (`FRAMES_BETWEEN_CHECKS`).
+            let mut unchecked = 0;
+            loop {
+                let woke = match first.take() {
+                    Some(frame) => Woke::Item(Ok(Some(Ok(frame)))),
+                    None if unchecked < FRAMES_BETWEEN_CHECKS => tokio::select! {
+                        biased;
+                        item = reader.next() => {
+                            unchecked += 1;
+                            Woke::Item(item)
+                        }
+                        () = &mut stopping => Woke::Stop,
+                        _ = heartbeat.tick() => Woke::Heartbeat,
+                        _ = sweep.tick() => Woke::Sweep,
+                        () = &mut writer_gone => Woke::WriterGone,
+                    },
+                    None => {
+                        unchecked = 0;
+                        tokio::select! {
+                            biased;
+                            () = &mut stopping => Woke::Stop,
+                            item = reader.next() => Woke::Item(item),
+                            _ = heartbeat.tick() => Woke::Heartbeat,
+                            _ = sweep.tick() => Woke::Sweep,
+                            () = &mut writer_gone => Woke::WriterGone,
+                        }
+                    }
+                };
+                let item = match woke {
+                    Woke::Item(item) => item,
+                    Woke::Stop => {
+                        let stop =
+                            Frame::Stop(Lifecycle { request_id: request_id(launch, "stop") });
                         let _ = sink.send(&stop).await;
                         break SessionEnd::Finished;
                     }
-                    item = reader.next() => item,
-                    _ = heartbeat.tick() => {
-                        let _ = sink.try_send(&Frame::Event(EventFrame { event: LifecycleEvent::Heartbeat }));
+                    Woke::Heartbeat => {
+                        let _ = sink.try_send(&Frame::Event(EventFrame {
+                            event: LifecycleEvent::Heartbeat,
+                        }));
                         continue;
                     }
-                    _ = sweep.tick() => {
+                    Woke::Sweep => {
                         self.shared.expire(launch.reply_timeout);
                         continue;
                     }
-                    () = sink.closed() => {
+                    Woke::WriterGone => {
                         self.read_what_is_left(&mut reader, &sink, negotiated, &hello_id).await;
                         break SessionEnd::Lost("write to the hub failed".into());
                     }
-                },
-            };
-            match item {
-                Ok(Some(Ok(frame))) => {
-                    if let Some(end) = self.dispatch(frame, &sink, negotiated, &hello_id).await {
-                        break end;
+                };
+                match item {
+                    Ok(Some(Ok(frame))) => {
+                        if let Some(end) = self.dispatch(frame, &sink, negotiated, &hello_id).await
+                        {
+                            break end;
+                        }
                     }
+                    Ok(Some(Err(err))) => {
+                        warn!(code = err.code(), error = %err, "undecodable line from the hub");
+                        let _ = sink.try_send(&err.to_error_frame());
+                    }
+                    Ok(None) => break SessionEnd::Lost("hub closed the connection".into()),
+                    Err(err) => break SessionEnd::Lost(format!("read failed: {err}")),
                 }
-                Ok(Some(Err(err))) => {
-                    warn!(code = err.code(), error = %err, "undecodable line from the hub");
-                    let _ = sink.try_send(&err.to_error_frame());
-                }
-                Ok(None) => break SessionEnd::Lost("hub closed the connection".into()),
-                Err(err) => break SessionEnd::Lost(format!("read failed: {err}")),
             }
         };
         self.shared.disconnected();

@@ -3,7 +3,10 @@
 //! through real sockets, here without processes, files or sockets.
 
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use channeld_hub::Hub;
@@ -21,7 +24,9 @@ use channeld_protocol::types::{
     Capabilities, InboundMessage, MessageBody, MessageTarget, OutboundMessage, Participant,
 };
 use channeld_protocol::{ChannelId, Frame, Id};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, DuplexStream, ReadHalf};
+use tokio::io::{
+    AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader, DuplexStream, ReadBuf, ReadHalf,
+};
 use tokio_util::sync::CancellationToken;
 
 const ONE: &str = "test.one";
@@ -70,18 +75,7 @@ impl Peer {
     }
 
     async fn hello(&mut self, extensions: &[&str]) {
-        let mut capabilities = Capabilities::default();
-        capabilities.set("receive", true);
-        capabilities.set("send", true);
-        self.send(Frame::Hello(Hello {
-            request_id: id("hello"),
-            channel: ChannelId::new(ONE).unwrap(),
-            capabilities,
-            actions: Default::default(),
-            extensions: extensions.iter().map(|e| (*e).to_owned()).collect(),
-            operator_actions: Vec::new(),
-        }))
-        .await;
+        self.send(hello(extensions)).await;
         if !extensions.is_empty() {
             assert!(matches!(self.frame().await, Frame::HelloAck(_)));
         }
@@ -101,6 +95,21 @@ impl Peer {
         }))
         .await;
     }
+}
+
+/// A driver's `hello` to instance `ONE` (receives and sends) with these extensions.
+fn hello(extensions: &[&str]) -> Frame {
+    let mut capabilities = Capabilities::default();
+    capabilities.set("receive", true);
+    capabilities.set("send", true);
+    Frame::Hello(Hello {
+        request_id: id("hello"),
+        channel: ChannelId::new(ONE).unwrap(),
+        capabilities,
+        actions: Default::default(),
+        extensions: extensions.iter().map(|e| (*e).to_owned()).collect(),
+        operator_actions: Vec::new(),
+    })
 }
 
 fn reply_text(frame: Frame) -> String {
@@ -168,6 +177,90 @@ async fn closing_connections_says_stop_and_ends_the_connection() {
     assert!(matches!(driver.frame().await, Frame::Stop(Lifecycle { .. })));
     tokio::time::timeout(WAIT, driver.served).await.expect("served ends").unwrap();
     assert!(hub.instance(ONE).unwrap().live().is_none());
+}
+
+/// A driver that never pauses: its `hello`, then `start` lines with no end, every read
+/// filled at once (never pending). Once `closed` is cancelled it serves `AFTER_CLOSE` more
+/// bytes (thousands of lines) and then ends the stream, noting that it `ran_dry`.
+struct Endless {
+    pending: Vec<u8>,
+    line: Vec<u8>,
+    at: usize,
+    closed: CancellationToken,
+    after_close: usize,
+    ran_dry: Arc<AtomicBool>,
+}
+
+impl Endless {
+    const AFTER_CLOSE: usize = 1 << 20;
+}
+
+impl AsyncRead for Endless {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        if !this.pending.is_empty() {
+            let n = this.pending.len().min(buf.remaining());
+            buf.put_slice(&this.pending[..n]);
+            this.pending.drain(..n);
+            return Poll::Ready(Ok(()));
+        }
+        let mut room = buf.remaining();
+        if this.closed.is_cancelled() {
+            if this.after_close == 0 {
+                this.ran_dry.store(true, Ordering::SeqCst);
+                return Poll::Ready(Ok(()));
+            }
+            room = room.min(this.after_close);
+            this.after_close -= room;
+        }
+        while room > 0 {
+            let rest = &this.line[this.at..];
+            let n = rest.len().min(room);
+            buf.put_slice(&rest[..n]);
+            this.at = (this.at + n) % this.line.len();
+            room -= n;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_that_never_pauses_is_still_closed_when_connections_close() {
+    let hub = hub("", Ledger::off());
+    let inst = hub.instance(ONE).unwrap().clone();
+    let ran_dry = Arc::new(AtomicBool::new(false));
+    let driver = Endless {
+        pending: channeld_protocol::frame::encode(&hello(&[])).unwrap(),
+        line: channeld_protocol::frame::encode(&Frame::Start(Lifecycle { request_id: id("s") }))
+            .unwrap(),
+        at: 0,
+        closed: hub.close_connections.clone(),
+        after_close: Endless::AFTER_CLOSE,
+        ran_dry: ran_dry.clone(),
+    };
+    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+    let (_, write) = tokio::io::split(theirs);
+    let served =
+        tokio::spawn(channeld_hub::serve::serve(hub.clone(), inst.clone(), driver, write, None));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while inst.live().is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "the driver's hello was never taken");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    hub.close_connections.cancel();
+    tokio::time::timeout(WAIT, served).await.expect("served ends").unwrap();
+    assert!(
+        !ran_dry.load(Ordering::SeqCst),
+        "the connection ended only when its stream did, not when connections closed"
+    );
+    let (read, _write) = tokio::io::split(ours);
+    let mut reader = FrameReader::new(read);
+    let said = tokio::time::timeout(WAIT, reader.next()).await.unwrap().unwrap();
+    assert!(matches!(said, Some(Ok(Frame::Stop(_)))), "{said:?}");
 }
 
 #[tokio::test]

@@ -21,6 +21,16 @@ pub use quiet::{QuietRead, QuietWrite};
 /// Default capacity of a connection's outgoing frame queue.
 pub const DEFAULT_QUEUE: usize = 1024;
 
+/// Frames a connection's loop takes from its socket, while frames keep coming, before it
+/// polls its other wake-ups (a stop, a timer, its writer's end) ahead of the socket again.
+///
+/// The loops of the hub and the SDK poll the socket first: a frame already read, or the one
+/// that woke the task, is taken without polling the rest, each of which takes a lock per
+/// poll (a cancellation token's, a `Notify`'s). The rest are polled whenever the socket has
+/// nothing, which is where a connection waits; this bounds how long a peer that never
+/// pauses delays them.
+pub const FRAMES_BETWEEN_CHECKS: u32 = 64;
+
 /// Splits a connected Unix stream into a frame reader and a frame sink whose writer task
 /// is spawned on the current runtime. The stream is registered for readability only
 /// ([`quiet`]); registering it fails only when the reactor cannot take one more descriptor.

@@ -244,6 +244,31 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_short_read_waits_for_the_next_edge_instead_of_asking_the_socket_again() {
+        let (ours, theirs) = StdUnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let (mut read, _write) = split(UnixStream::from_std(ours).unwrap()).unwrap();
+        let mut theirs = theirs;
+        theirs.write_all(b"a\n").unwrap();
+        let mut got = Vec::with_capacity(64);
+        read.read_buf(&mut got).await.unwrap();
+        assert_eq!(got, b"a\n", "a short read: the buffer had room for more");
+
+        // More bytes arrive, but this (current-thread) runtime has not polled epoll since:
+        // the read must wait for that edge rather than try `recv` on a readiness it drained.
+        theirs.write_all(b"b\n").unwrap();
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut more = Vec::with_capacity(64);
+        let mut room = [0; 64];
+        let polled = Pin::new(&mut read).poll_read(&mut cx, &mut ReadBuf::new(&mut room));
+        assert!(polled.is_pending(), "the short read left the socket marked readable");
+
+        // The new edge is then seen: nothing is lost or held.
+        read.read_buf(&mut more).await.unwrap();
+        assert_eq!(more, b"b\n");
+    }
+
+    #[tokio::test]
     async fn dropping_the_write_half_ends_the_peers_stream_while_the_read_half_still_reads() {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let (mut read, write) = split(ours).unwrap();

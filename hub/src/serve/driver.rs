@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use channeld_link::{FrameReader, FrameSink};
+use channeld_link::{FRAMES_BETWEEN_CHECKS, FrameReader, FrameSink};
 use channeld_protocol::Frame;
 use channeld_protocol::ext::{CancelRequest, CancelResult, PeerDeclaration};
 use channeld_protocol::frame::{Hello, HelloAck, Lifecycle};
@@ -215,60 +215,98 @@ async fn read_frames<R: AsyncRead + Unpin>(
     tokio::pin!(closing, writer_gone, write_blocked);
     // A driver with `agent_env` sends it before its first inbound, if at all (PROTOCOL.md).
     let mut env_unsettled = conn.declaration.extensions.agent_env;
+    // Frames taken since the other branches were last polled ahead of the socket.
+    let mut unchecked = 0;
     loop {
         if first.is_none() && !reader.ready() {
             // About to wait for the socket: what the frames so far queued goes now.
             ledger::release().await;
         }
-        let item = match first.take() {
-            Some(frame) => Ok(Some(Ok(frame))),
-            None => tokio::select! {
+        let woke = match first.take() {
+            Some(frame) => Woke::Item(Ok(Some(Ok(frame)))),
+            // The socket first: a frame already here (or the one that woke the task) is taken
+            // without polling the other branches, each of which takes a lock per poll (a
+            // cancellation token's and its `Notify`'s). They are polled when the socket has
+            // nothing, which is where the task waits, and ahead of it every
+            // `FRAMES_BETWEEN_CHECKS` frames, so a driver that never pauses is still closed.
+            None if unchecked < FRAMES_BETWEEN_CHECKS => tokio::select! {
                 biased;
-                () = &mut closing => {
-                    // A driver that does not read would hold this send: bounded by the grace.
-                    let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
-                    let _ = tokio::time::timeout(STOP_GRACE, conn.sink.send(&stop)).await;
-                    break;
+                item = reader.next() => {
+                    unchecked += 1;
+                    Woke::Item(item)
                 }
-                () = &mut write_blocked, if stall_check.is_none() => {
-                    let mut check = tokio::time::interval_at(tokio::time::Instant::now() + check_every, check_every);
-                    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                    stall_check = Some(check);
-                    write_blocked.set(conn.sink.write_blocked());
-                    continue;
-                }
-                _ = tick(&mut stall_check) => {
-                    let blocked = conn.sink.write_blocked_for();
-                    if blocked.is_none() {
-                        // Nothing waits for the driver now: disarmed until a write waits again.
-                        stall_check = None;
-                    }
-                    match stall(blocked, stall_timeout) {
-                        Stall::Flowing if degraded => {
-                            degraded = false;
-                            info!(instance = %inst.config.id, conn = conn.id, "driver reads its socket again");
-                            inst.set_health(Health::new(HealthState::Ready, Some("driver reads its socket again".into())));
-                        }
-                        Stall::Flowing => {}
-                        Stall::Degraded(blocked) => {
-                            if !degraded {
-                                degraded = true;
-                                warn!(instance = %inst.config.id, conn = conn.id, blocked_s = blocked.as_secs(), queued = conn.sink.queued(), "driver is not reading its socket");
-                            }
-                            let detail = format!("driver has not read its socket for {} s", blocked.as_secs());
-                            inst.set_health(Health::new(HealthState::Degraded, Some(detail)));
-                        }
-                        Stall::Close(blocked) => {
-                            warn!(instance = %inst.config.id, conn = conn.id, blocked_s = blocked.as_secs(), "driver did not read its socket within stall_timeout_secs; closing the connection");
-                            inst.record_error(format!("closed a driver connection that did not read for {} s", blocked.as_secs()));
-                            break;
-                        }
-                    }
-                    continue;
-                }
-                item = reader.next() => item,
-                () = &mut writer_gone => break,
+                () = &mut closing => Woke::Closing,
+                () = &mut write_blocked, if stall_check.is_none() => Woke::WriteBlocked,
+                _ = tick(&mut stall_check) => Woke::Check,
+                () = &mut writer_gone => Woke::WriterGone,
             },
+            None => {
+                unchecked = 0;
+                tokio::select! {
+                    biased;
+                    () = &mut closing => Woke::Closing,
+                    () = &mut write_blocked, if stall_check.is_none() => Woke::WriteBlocked,
+                    _ = tick(&mut stall_check) => Woke::Check,
+                    item = reader.next() => Woke::Item(item),
+                    () = &mut writer_gone => Woke::WriterGone,
+                }
+            }
+        };
+        let item = match woke {
+            Woke::Item(item) => item,
+            Woke::Closing => {
+                // A driver that does not read would hold this send: bounded by the grace.
+                let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
+                let _ = tokio::time::timeout(STOP_GRACE, conn.sink.send(&stop)).await;
+                break;
+            }
+            Woke::WriteBlocked => {
+                let mut check = tokio::time::interval_at(
+                    tokio::time::Instant::now() + check_every,
+                    check_every,
+                );
+                check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                stall_check = Some(check);
+                write_blocked.set(conn.sink.write_blocked());
+                continue;
+            }
+            Woke::Check => {
+                let blocked = conn.sink.write_blocked_for();
+                if blocked.is_none() {
+                    // Nothing waits for the driver now: disarmed until a write waits again.
+                    stall_check = None;
+                }
+                match stall(blocked, stall_timeout) {
+                    Stall::Flowing if degraded => {
+                        degraded = false;
+                        info!(instance = %inst.config.id, conn = conn.id, "driver reads its socket again");
+                        inst.set_health(Health::new(
+                            HealthState::Ready,
+                            Some("driver reads its socket again".into()),
+                        ));
+                    }
+                    Stall::Flowing => {}
+                    Stall::Degraded(blocked) => {
+                        if !degraded {
+                            degraded = true;
+                            warn!(instance = %inst.config.id, conn = conn.id, blocked_s = blocked.as_secs(), queued = conn.sink.queued(), "driver is not reading its socket");
+                        }
+                        let detail =
+                            format!("driver has not read its socket for {} s", blocked.as_secs());
+                        inst.set_health(Health::new(HealthState::Degraded, Some(detail)));
+                    }
+                    Stall::Close(blocked) => {
+                        warn!(instance = %inst.config.id, conn = conn.id, blocked_s = blocked.as_secs(), "driver did not read its socket within stall_timeout_secs; closing the connection");
+                        inst.record_error(format!(
+                            "closed a driver connection that did not read for {} s",
+                            blocked.as_secs()
+                        ));
+                        break;
+                    }
+                }
+                continue;
+            }
+            Woke::WriterGone => break,
         };
         let frame = match item {
             Ok(Some(Ok(frame))) => frame,
@@ -416,6 +454,20 @@ async fn read_frames<R: AsyncRead + Unpin>(
 }
 
 /// The next tick of the stall check while it is armed; never while it is not.
+/// What a driver connection's frame loop woke for.
+enum Woke<T> {
+    /// A frame, the end of the stream, or a read error.
+    Item(T),
+    /// The hub closes connections, or a reload removed the instance.
+    Closing,
+    /// A write began to wait for the driver: the stall check is armed.
+    WriteBlocked,
+    /// The stall check's tick.
+    Check,
+    /// The connection's writer ended (a write failed).
+    WriterGone,
+}
+
 async fn tick(check: &mut Option<tokio::time::Interval>) {
     match check {
         Some(check) => {
