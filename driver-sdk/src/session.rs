@@ -11,7 +11,7 @@ use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use channeld_link::{FRAMES_BETWEEN_CHECKS, FrameReader, FrameSink, QuietRead, split_unix};
+use channeld_link::{FrameReader, FrameSink, QuietRead, SocketFirst, Turn, split_unix};
 use channeld_protocol::ext::{Extensions, PeerDeclaration};
 use channeld_protocol::frame::{
     CommandFrame, CommandResultFrame, Delivery, EffectFrame, ErrorFrame, EventFrame,
@@ -190,32 +190,25 @@ impl<D: Driver> Session<D> {
             // Made once per session, not per frame: a fresh one registers its waiter again.
             let (stopping, writer_gone) = (session_token.cancelled(), sink.closed());
             tokio::pin!(stopping, writer_gone);
-            // Frames taken since the other wake-ups were last polled ahead of the socket
-            // (`FRAMES_BETWEEN_CHECKS`).
-            let mut unchecked = 0;
+            // A frame already here goes on without polling the rest (each poll takes a
+            // lock); the rest still go first every `FRAMES_BETWEEN_CHECKS` frames.
+            let mut turns = SocketFirst::default();
             loop {
                 let woke = match first.take() {
                     Some(frame) => Woke::Item(Ok(Some(Ok(frame)))),
-                    None if unchecked < FRAMES_BETWEEN_CHECKS => tokio::select! {
-                        biased;
-                        item = reader.next() => {
-                            unchecked += 1;
-                            Woke::Item(item)
-                        }
-                        () = &mut stopping => Woke::Stop,
-                        _ = heartbeat.tick() => Woke::Heartbeat,
-                        _ = sweep.tick() => Woke::Sweep,
-                        () = &mut writer_gone => Woke::WriterGone,
-                    },
                     None => {
-                        unchecked = 0;
-                        tokio::select! {
-                            biased;
-                            () = &mut stopping => Woke::Stop,
-                            item = reader.next() => Woke::Item(item),
-                            _ = heartbeat.tick() => Woke::Heartbeat,
-                            _ = sweep.tick() => Woke::Sweep,
-                            () = &mut writer_gone => Woke::WriterGone,
+                        let others = async {
+                            tokio::select! {
+                                biased;
+                                () = &mut stopping => Woke::Stop,
+                                _ = heartbeat.tick() => Woke::Heartbeat,
+                                _ = sweep.tick() => Woke::Sweep,
+                                () = &mut writer_gone => Woke::WriterGone,
+                            }
+                        };
+                        match turns.next(reader.next(), others).await {
+                            Turn::Frame(item) => Woke::Item(item),
+                            Turn::Other(woke) => woke,
                         }
                     }
                 };

@@ -1,5 +1,6 @@
 //! Async plumbing shared by the hub, the driver SDK and `channelctl`: framed connections over
-//! any byte stream (bounded reads, batched writes through a bounded queue), reconnect backoff,
+//! any byte stream (bounded reads, batched writes through a bounded queue, a loop's turns
+//! between its socket and its other wake-ups), reconnect backoff,
 //! the start-up every process shares ([`process`]: logging and signals), and the CPU
 //! scheduling policy a process may move its threads to ([`sched`]).
 
@@ -8,10 +9,12 @@ pub mod process;
 pub mod quiet;
 mod reader;
 pub mod sched;
+mod turns;
 mod writer;
 
 pub use backoff::Backoff;
 pub use reader::FrameReader;
+pub use turns::{FRAMES_BETWEEN_CHECKS, SocketFirst, Turn};
 pub use writer::{FrameSink, SinkError, Writer, spawn_writer};
 
 use tokio::net::UnixStream;
@@ -20,16 +23,6 @@ pub use quiet::{QuietRead, QuietWrite};
 
 /// Default capacity of a connection's outgoing frame queue.
 pub const DEFAULT_QUEUE: usize = 1024;
-
-/// Frames a connection's loop takes from its socket, while frames keep coming, before it
-/// polls its other wake-ups (a stop, a timer, its writer's end) ahead of the socket again.
-///
-/// The loops of the hub and the SDK poll the socket first: a frame already read, or the one
-/// that woke the task, is taken without polling the rest, each of which takes a lock per
-/// poll (a cancellation token's, a `Notify`'s). The rest are polled whenever the socket has
-/// nothing, which is where a connection waits; this bounds how long a peer that never
-/// pauses delays them.
-pub const FRAMES_BETWEEN_CHECKS: u32 = 64;
 
 /// Splits a connected Unix stream into a frame reader and a frame sink whose writer task
 /// is spawned on the current runtime. The stream is registered for readability only

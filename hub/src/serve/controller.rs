@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use channeld_link::{FRAMES_BETWEEN_CHECKS, FrameReader, FrameSink};
+use channeld_link::{FrameReader, FrameSink, SocketFirst, Turn};
 use channeld_protocol::ext::{EffectGate, Extensions};
 use channeld_protocol::frame::{
     ControlHello, ControlRequest, ControlResponse, ControlResult, EffectFrame, HelloAck,
@@ -50,30 +50,16 @@ pub(super) async fn run<R: AsyncRead + Unpin>(
         let _ = sink.send(&ack).await;
     }
     debug!(instance = %inst.config.id, pid = ?peer_pid, "controller connected");
-    // Made once per connection, not per request (a fresh one registers its waiters again).
+    // Made once per connection, not per request (a fresh one registers its waiters again),
+    // and polled when no request is here, or ahead of the socket every
+    // `FRAMES_BETWEEN_CHECKS` requests (`SocketFirst`).
     let closing = closing(hub, inst);
     tokio::pin!(closing);
-    // Requests taken since `closing` was last polled ahead of the socket (see
-    // `FRAMES_BETWEEN_CHECKS`): a request already here goes on without the locks its poll
-    // takes.
-    let mut unchecked = 0;
+    let mut turns = SocketFirst::default();
     loop {
-        let item = if unchecked < FRAMES_BETWEEN_CHECKS {
-            tokio::select! {
-                biased;
-                item = reader.next() => {
-                    unchecked += 1;
-                    item
-                }
-                () = &mut closing => return,
-            }
-        } else {
-            unchecked = 0;
-            tokio::select! {
-                biased;
-                () = &mut closing => return,
-                item = reader.next() => item,
-            }
+        let item = match turns.next(reader.next(), closing.as_mut()).await {
+            Turn::Frame(item) => item,
+            Turn::Other(()) => return,
         };
         match item {
             Ok(Some(Ok(Frame::ControlRequest(request)))) => {

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use channeld_link::{FRAMES_BETWEEN_CHECKS, FrameReader, FrameSink};
+use channeld_link::{FrameReader, FrameSink, SocketFirst, Turn};
 use channeld_protocol::Frame;
 use channeld_protocol::ext::{CancelRequest, CancelResult, PeerDeclaration};
 use channeld_protocol::frame::{Hello, HelloAck, Lifecycle};
@@ -215,8 +215,10 @@ async fn read_frames<R: AsyncRead + Unpin>(
     tokio::pin!(closing, writer_gone, write_blocked);
     // A driver with `agent_env` sends it before its first inbound, if at all (PROTOCOL.md).
     let mut env_unsettled = conn.declaration.extensions.agent_env;
-    // Frames taken since the other branches were last polled ahead of the socket.
-    let mut unchecked = 0;
+    // A frame already here goes on without polling the rest (each poll takes a lock);
+    // the rest still go first every `FRAMES_BETWEEN_CHECKS` frames, so a driver that never
+    // pauses is still closed.
+    let mut turns = SocketFirst::default();
     loop {
         if first.is_none() && !reader.ready() {
             // About to wait for the socket: what the frames so far queued goes now.
@@ -224,31 +226,19 @@ async fn read_frames<R: AsyncRead + Unpin>(
         }
         let woke = match first.take() {
             Some(frame) => Woke::Item(Ok(Some(Ok(frame)))),
-            // The socket first: a frame already here (or the one that woke the task) is taken
-            // without polling the other branches, each of which takes a lock per poll (a
-            // cancellation token's and its `Notify`'s). They are polled when the socket has
-            // nothing, which is where the task waits, and ahead of it every
-            // `FRAMES_BETWEEN_CHECKS` frames, so a driver that never pauses is still closed.
-            None if unchecked < FRAMES_BETWEEN_CHECKS => tokio::select! {
-                biased;
-                item = reader.next() => {
-                    unchecked += 1;
-                    Woke::Item(item)
-                }
-                () = &mut closing => Woke::Closing,
-                () = &mut write_blocked, if stall_check.is_none() => Woke::WriteBlocked,
-                _ = tick(&mut stall_check) => Woke::Check,
-                () = &mut writer_gone => Woke::WriterGone,
-            },
             None => {
-                unchecked = 0;
-                tokio::select! {
-                    biased;
-                    () = &mut closing => Woke::Closing,
-                    () = &mut write_blocked, if stall_check.is_none() => Woke::WriteBlocked,
-                    _ = tick(&mut stall_check) => Woke::Check,
-                    item = reader.next() => Woke::Item(item),
-                    () = &mut writer_gone => Woke::WriterGone,
+                let others = async {
+                    tokio::select! {
+                        biased;
+                        () = &mut closing => Woke::Closing,
+                        () = &mut write_blocked, if stall_check.is_none() => Woke::WriteBlocked,
+                        _ = tick(&mut stall_check) => Woke::Check,
+                        () = &mut writer_gone => Woke::WriterGone,
+                    }
+                };
+                match turns.next(reader.next(), others).await {
+                    Turn::Frame(item) => Woke::Item(item),
+                    Turn::Other(woke) => woke,
                 }
             }
         };
