@@ -99,10 +99,8 @@ pub(crate) struct Session<D> {
     pub queued: Arc<Semaphore>,
 }
 
-/// What a session's frame loop woke for.
-enum Woke<T> {
-    /// A frame, the end of the stream, or a read error.
-    Item(T),
+/// What a session's frame loop woke for, besides its socket.
+enum Woke {
     /// The session is asked to stop.
     Stop,
     /// Time for a heartbeat.
@@ -194,8 +192,8 @@ impl<D: Driver> Session<D> {
             // lock); the rest still go first every `FRAMES_BETWEEN_CHECKS` frames.
             let mut turns = SocketFirst::default();
             loop {
-                let woke = match first.take() {
-                    Some(frame) => Woke::Item(Ok(Some(Ok(frame)))),
+                let turn = match first.take() {
+                    Some(frame) => Turn::Frame(Ok(Some(Ok(frame)))),
                     None => {
                         let others = async {
                             tokio::select! {
@@ -206,31 +204,28 @@ impl<D: Driver> Session<D> {
                                 () = &mut writer_gone => Woke::WriterGone,
                             }
                         };
-                        match turns.next(reader.next(), others).await {
-                            Turn::Frame(item) => Woke::Item(item),
-                            Turn::Other(woke) => woke,
-                        }
+                        turns.next(reader.next(), others).await
                     }
                 };
-                let item = match woke {
-                    Woke::Item(item) => item,
-                    Woke::Stop => {
+                let item = match turn {
+                    Turn::Frame(item) => item,
+                    Turn::Other(Woke::Stop) => {
                         let stop =
                             Frame::Stop(Lifecycle { request_id: request_id(launch, "stop") });
                         let _ = sink.send(&stop).await;
                         break SessionEnd::Finished;
                     }
-                    Woke::Heartbeat => {
+                    Turn::Other(Woke::Heartbeat) => {
                         let _ = sink.try_send(&Frame::Event(EventFrame {
                             event: LifecycleEvent::Heartbeat,
                         }));
                         continue;
                     }
-                    Woke::Sweep => {
+                    Turn::Other(Woke::Sweep) => {
                         self.shared.expire(launch.reply_timeout);
                         continue;
                     }
-                    Woke::WriterGone => {
+                    Turn::Other(Woke::WriterGone) => {
                         self.read_what_is_left(&mut reader, &sink, negotiated, &hello_id).await;
                         break SessionEnd::Lost("write to the hub failed".into());
                     }

@@ -224,8 +224,8 @@ async fn read_frames<R: AsyncRead + Unpin>(
             // About to wait for the socket: what the frames so far queued goes now.
             ledger::release().await;
         }
-        let woke = match first.take() {
-            Some(frame) => Woke::Item(Ok(Some(Ok(frame)))),
+        let turn = match first.take() {
+            Some(frame) => Turn::Frame(Ok(Some(Ok(frame)))),
             None => {
                 let others = async {
                     tokio::select! {
@@ -236,21 +236,18 @@ async fn read_frames<R: AsyncRead + Unpin>(
                         () = &mut writer_gone => Woke::WriterGone,
                     }
                 };
-                match turns.next(reader.next(), others).await {
-                    Turn::Frame(item) => Woke::Item(item),
-                    Turn::Other(woke) => woke,
-                }
+                turns.next(reader.next(), others).await
             }
         };
-        let item = match woke {
-            Woke::Item(item) => item,
-            Woke::Closing => {
+        let item = match turn {
+            Turn::Frame(item) => item,
+            Turn::Other(Woke::Closing) => {
                 // A driver that does not read would hold this send: bounded by the grace.
                 let stop = Frame::Stop(Lifecycle { request_id: hub.ids.request("stop") });
                 let _ = tokio::time::timeout(STOP_GRACE, conn.sink.send(&stop)).await;
                 break;
             }
-            Woke::WriteBlocked => {
+            Turn::Other(Woke::WriteBlocked) => {
                 let mut check = tokio::time::interval_at(
                     tokio::time::Instant::now() + check_every,
                     check_every,
@@ -260,7 +257,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
                 write_blocked.set(conn.sink.write_blocked());
                 continue;
             }
-            Woke::Check => {
+            Turn::Other(Woke::Check) => {
                 let blocked = conn.sink.write_blocked_for();
                 if blocked.is_none() {
                     // Nothing waits for the driver now: disarmed until a write waits again.
@@ -296,7 +293,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
                 }
                 continue;
             }
-            Woke::WriterGone => break,
+            Turn::Other(Woke::WriterGone) => break,
         };
         let frame = match item {
             Ok(Some(Ok(frame))) => frame,
@@ -443,11 +440,8 @@ async fn read_frames<R: AsyncRead + Unpin>(
     ledger::release().await;
 }
 
-/// The next tick of the stall check while it is armed; never while it is not.
-/// What a driver connection's frame loop woke for.
-enum Woke<T> {
-    /// A frame, the end of the stream, or a read error.
-    Item(T),
+/// What a driver connection's frame loop woke for, besides its socket.
+enum Woke {
     /// The hub closes connections, or a reload removed the instance.
     Closing,
     /// A write began to wait for the driver: the stall check is armed.
@@ -458,6 +452,7 @@ enum Woke<T> {
     WriterGone,
 }
 
+/// The next tick of the stall check while it is armed; never while it is not.
 async fn tick(check: &mut Option<tokio::time::Interval>) {
     match check {
         Some(check) => {
