@@ -3,7 +3,7 @@
 //! wait at once.
 
 use foldhash::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -13,7 +13,6 @@ use channeld_protocol::ext::PeerDeclaration;
 use channeld_protocol::frame::{CommandResultFrame, ErrorFrame, OperatorActionResult};
 use channeld_protocol::types::{DeliveryReceipt, Health};
 use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
 
 /// Locks a mutex, taking the data of a poisoned one: every critical section here leaves its
 /// data consistent even if it panics.
@@ -68,9 +67,15 @@ pub struct Connection {
     pub operator_actions: Vec<String>,
     pub connected_at: SystemTime,
     pub peer_pid: Option<i32>,
-    /// Cancelled when the connection ends.
-    pub closed: CancellationToken,
-    last_seen: Mutex<Instant>,
+    /// Set once, by [`close`](Self::close), under the `waits` lock. An atomic, not a token:
+    /// nothing awaits it, and it is asked on every send (`Instance::live`), where a token's
+    /// check takes its mutex.
+    closed: AtomicBool,
+    /// When the connection was accepted: `last_seen` counts from it.
+    opened: Instant,
+    /// Nanoseconds from `opened` to the last frame read (an atomic: it is written on every
+    /// frame, and read only by health probes).
+    last_seen: AtomicU64,
     waits: Mutex<Waits>,
     /// The driver refused a send because it is shutting down (`draining`).
     draining: AtomicBool,
@@ -92,8 +97,9 @@ impl Connection {
             operator_actions: Vec::new(),
             connected_at: SystemTime::now(),
             peer_pid,
-            closed: CancellationToken::new(),
-            last_seen: Mutex::new(Instant::now()),
+            closed: AtomicBool::new(false),
+            opened: Instant::now(),
+            last_seen: AtomicU64::new(0),
             waits: Mutex::new(Waits::default()),
             draining: AtomicBool::new(false),
         }
@@ -116,19 +122,27 @@ impl Connection {
         self.draining.load(Ordering::Relaxed)
     }
 
-    pub fn touch(&self) {
-        *lock(&self.last_seen) = Instant::now();
+    /// Whether the connection has ended ([`close`](Self::close) ran).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
+    /// Notes that the peer sent something just now.
+    pub fn touch(&self) {
+        self.last_seen.store(nanos(self.opened.elapsed()), Ordering::Relaxed);
+    }
+
+    /// How long since the peer last sent something (or connected).
     pub fn idle_for(&self) -> Duration {
-        lock(&self.last_seen).elapsed()
+        let seen = Duration::from_nanos(self.last_seen.load(Ordering::Relaxed));
+        self.opened.elapsed().saturating_sub(seen)
     }
 
     /// Registers interest in the receipt for `request_id`. Fails if the connection is closed.
     pub fn expect_receipt(&self, request_id: Id) -> Option<oneshot::Receiver<ReceiptOutcome>> {
         let (tx, rx) = oneshot::channel();
         let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
+        if self.is_closed() {
             return None;
         }
         waits.receipts.insert(request_id, tx);
@@ -164,7 +178,7 @@ impl Connection {
     pub fn expect_command(&self, request_id: Id) -> Option<oneshot::Receiver<CommandResultFrame>> {
         let (tx, rx) = oneshot::channel();
         let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
+        if self.is_closed() {
             return None;
         }
         waits.commands.insert(request_id, tx);
@@ -190,7 +204,7 @@ impl Connection {
     pub fn expect_health(&self, request_id: Id) -> Option<oneshot::Receiver<Health>> {
         let (tx, rx) = oneshot::channel();
         let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
+        if self.is_closed() {
             return None;
         }
         waits.health.insert(request_id, tx);
@@ -213,7 +227,7 @@ impl Connection {
     ) -> Option<oneshot::Receiver<OperatorActionResult>> {
         let (tx, rx) = oneshot::channel();
         let mut waits = lock(&self.waits);
-        if self.closed.is_cancelled() {
+        if self.is_closed() {
             return None;
         }
         waits.operator_actions.insert(request_id, tx);
@@ -241,11 +255,62 @@ impl Connection {
     pub fn close(&self) {
         let waits = {
             let mut waits = lock(&self.waits);
-            self.closed.cancel();
+            self.closed.store(true, Ordering::Release);
             std::mem::take(&mut *waits)
         };
         for (_, tx) in waits.receipts {
             let _ = tx.send(ReceiptOutcome::Unknown { reason: "driver disconnected".into() });
         }
+    }
+}
+
+/// A duration in whole nanoseconds, saturating (u64 nanoseconds last 584 years).
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use channeld_link::spawn_writer;
+
+    fn id(value: &str) -> Id {
+        Id::new(value).expect("a valid id")
+    }
+
+    fn connection() -> Connection {
+        let (hub_side, _driver_side) = tokio::io::duplex(1024);
+        let (sink, _writer) = spawn_writer(hub_side, 8);
+        Connection::new(1, PeerKind::Driver, sink, PeerDeclaration::default(), None)
+    }
+
+    /// Closing answers the waits it had (a receipt becomes unknown) and takes no new ones.
+    #[tokio::test]
+    async fn a_closed_connection_ends_its_waits_and_takes_no_new_ones() {
+        let conn = connection();
+        assert!(!conn.is_closed());
+        let receipt = conn.expect_receipt(id("r-1")).expect("an open connection waits");
+        conn.close();
+        assert!(conn.is_closed());
+        assert_eq!(
+            receipt.await.expect("the wait is answered"),
+            ReceiptOutcome::Unknown { reason: "driver disconnected".into() }
+        );
+        assert!(conn.expect_receipt(id("r-2")).is_none());
+        assert!(conn.expect_command(id("c-1")).is_none());
+        assert!(conn.expect_health(id("h-1")).is_none());
+        assert!(conn.expect_operator_action(id("o-1")).is_none());
+    }
+
+    /// `idle_for` counts from the last frame read, or from the accept before any.
+    #[tokio::test]
+    async fn idle_time_counts_from_the_last_frame() {
+        let conn = connection();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let before = conn.idle_for();
+        assert!(before >= Duration::from_millis(50), "idle {before:?} since the accept");
+        conn.touch();
+        let after = conn.idle_for();
+        assert!(after < before, "idle {after:?} after a frame, {before:?} before it");
     }
 }

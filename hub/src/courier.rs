@@ -537,7 +537,7 @@ impl Courier {
         let sent = match conn.sink.send_encoded(line).await {
             // Written just as the connection closed: its end may have been handled already,
             // so the reply is given back here (a second `Lost` is a no-op).
-            Ok(()) if conn.closed.is_cancelled() => Err("the connection closed".to_owned()),
+            Ok(()) if conn.is_closed() => Err("the connection closed".to_owned()),
             Ok(()) => Ok(()),
             Err(err) => Err(err.to_string()),
         };
@@ -564,7 +564,7 @@ impl Courier {
     async fn hand_over(self: &Arc<Self>, inst: &Instance, conn: &Connection) {
         let instance = inst.config.id.to_string();
         loop {
-            if conn.closed.is_cancelled() {
+            if conn.is_closed() {
                 return;
             }
             let claimed =

@@ -224,14 +224,14 @@ impl Instance {
 
     /// The live driver connection, if any.
     pub fn live(&self) -> Option<Arc<Connection>> {
-        lock(&self.live).clone().filter(|conn| !conn.closed.is_cancelled())
+        lock(&self.live).clone().filter(|conn| !conn.is_closed())
     }
 
     /// Makes `conn` the live driver unless another live one exists (which it returns).
     pub fn claim(&self, conn: &Arc<Connection>) -> Result<(), Arc<Connection>> {
         let mut live = lock(&self.live);
         if let Some(existing) = live.as_ref()
-            && !existing.closed.is_cancelled()
+            && !existing.is_closed()
         {
             return Err(existing.clone());
         }

@@ -136,7 +136,7 @@ pub async fn end_aborted(
             warn!(instance = %inst.config.id, %event_id, error = %err, "aborted run not recorded");
         }
     }
-    if let Some(conn) = conn.filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live()) {
+    if let Some(conn) = conn.filter(|c| !c.is_closed()).or_else(|| inst.live()) {
         super::run::end_run(&conn, event_id, &RunError::Aborted, 0).await;
     }
     lock(&inst.cancels).finish(event_id, run, ABORTED);

@@ -424,7 +424,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     // A recorded reply goes through the courier (in order per conversation, retried); an
     // untracked one goes back on the connection that carried the inbound, or, if that one
     // is gone, on the instance's current driver.
-    let conn = origin.filter(|c| !c.closed.is_cancelled()).or_else(|| inst.live());
+    let conn = origin.filter(|c| !c.is_closed()).or_else(|| inst.live());
     let end_state = match &result {
         Ok(_) => "replied",
         Err(RunError::Aborted) => ABORTED,
