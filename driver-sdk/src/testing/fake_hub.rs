@@ -216,6 +216,15 @@ impl FakeConnection {
         self.write(bytes, "raw line").await;
     }
 
+    /// Writes `bytes` and reports a failure instead of panicking (for tests that expect the
+    /// driver to go away while the hub is still writing).
+    #[cfg(test)]
+    pub(crate) async fn try_send_raw(&self, bytes: &[u8]) -> std::io::Result<()> {
+        let mut writer = self.writer.lock().await;
+        writer.write_all(bytes).await?;
+        writer.flush().await
+    }
+
     async fn write(&self, bytes: &[u8], what: &str) {
         let mut writer = self.writer.lock().await;
         let written = tokio::time::timeout(IO_TIMEOUT, async {

@@ -1,11 +1,15 @@
 //! The session when its connection to the hub breaks: frames the hub wrote before it went
 //! away still reach the driver after the driver's write failed, so an inbound the hub
 //! accepted is not reported again after the reconnect; the runs' environment a driver set
-//! is stated again on each new connection, before the resent inbound.
+//! is stated again on each new connection, before the resent inbound; a hub that never
+//! stops writing does not keep the session from stopping.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use channeld_protocol::ext::{Extensions, StreamFrame};
 use channeld_protocol::types::{Capabilities, DeliveryReceipt};
+use channeld_protocol::{Frame, Id, encode};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -139,4 +143,81 @@ async fn the_agent_env_is_sent_again_after_a_reconnect_before_the_resent_inbound
     assert_eq!(first.outcome().await, Acceptance::Accepted { duplicate: false });
     let (stopped, _) = tokio::join!(task.stop(), again.expect_stop());
     assert!(stopped.is_ok(), "{stopped:?}");
+}
+
+/// Takes a millisecond over each streamed step, so a hub can write steps faster than it
+/// reads them.
+struct SlowReader;
+
+impl Driver for SlowReader {
+    fn declaration(&self) -> Declaration {
+        Declaration::new(Capabilities { receive: true, ..Default::default() })
+    }
+
+    async fn run(&self, _hub: Hub, shutdown: CancellationToken) -> Result<(), DriverError> {
+        shutdown.cancelled().await;
+        Ok(())
+    }
+
+    async fn post(&self, _post: Post) -> Result<DeliveryReceipt, PostError> {
+        Err(PostError::Failed { reason: "no platform".into(), retryable: false })
+    }
+
+    async fn stream(&self, _frame: StreamFrame) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+
+    fn extensions(&self) -> Extensions {
+        Extensions::all()
+    }
+}
+
+/// The hub writes `stream` steps faster than the driver takes them, so the driver's socket
+/// always has the next one: the session still sees its stop (within
+/// `channeld_link::FRAMES_BETWEEN_CHECKS` frames), closes, and the hub's writes fail. A
+/// session that looked at its stop only when the socket had nothing would read on until
+/// the hub gave up writing (`FLOOD_FOR`) and it had taken every step written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_that_never_stops_writing_does_not_keep_the_session_from_stopping() {
+    const FLOOD_FOR: Duration = Duration::from_secs(10);
+    let fake = FakeHub::bind().await;
+    let task = DriverTask::spawn(SlowReader, fake.launch_config("test.flood"));
+    let mut conn = fake.accept().await;
+    conn.handshake(AckMode::Extensions).await;
+    assert!(conn.negotiated().stream);
+
+    let step = StreamFrame {
+        event_id: Id::new("e-1").expect("a valid id"),
+        seq: 1,
+        text: Some("x".into()),
+        tool: None,
+        end: None,
+        code: None,
+        message: None,
+    };
+    let line = encode(&Frame::Stream(step)).expect("a step encodes");
+    let chunk = line.repeat(64 * 1024 / line.len());
+    let conn = Arc::new(conn);
+    let flood = tokio::spawn({
+        let conn = conn.clone();
+        async move {
+            let until = tokio::time::Instant::now() + FLOOD_FOR;
+            while tokio::time::Instant::now() < until {
+                if conn.try_send_raw(&chunk).await.is_err() {
+                    return true;
+                }
+            }
+            false
+        }
+    });
+    // Well into the flood: the driver's socket is full.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!flood.is_finished(), "the driver closed the socket before it was asked to stop");
+    let stopped = task.stop().await;
+    assert!(stopped.is_ok(), "{stopped:?}");
+    let closed_while_flooded = flood.await.expect("the flood task ran");
+    assert!(
+        closed_while_flooded,
+        "the session read on for as long as the hub wrote ({FLOOD_FOR:?}) instead of stopping"
+    );
 }
