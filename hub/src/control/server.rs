@@ -137,13 +137,14 @@ where
                     let Ok(permit) = limit.clone().acquire_owned().await else { break 'read };
                     let hub = hub.clone();
                     let sink = sink.clone();
-                    requests.spawn(async move {
+                    // One box for the whole request: tokio copies a task's future when it
+                    // spawns it and when it finishes, so the task holds a pointer, and the
+                    // request's state (mostly `handle`'s) is copied once, into the box.
+                    requests.spawn(Box::pin(async move {
                         let _permit = permit;
-                        // Boxed: the spawned task then holds a pointer, not the whole state
-                        // machine, which spawning would otherwise copy several times.
-                        let response = Box::pin(super::handle::handle(&hub, request)).await;
+                        let response = super::handle::handle(&hub, request).await;
                         let _ = sink.send_encoded(response).await;
-                    });
+                    }));
                 }
                 Err((id, message)) => {
                     let response = failure(id, code::INVALID_REQUEST, message, None);
