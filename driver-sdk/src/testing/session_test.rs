@@ -145,8 +145,8 @@ async fn the_agent_env_is_sent_again_after_a_reconnect_before_the_resent_inbound
     assert!(stopped.is_ok(), "{stopped:?}");
 }
 
-/// Takes a millisecond over each streamed step, so a hub can write steps faster than it
-/// reads them.
+/// Takes a millisecond over each streamed step, so a hub can write steps faster than the
+/// driver takes them.
 struct SlowReader;
 
 impl Driver for SlowReader {
