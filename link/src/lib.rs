@@ -15,7 +15,7 @@ mod writer;
 pub use backoff::Backoff;
 pub use reader::FrameReader;
 pub use turns::{FRAMES_BETWEEN_CHECKS, SocketFirst, Turn};
-pub use writer::{FrameSink, SinkError, Writer, spawn_writer};
+pub use writer::{FrameSink, FrameWrite, SinkError, Writer, spawn_writer};
 
 use tokio::net::UnixStream;
 

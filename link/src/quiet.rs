@@ -8,13 +8,14 @@
 //! asks for readability only. A write goes straight to the socket; only one that finds the
 //! socket's buffer full registers a duplicate of the descriptor for writability, which is
 //! dropped once the write went through, so a peer that keeps up never wakes the writer.
+//! A [`Direct`] handle lets a sender write without the writer task (`writer.rs`).
 
 use std::io::{self, Write};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, ready};
 
 use tokio::io::unix::AsyncFd;
@@ -53,6 +54,34 @@ pub struct QuietWrite {
     /// room in the socket's buffer.
     waiting: Option<AsyncFd<StdUnixStream>>,
     shut: bool,
+}
+
+impl QuietWrite {
+    /// A handle that writes to this stream without waiting and without keeping it open.
+    pub fn direct(&self) -> Direct {
+        Direct { shared: Arc::downgrade(&self.shared) }
+    }
+}
+
+/// Writes to a [`QuietWrite`]'s stream at once, from any thread, or says it would have to
+/// wait. For a sender that writes its own frame while the connection's writer task has
+/// nothing to write: the caller keeps its writes and the task's apart and in order.
+#[derive(Debug, Clone)]
+pub struct Direct {
+    /// Weak, so that a frame sink kept after its connection ended does not hold the
+    /// descriptor open.
+    shared: Weak<AsyncFd<StdUnixStream>>,
+}
+
+impl Direct {
+    /// Writes what the socket takes now: all of `data`, a part of it, or `WouldBlock` when
+    /// its buffer is full. `NotConnected` once both halves are gone.
+    pub fn try_write(&self, data: &[u8]) -> io::Result<usize> {
+        let Some(shared) = self.shared.upgrade() else {
+            return Err(io::ErrorKind::NotConnected.into());
+        };
+        shared.get_ref().write(data)
+    }
 }
 
 impl AsyncRead for QuietRead {
@@ -144,7 +173,7 @@ impl Drop for QuietWrite {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -174,6 +203,11 @@ mod tests {
         }
         masks
     }
+
+    /// Held by every test that makes a write wait for room in a quiet stream (which
+    /// registers for writability alone) while the test that looks for such registrations
+    /// runs: they would see each other's.
+    pub(crate) static BLOCKED_WRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
     /// Whether some epoll instance of the process holds a registration for writability alone:
     /// only a [`QuietWrite`] waiting for room makes one (tokio's own streams ask for both).
@@ -210,6 +244,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_write_larger_than_the_socket_buffer_waits_for_the_reader_and_then_unregisters() {
+        let _alone = BLOCKED_WRITES.lock().await;
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let (_read, mut write) = split(ours).unwrap();
         let payload: Vec<u8> = (0..4 * 1024 * 1024).map(|i| (i % 251) as u8).collect();

@@ -1,8 +1,9 @@
-//! Writes frames through a bounded queue drained by one task that batches and flushes.
+//! Writes frames through a bounded queue drained by one task that batches and flushes; on an
+//! idle connection a sender writes its frame itself.
 
 use std::io;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,8 @@ use channeld_protocol::{EncodeError, Frame, encode};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
+
+use crate::quiet::{Direct, QuietWrite};
 
 /// Largest batch written in one call.
 const BATCH_BYTES: usize = 64 * 1024;
@@ -25,11 +28,77 @@ pub enum SinkError {
     Encode(#[from] EncodeError),
 }
 
+/// A byte stream a connection's writer task writes frames to.
+pub trait FrameWrite: AsyncWrite + Unpin + Send + 'static {
+    /// A handle through which a sender may write its own frame when the writer task has
+    /// nothing to write, sparing the task's wake-up. `None` (the default): every frame goes
+    /// through the task.
+    fn direct(&self) -> Option<Direct> {
+        None
+    }
+}
+
+impl FrameWrite for QuietWrite {
+    fn direct(&self) -> Option<Direct> {
+        Some(QuietWrite::direct(self))
+    }
+}
+
+impl FrameWrite for tokio::io::DuplexStream {}
+impl FrameWrite for tokio::io::Sink {}
+impl FrameWrite for tokio::net::unix::OwnedWriteHalf {}
+impl<T: AsyncWrite + Send + 'static> FrameWrite for tokio::io::WriteHalf<T> {}
+
 /// The sending side of a connection. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct FrameSink {
     tx: mpsc::Sender<Vec<u8>>,
-    progress: Arc<Progress>,
+    shared: Arc<Shared>,
+}
+
+/// What a connection's senders and its writer task share.
+#[derive(Debug)]
+struct Shared {
+    progress: Progress,
+    pace: Pace,
+    /// The stream's direct handle, if it has one.
+    direct: Option<DirectPath>,
+}
+
+/// A sender's own way to the stream, and the count that says when it may take it.
+#[derive(Debug)]
+struct DirectPath {
+    stream: Direct,
+    /// Frames queued for the writer task (or about to be) and not yet written by it. A
+    /// sender writes its frame itself only while this is zero, holding this lock for the
+    /// write: so no write overlaps another, and no frame overtakes one queued before it.
+    owed: Mutex<usize>,
+}
+
+impl DirectPath {
+    fn owed(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.owed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A frame counted in [`DirectPath::owed`] that is not queued yet: the count is given back
+/// if it never is (a full queue, a closed connection, a cancelled send).
+struct Owe<'a>(Option<&'a DirectPath>);
+
+impl Owe<'_> {
+    /// The frame is queued: the writer task pays the count back once it wrote it.
+    fn queued(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Owe<'_> {
+    fn drop(&mut self) {
+        if let Some(direct) = self.0 {
+            let mut owed = direct.owed();
+            *owed = owed.saturating_sub(1);
+        }
+    }
 }
 
 /// Whether the writer task is inside a write the peer has not taken yet, and since when: a
@@ -66,7 +135,9 @@ impl Progress {
 }
 
 impl FrameSink {
-    /// Encodes and queues a frame, waiting while the queue is full.
+    /// Encodes a frame and writes it at once when the connection is idle (nothing queued, no
+    /// back-to-back traffic, a stream with a [direct](FrameWrite::direct) handle); otherwise
+    /// queues it for the writer task, waiting while the queue is full.
     ///
     /// The frame is encoded before the future is returned, and the future does not borrow
     /// it: a caller that makes the frame in a statement of its own before awaiting
@@ -77,34 +148,76 @@ impl FrameSink {
         frame: &Frame,
     ) -> impl Future<Output = Result<(), SinkError>> + Send + use<'a> {
         let line = encode(frame);
-        async move { self.tx.send(line?).await.map_err(|_| SinkError::Closed) }
+        async move { self.send_encoded(line?).await }
     }
 
-    /// Encodes and queues a frame, failing at once when the queue is full.
+    /// Encodes a frame and writes or queues it as [`send`](Self::send) does, failing at once
+    /// when it would have to wait for room in the queue.
     pub fn try_send(&self, frame: &Frame) -> Result<(), SinkError> {
         let line = encode(frame)?;
+        let Some((line, owe)) = self.write_now(line)? else { return Ok(()) };
         self.tx.try_send(line).map_err(|err| match err {
             mpsc::error::TrySendError::Full(_) => SinkError::Full,
             mpsc::error::TrySendError::Closed(_) => SinkError::Closed,
-        })
+        })?;
+        owe.queued();
+        Ok(())
     }
 
-    /// Queues an already encoded line (from [`channeld_protocol::encode`]).
+    /// Writes or queues an already encoded line (from [`channeld_protocol::encode`]) as
+    /// [`send`](Self::send) does.
     pub async fn send_encoded(&self, line: Vec<u8>) -> Result<(), SinkError> {
-        self.tx.send(line).await.map_err(|_| SinkError::Closed)
+        let Some((line, owe)) = self.write_now(line)? else { return Ok(()) };
+        let permit = self.tx.reserve().await.map_err(|_| SinkError::Closed)?;
+        permit.send(line);
+        owe.queued();
+        Ok(())
+    }
+
+    /// Writes `line` to the stream now if the connection is idle: `None` when it was
+    /// written (or, written in part, its rest queued ahead of everything else). Otherwise
+    /// gives it back, counted as owed, for the caller to queue.
+    fn write_now(&self, mut line: Vec<u8>) -> Result<Option<(Vec<u8>, Owe<'_>)>, SinkError> {
+        let Some(direct) = &self.shared.direct else { return Ok(Some((line, Owe(None)))) };
+        let mut owed = direct.owed();
+        // Cheapest first: under pipelined traffic something is owed, or the last write
+        // carried several frames, and the clock is not read.
+        let now = (*owed == 0 && !self.shared.pace.several()).then(Instant::now);
+        if let Some(now) = now.filter(|now| !self.shared.pace.busy(*now) && !self.tx.is_closed()) {
+            // A socket that would block, or fails, leaves the frame to the writer task: it
+            // waits for room, or meets the error as it would for any frame.
+            if let Ok(written) = direct.stream.try_write(&line) {
+                self.shared.pace.wrote(now, 1);
+                if written == line.len() {
+                    return Ok(None);
+                }
+                // Nothing is owed, so the queue is empty and has room: the rest is queued
+                // before the lock lets any other frame in.
+                line.drain(..written);
+                return match self.tx.try_send(line) {
+                    Ok(()) => {
+                        *owed += 1;
+                        Ok(None)
+                    }
+                    Err(_) => Err(SinkError::Closed),
+                };
+            }
+        }
+        *owed += 1;
+        Ok(Some((line, Owe(Some(direct)))))
     }
 
     /// How long the writer task has been waiting for the peer to take a write, if it is
     /// waiting: a peer that stopped reading shows here (the hub's stall timeout).
     pub fn write_blocked_for(&self) -> Option<Duration> {
-        self.progress.blocked_for()
+        self.shared.progress.blocked_for()
     }
 
     /// Resolves once a write the writer task began could not complete at once (the peer is
     /// not taking bytes as fast as they come), counting from the last time it resolved: the
     /// moment to start watching [`write_blocked_for`](Self::write_blocked_for). Cancel-safe.
     pub async fn write_blocked(&self) {
-        self.progress.blocked.notified().await
+        self.shared.progress.blocked.notified().await
     }
 
     /// Frames queued and not yet taken by the writer task.
@@ -155,27 +268,25 @@ impl Writer {
 }
 
 /// Spawns the writer task for `writer` with a queue of `capacity` frames.
-pub fn spawn_writer<W>(writer: W, capacity: usize) -> (FrameSink, Writer)
-where
-    W: AsyncWrite + Unpin + Send + 'static,
-{
+pub fn spawn_writer<W: FrameWrite>(writer: W, capacity: usize) -> (FrameSink, Writer) {
     let (tx, rx) = mpsc::channel(capacity.max(1));
     let (close, closing) = oneshot::channel();
-    let progress = Arc::new(Progress::new());
-    let task = tokio::spawn(write_loop(writer, rx, closing, progress.clone()));
-    (FrameSink { tx, progress }, Writer { close, task })
+    let direct = writer.direct().map(|stream| DirectPath { stream, owed: Mutex::new(0) });
+    let shared = Arc::new(Shared { progress: Progress::new(), pace: Pace::new(), direct });
+    let task = tokio::spawn(write_loop(writer, rx, closing, shared.clone()));
+    (FrameSink { tx, shared }, Writer { close, task })
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut writer: W,
     mut rx: mpsc::Receiver<Vec<u8>>,
     mut closing: oneshot::Receiver<()>,
-    progress: Arc<Progress>,
+    shared: Arc<Shared>,
 ) -> io::Result<()> {
+    let Shared { progress, pace, direct } = &*shared;
     // Grown by the first frame, not allocated up front: a connection that is sent nothing
     // after its handshake holds no 4 KiB for it.
     let mut batch = Vec::new();
-    let mut pace = Pace::default();
     // The close signal completes once, and polling a finished oneshot again panics: the
     // branch is off from then on. Closing the receiver refuses new frames but still yields
     // the queued ones and those of senders that reserved room before, then ends the loop.
@@ -222,6 +333,11 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             return Err(err);
         }
         pace.wrote(Instant::now(), frames);
+        if let Some(direct) = direct {
+            // Written: senders may write their own frames again once nothing is owed.
+            let mut owed = direct.owed();
+            *owed = owed.saturating_sub(frames);
+        }
         if batch.capacity() > 4 * BATCH_BYTES {
             batch = Vec::new();
         }
@@ -249,23 +365,48 @@ fn drain(rx: &mut mpsc::Receiver<Vec<u8>>, batch: &mut Vec<u8>) -> usize {
 /// exchange is slower than this, and writes at once.
 const BACK_TO_BACK: Duration = Duration::from_micros(20);
 
-/// Decides whether the writer should yield before writing: only under back-to-back traffic,
-/// so a sequential exchange pays no extra scheduler pass.
-#[derive(Debug, Default)]
+/// Decides whether the writer should yield before writing, and whether a sender may write
+/// its own frame: only a writer under back-to-back traffic yields (and takes every frame),
+/// so a sequential exchange pays no extra scheduler pass, and pipelined frames share writes.
+#[derive(Debug)]
 struct Pace {
-    last_write: Option<Instant>,
-    last_frames: usize,
+    base: Instant,
+    /// Nanoseconds after `base` (plus one, so 0 means "never") when the last write was made.
+    last_write: AtomicU64,
+    /// Whether the last write carried more than one frame.
+    several: AtomicBool,
 }
 
 impl Pace {
-    fn busy(&self, now: Instant) -> bool {
-        self.last_frames > 1
-            || self.last_write.is_some_and(|at| now.saturating_duration_since(at) < BACK_TO_BACK)
+    fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            last_write: AtomicU64::new(0),
+            several: AtomicBool::new(false),
+        }
     }
 
-    fn wrote(&mut self, now: Instant, frames: usize) {
-        self.last_write = Some(now);
-        self.last_frames = frames;
+    /// Whether the last write carried more than one frame (then it is [busy](Self::busy)).
+    fn several(&self) -> bool {
+        self.several.load(Ordering::Relaxed)
+    }
+
+    fn busy(&self, now: Instant) -> bool {
+        if self.several() {
+            return true;
+        }
+        let Some(at) = self.last_write.load(Ordering::Relaxed).checked_sub(1) else {
+            return false;
+        };
+        let since = now.saturating_duration_since(self.base).as_nanos();
+        since.saturating_sub(u128::from(at)) < BACK_TO_BACK.as_nanos()
+    }
+
+    fn wrote(&self, now: Instant, frames: usize) {
+        let at = now.saturating_duration_since(self.base).as_nanos();
+        let at = u64::try_from(at).unwrap_or(u64::MAX - 1);
+        self.last_write.store(at + 1, Ordering::Relaxed);
+        self.several.store(frames > 1, Ordering::Relaxed);
     }
 }
 
@@ -280,6 +421,8 @@ mod tests {
         inner: tokio::io::DuplexStream,
         writes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     }
+
+    impl FrameWrite for CountingWriter {}
 
     impl AsyncWrite for CountingWriter {
         fn poll_write(
@@ -308,8 +451,8 @@ mod tests {
 
     #[test]
     fn pace_yields_only_under_back_to_back_traffic() {
-        let start = Instant::now();
-        let mut pace = Pace::default();
+        let pace = Pace::new();
+        let start = pace.base;
         assert!(!pace.busy(start), "the first frame is written at once");
         pace.wrote(start, 1);
         assert!(pace.busy(start + Duration::from_micros(5)), "a frame right after a write");
@@ -464,5 +607,168 @@ mod tests {
         let mut received = Vec::new();
         server.read_to_end(&mut received).await.unwrap();
         assert_eq!(received, encode(&frame).unwrap());
+    }
+
+    /// A quiet Unix stream's frame sink, and the peer's end as a plain non-blocking socket
+    /// this (current-thread) test reads without running the runtime.
+    fn quiet_pair(capacity: usize) -> (FrameSink, Writer, std::os::unix::net::UnixStream) {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        let (_read, write) =
+            crate::quiet::split(tokio::net::UnixStream::from_std(ours).unwrap()).unwrap();
+        let (sink, writer) = spawn_writer(write, capacity);
+        (sink, writer, theirs)
+    }
+
+    /// Reads what the peer's socket holds now, without waiting.
+    fn read_now(peer: &mut std::os::unix::net::UnixStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut buf = [0; 64 * 1024];
+        loop {
+            match std::io::Read::read(peer, &mut buf) {
+                Ok(0) => return got,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => return got,
+                Err(err) => panic!("{err}"),
+            }
+        }
+    }
+
+    fn owed(sink: &FrameSink) -> usize {
+        *sink.shared.direct.as_ref().expect("a quiet stream has a direct path").owed()
+    }
+
+    /// On this current-thread runtime the writer task runs only when the test yields: a
+    /// frame the peer can read before that was written by its sender.
+    #[tokio::test]
+    async fn a_frame_on_an_idle_connection_is_written_by_its_sender() {
+        let (sink, _writer, mut peer) = quiet_pair(8);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        sink.send(&frame).await.unwrap();
+        assert_eq!(read_now(&mut peer), encode(&frame).unwrap(), "written without the task");
+        assert_eq!(owed(&sink), 0);
+        // A stream without a direct handle still goes through the task.
+        let (client, mut server) = tokio::io::duplex(1024);
+        let (sink, writer) = spawn_writer(client, 8);
+        sink.send(&frame).await.unwrap();
+        assert_eq!(sink.queued(), 1, "queued for the task");
+        writer.close().await.unwrap();
+        let mut received = Vec::new();
+        server.read_to_end(&mut received).await.unwrap();
+        assert_eq!(received, encode(&frame).unwrap());
+    }
+
+    /// A line larger than the socket's buffer is written in part by its sender and the rest
+    /// queued. A frame sent while that rest waits, after the peer made room and the pace went
+    /// idle, must queue behind it rather than write into the room.
+    #[tokio::test]
+    async fn a_frame_sent_behind_the_rest_of_a_partial_write_waits_for_it() {
+        let _alone = crate::quiet::tests::BLOCKED_WRITES.lock().await;
+        let (sink, writer, mut peer) = quiet_pair(8);
+        let mut big = vec![b'x'; 4 * 1024 * 1024];
+        big.push(b'\n');
+        sink.send_encoded(big.clone()).await.unwrap();
+        assert_eq!(owed(&sink), 1, "the rest is queued");
+        let mut received = read_now(&mut peer);
+        assert!(!received.is_empty() && received.len() < big.len(), "{}", received.len());
+        std::thread::sleep(BACK_TO_BACK * 50);
+        sink.send_encoded(b"small\n".to_vec()).await.unwrap();
+        assert_eq!(owed(&sink), 2, "queued behind the rest");
+        assert!(read_now(&mut peer).iter().all(|b| *b == b'x'), "the small line went ahead");
+        let reading = tokio::task::spawn_blocking(move || {
+            peer.set_nonblocking(false).unwrap();
+            std::io::Read::read_to_end(&mut peer, &mut received).unwrap();
+            received
+        });
+        writer.close().await.unwrap();
+        let received = reading.await.unwrap();
+        let mut expected = big;
+        expected.extend_from_slice(b"small\n");
+        assert!(received == expected, "{} bytes, out of order or cut", received.len());
+        assert_eq!(owed(&sink), 0);
+    }
+
+    /// Senders on two threads, each pausing now and then so the connection goes idle and
+    /// some frames are written by their senders: every line arrives whole, and each
+    /// sender's lines in the order it sent them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn senders_on_many_threads_neither_interleave_nor_reorder() {
+        let _alone = crate::quiet::tests::BLOCKED_WRITES.lock().await;
+        const SENDERS: usize = 8;
+        const EACH: usize = 400;
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (_read, write) = crate::quiet::split(ours).unwrap();
+        let (sink, writer) = spawn_writer(write, 16);
+        let reading = tokio::spawn(async move {
+            let mut theirs = theirs;
+            let mut got = Vec::new();
+            theirs.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        let mut senders = Vec::new();
+        for who in 0..SENDERS {
+            let sink = sink.clone();
+            senders.push(tokio::spawn(async move {
+                for seq in 0..EACH {
+                    let pad = "p".repeat((who * 131 + seq * 17) % 3000);
+                    sink.send_encoded(format!("{who} {seq} {pad}\n").into_bytes()).await.unwrap();
+                    if seq % 40 == 0 {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+            }));
+        }
+        for sender in senders {
+            sender.await.unwrap();
+        }
+        drop(sink);
+        writer.close().await.unwrap();
+        let got = String::from_utf8(reading.await.unwrap()).unwrap();
+        let mut next = [0; SENDERS];
+        for line in got.lines() {
+            let mut words = line.split(' ');
+            let who: usize = words.next().unwrap().parse().unwrap();
+            let seq: usize = words.next().unwrap().parse().unwrap();
+            let pad = words.next().unwrap();
+            assert_eq!(pad.len(), (who * 131 + seq * 17) % 3000, "a cut line: {line:.40}");
+            assert!(pad.bytes().all(|b| b == b'p'), "lines mixed: {line:.40}");
+            assert_eq!(seq, next[who], "sender {who} out of order");
+            next[who] += 1;
+        }
+        assert_eq!(next, [EACH; SENDERS]);
+    }
+
+    /// A send cancelled while it waits for room gives its count back, so the connection's
+    /// senders may write their own frames again once the queue is written out.
+    #[tokio::test]
+    async fn a_cancelled_send_does_not_keep_senders_off_the_direct_path() {
+        let _alone = crate::quiet::tests::BLOCKED_WRITES.lock().await;
+        let (sink, writer, mut peer) = quiet_pair(1);
+        let mut big = vec![b'x'; 4 * 1024 * 1024];
+        big.push(b'\n');
+        sink.send_encoded(big.clone()).await.unwrap();
+        // The writer task takes the rest and waits for the peer to read; a second line then
+        // fills the queue's one slot, and a third waits for room and is dropped.
+        sink.send_encoded(b"queued\n".to_vec()).await.unwrap();
+        let waiting = sink.send_encoded(b"dropped\n".to_vec());
+        assert!(tokio::time::timeout(Duration::from_millis(20), waiting).await.is_err());
+        assert_eq!(owed(&sink), 2, "the rest and the queued line");
+        let mut expected = big;
+        expected.extend_from_slice(b"queued\n");
+        let mut received = read_now(&mut peer);
+        for _ in 0..5000 {
+            if received.len() >= expected.len() && owed(&sink) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            received.extend(read_now(&mut peer));
+        }
+        assert!(received == expected, "{} bytes", received.len());
+        assert_eq!(owed(&sink), 0, "the dropped send's count was given back");
+        std::thread::sleep(BACK_TO_BACK * 50);
+        sink.send_encoded(b"after\n".to_vec()).await.unwrap();
+        assert_eq!(read_now(&mut peer), b"after\n", "written by its sender");
+        drop(writer);
     }
 }

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use channeld_control::{ErrorBody, MAX_CONTROL_LINE, Op, Request, Response, SendArgs, code};
-use channeld_link::{quiet, spawn_writer};
+use channeld_link::{FrameWrite, quiet, spawn_writer};
 use channeld_protocol::framing::{LineEvent, LineFramer};
 use serde::Serialize;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
@@ -94,7 +94,7 @@ pub(crate) async fn accept_loop(hub: Arc<Hub>, listener: UnixListener, mut liven
 /// Answers a connection the hub will not serve with one error (`id` 0) and closes it.
 async fn refuse<W>(write: W, error_code: &'static str, message: String)
 where
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: FrameWrite,
 {
     let (sink, writer) = spawn_writer(write, 1);
     let _ = sink.send_encoded(failure(0, error_code, message, None)).await;
@@ -107,7 +107,7 @@ where
 pub async fn serve<R, W>(hub: Arc<Hub>, mut read: R, write: W)
 where
     R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: FrameWrite,
 {
     let _open = hub.metrics.connection(crate::metrics::ConnectionKind::Control);
     let (sink, writer) = spawn_writer(write, RESPONSE_QUEUE);

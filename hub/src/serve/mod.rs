@@ -12,10 +12,10 @@ mod driver;
 use std::sync::Arc;
 use std::time::Duration;
 
-use channeld_link::{FrameReader, FrameSink, quiet, spawn_writer};
+use channeld_link::{FrameReader, FrameSink, FrameWrite, quiet, spawn_writer};
 use channeld_protocol::ext::PeerDeclaration;
 use channeld_protocol::{DecodeError, Frame};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::AsyncRead;
 use tokio::net::UnixListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
@@ -95,7 +95,7 @@ pub async fn serve<R, W>(
     peer_pid: Option<i32>,
 ) where
     R: AsyncRead + Unpin + Send,
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: FrameWrite,
 {
     serve_counted(hub, inst, read, write, peer_pid, None).await;
 }
@@ -110,7 +110,7 @@ async fn serve_counted<R, W>(
     slot: Option<OwnedSemaphorePermit>,
 ) where
     R: AsyncRead + Unpin + Send,
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: FrameWrite,
 {
     let mut reader = FrameReader::new(read);
     let (sink, writer) = spawn_writer(write, CONNECTION_QUEUE);
@@ -162,7 +162,7 @@ async fn closing(hub: &Hub, inst: &Instance) {
 /// (retryable) and closes it without reading from it.
 async fn refuse_crowd<W>(inst: &Instance, write: W)
 where
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: FrameWrite,
 {
     warn!(instance = %inst.config.id, limit = MAX_UNIDENTIFIED, "connection refused: too many connections that have not said hello");
     let message = format!(
@@ -179,7 +179,7 @@ where
 /// closes the connection without reading from it.
 async fn refuse_peer<W>(inst: &Instance, policy: &PeerPolicy, creds: Option<&PeerCreds>, write: W)
 where
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: FrameWrite,
 {
     let who = describe_peer(creds);
     let pid = creds.and_then(|c| c.pid);
