@@ -183,9 +183,12 @@ impl FrameSink {
         // Cheapest first: under pipelined traffic something is owed, or the last write
         // carried several frames, and the clock is not read.
         let now = (*owed == 0 && !self.shared.pace.several()).then(Instant::now);
-        if let Some(now) = now.filter(|now| !self.shared.pace.busy(*now) && !self.tx.is_closed()) {
+        if let Some(now) = now.filter(|now| !self.shared.pace.busy(*now)) {
             // A socket that would block, or fails, leaves the frame to the writer task: it
-            // waits for room, or meets the error as it would for any frame.
+            // waits for room, or meets the error as it would for any frame. A closed writer
+            // has shut the socket down, so the write fails (`EPIPE`) and the queue says
+            // `Closed`; the queue's state is not read here, as its cache line is cold on a
+            // connection sent one frame at a time.
             if let Ok(written) = direct.stream.try_write(&line) {
                 self.shared.pace.wrote(now, 1);
                 if written == line.len() {
@@ -657,6 +660,21 @@ mod tests {
         let mut received = Vec::new();
         server.read_to_end(&mut received).await.unwrap();
         assert_eq!(received, encode(&frame).unwrap());
+    }
+
+    /// The direct path does not look at the queue: a closed writer has shut the socket
+    /// down, so a sender's own write fails and the frame is refused like a queued one.
+    #[tokio::test]
+    async fn a_quiet_streams_sink_refuses_frames_once_its_writer_closed() {
+        let (sink, writer, mut peer) = quiet_pair(8);
+        let frame = Frame::Start(Lifecycle { request_id: "a".try_into().unwrap() });
+        sink.send(&frame).await.unwrap();
+        writer.close().await.unwrap();
+        std::thread::sleep(BACK_TO_BACK * 50);
+        assert!(matches!(sink.send(&frame).await, Err(SinkError::Closed)));
+        assert!(matches!(sink.try_send(&frame), Err(SinkError::Closed)));
+        assert_eq!(read_now(&mut peer), encode(&frame).unwrap(), "nothing after the close");
+        assert_eq!(owed(&sink), 0);
     }
 
     /// A line larger than the socket's buffer is written in part by its sender and the rest
