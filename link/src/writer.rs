@@ -638,6 +638,13 @@ mod tests {
         }
     }
 
+    /// A line far larger than a Unix socket's buffer: a sender's own write takes part of it.
+    fn big_line() -> Vec<u8> {
+        let mut big = vec![b'x'; 4 * 1024 * 1024];
+        big.push(b'\n');
+        big
+    }
+
     fn owed(sink: &FrameSink) -> usize {
         *sink.shared.direct.as_ref().expect("a quiet stream has a direct path").owed()
     }
@@ -684,8 +691,7 @@ mod tests {
     async fn a_frame_sent_behind_the_rest_of_a_partial_write_waits_for_it() {
         let _alone = crate::quiet::tests::BLOCKED_WRITES.lock().await;
         let (sink, writer, mut peer) = quiet_pair(8);
-        let mut big = vec![b'x'; 4 * 1024 * 1024];
-        big.push(b'\n');
+        let big = big_line();
         sink.send_encoded(big.clone()).await.unwrap();
         assert_eq!(owed(&sink), 1, "the rest is queued");
         let mut received = read_now(&mut peer);
@@ -763,8 +769,7 @@ mod tests {
     async fn a_cancelled_send_does_not_keep_senders_off_the_direct_path() {
         let _alone = crate::quiet::tests::BLOCKED_WRITES.lock().await;
         let (sink, writer, mut peer) = quiet_pair(1);
-        let mut big = vec![b'x'; 4 * 1024 * 1024];
-        big.push(b'\n');
+        let big = big_line();
         sink.send_encoded(big.clone()).await.unwrap();
         // The writer task takes the rest and waits for the peer to read; a second line then
         // fills the queue's one slot, and a third waits for room and is dropped.
