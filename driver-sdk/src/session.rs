@@ -8,7 +8,11 @@ use std::collections::VecDeque;
 // reply's is its inbound's event id, which a platform chose); the maps hold at most the
 // handler queue and `RECENT_POSTS` (4,096) of them.
 use foldhash::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use channeld_link::{FrameReader, FrameSink, QuietRead, SocketFirst, Turn, split_unix};
@@ -20,10 +24,10 @@ use channeld_protocol::frame::{
 use channeld_protocol::types::{DeliveryReceipt, Health, LifecycleEvent};
 use channeld_protocol::{Frame, Id};
 use tokio::net::UnixStream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::driver::{
     CommandRequest, Driver, EffectError, EffectRequest, OperatorAction, OperatorActionError, Post,
@@ -113,14 +117,12 @@ enum Woke {
 
 /// A queued hub request's right to run: it holds its queue slot and waits for a handler.
 struct Permit {
-    queued: tokio::sync::OwnedSemaphorePermit,
+    queued: OwnedSemaphorePermit,
     handlers: Arc<Semaphore>,
 }
 
 impl Permit {
-    async fn run(
-        self,
-    ) -> Option<(tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit)> {
+    async fn run(self) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
         let handler = self.handlers.acquire_owned().await.ok()?;
         Some((self.queued, handler))
     }
@@ -477,6 +479,15 @@ impl<D: Driver> Session<D> {
         });
     }
 
+    /// A queue slot and a handler, when both are free now. None is free while a queued
+    /// request waits (a released handler goes to the oldest waiter), so a request taken here
+    /// never overtakes one queued before it.
+    fn permits_now(&self) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
+        let queued = self.queued.clone().try_acquire_owned().ok()?;
+        let handler = self.handlers.clone().try_acquire_owned().ok()?;
+        Some((queued, handler))
+    }
+
     /// A slot in the queue of hub requests waiting for a handler. The reader waits here only
     /// when [`MAX_QUEUED_REQUESTS`] are queued; it never waits for a handler itself, so
     /// `accepted` and `error` frames are read even while every handler is busy.
@@ -485,13 +496,27 @@ impl<D: Driver> Session<D> {
         Some(Permit { queued, handlers: self.handlers.clone() })
     }
 
-    /// Runs `handle(driver, sink)` as a tracked task once a handler is free (the bounded
-    /// queue and handler pool of [`permit`](Self::permit)).
+    /// Runs `handle(driver, sink)` once a handler is free (the bounded queue and handler pool
+    /// of [`permit`](Self::permit)). When one is free now and no request waits for one, the
+    /// handler runs here until it first waits, and only one that waits becomes a tracked
+    /// task: a post that completes at once (a driver that hands it to a queue, the console)
+    /// costs no task.
     async fn spawn_handler<F, Fut>(&self, sink: &FrameSink, handle: F)
     where
         F: FnOnce(Arc<D>, FrameSink) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
+        if let Some(permits) = self.permits_now() {
+            // Boxed before its first poll: a future that waits is moved into its task.
+            let mut handler = Box::pin(handle(self.driver.clone(), sink.clone()));
+            if !finished_here(handler.as_mut()) {
+                self.tracker.spawn(async move {
+                    let _permits = permits;
+                    handler.await;
+                });
+            }
+            return;
+        }
         let Some(permit) = self.permit().await else { return };
         let driver = self.driver.clone();
         let sink = sink.clone();
@@ -675,6 +700,20 @@ fn command_result(
 
 fn refusal(err: ErrorFrame) -> SessionEnd {
     SessionEnd::Refused { code: err.code, message: err.message, retryable: err.retryable }
+}
+
+/// Polls a handler once, with a waker that does nothing (one that waits is spawned, and its
+/// task's first poll registers the task's own); whether it finished. A panic ends the
+/// handler as it would end its task, and not the session: logged, the handler dropped.
+fn finished_here(handler: Pin<&mut (impl Future<Output = ()> + ?Sized)>) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    match std::panic::catch_unwind(AssertUnwindSafe(|| handler.poll(&mut cx))) {
+        Ok(poll) => poll.is_ready(),
+        Err(_) => {
+            error!("a driver handler panicked; its request has no answer");
+            true
+        }
+    }
 }
 
 fn request_id(launch: &DriverLaunchConfig, suffix: &str) -> Id {

@@ -64,6 +64,8 @@ impl DriverTask {
 }
 
 #[cfg(test)]
+mod handlers_test;
+#[cfg(test)]
 mod lifecycle_test;
 #[cfg(test)]
 mod requests_test;
