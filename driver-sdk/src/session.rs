@@ -556,26 +556,34 @@ impl<D: Driver> Session<D> {
         self.spawn_handler(sink, move |driver, sink| async move {
             let result = driver.post(Post { kind, message: delivery.message }).await;
             let answer = match result {
-                Ok(receipt) => {
-                    let waiting = recent
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .finish(&request_id, Some(receipt.clone()));
-                    (Frame::Receipt(Receipt { request_id, receipt }), waiting)
-                }
+                Ok(receipt) => Frame::Receipt(Receipt { request_id: request_id.clone(), receipt }),
                 Err(err) => {
-                    let waiting =
-                        recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, None);
                     warn!(%request_id, code = err.code(), error = %err, "post failed");
-                    (post_error_frame(request_id, &err), waiting)
+                    post_error_frame(request_id.clone(), &err)
                 }
             };
-            let (answer, waiting) = answer;
+            // Encoded before the receipt moves into the ring (not cloned for it): one line
+            // for every copy.
+            let line = channeld_protocol::encode(&answer);
+            let receipt = match answer {
+                Frame::Receipt(Receipt { receipt, .. }) => Some(receipt),
+                _ => None,
+            };
+            let waiting =
+                recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, receipt);
+            let mut line = match line {
+                Ok(line) => line,
+                Err(err) => {
+                    warn!(%request_id, error = %err, "cannot encode the post's answer");
+                    return;
+                }
+            };
             if answers {
-                let _ = sink.send(&answer).await;
+                let own = if waiting.is_empty() { std::mem::take(&mut line) } else { line.clone() };
+                let _ = sink.send_encoded(own).await;
             }
             for other in waiting {
-                let _ = other.send(&answer).await;
+                let _ = other.send_encoded(line.clone()).await;
             }
         })
         .await;

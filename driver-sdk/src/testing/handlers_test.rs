@@ -1,6 +1,7 @@
 //! How the session runs the driver's handlers: a post that completes at once runs on the
 //! session's own task, one that waits continues as a task of its own, a panicking post ends
-//! its request and not the session, and a request never runs while every handler is busy.
+//! its request and not the session, a request never runs while every handler is busy, and a
+//! copy of a request that came while it was posted gets its answer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -165,5 +166,28 @@ async fn a_request_waits_for_a_handler_while_every_handler_is_busy() {
         }
     }
     assert_eq!(*poster.now_saw_gate.lock().unwrap(), [true], "it ran once a handler was free");
+    task.stop().await.expect("stops cleanly");
+}
+
+#[tokio::test]
+async fn a_copy_that_came_while_its_post_waited_gets_the_same_answer() {
+    let fake = FakeHub::bind().await;
+    let (holding, mut held) = mpsc::unbounded_channel();
+    let poster = Arc::new(Poster::new(holding));
+    let task = DriverTask::spawn(poster.clone(), fake.launch_config("test.handlers"));
+    let mut conn = fake.accept().await;
+    conn.handshake(AckMode::Extensions).await;
+
+    conn.outbound("r-1", target("r-1"), "hold").await;
+    held.recv().await.expect("the post started");
+    // The same request again while it is posted: it waits for that post's answer.
+    conn.outbound("r-1", target("r-1"), "hold").await;
+    conn.outbound("o-1", target("o-1"), "now").await;
+    conn.expect_receipt("o-1").await;
+    poster.gate.add_permits(1);
+    let first = conn.expect_receipt("r-1").await;
+    let second = conn.expect_receipt("r-1").await;
+    assert_eq!(first, second, "one post, one answer for both copies");
+    assert_eq!(poster.ran.lock().unwrap().iter().filter(|(id, _)| id == "r-1").count(), 1);
     task.stop().await.expect("stops cleanly");
 }
