@@ -13,7 +13,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task;
 use tokio_util::sync::CancellationToken;
 
-use super::{AckMode, DriverTask, FakeHub};
+use super::{AckMode, DriverTask, FakeConnection, FakeHub};
 use crate::driver::{Declaration, Driver, DriverError, Post, PostError};
 use crate::hub::Hub;
 use crate::session::MAX_CONCURRENT_HANDLERS;
@@ -95,14 +95,22 @@ fn ran(poster: &Poster, request: &str) -> Ran {
     ran.iter().find(|(id, _)| id == request).map(|(_, ran)| *ran).expect("the post ran")
 }
 
-#[tokio::test]
-async fn a_post_that_completes_at_once_runs_on_the_session_s_task_and_one_that_pauses_on_its_own() {
+/// A [`Poster`] connected to a fake hub that completed the handshake, and the receiver of
+/// its `hold` posts' starts.
+async fn connected()
+-> (FakeHub, FakeConnection, DriverTask, Arc<Poster>, mpsc::UnboundedReceiver<()>) {
     let fake = FakeHub::bind().await;
-    let (holding, _) = mpsc::unbounded_channel();
+    let (holding, held) = mpsc::unbounded_channel();
     let poster = Arc::new(Poster::new(holding));
     let task = DriverTask::spawn(poster.clone(), fake.launch_config("test.handlers"));
     let mut conn = fake.accept().await;
     conn.handshake(AckMode::Extensions).await;
+    (fake, conn, task, poster, held)
+}
+
+#[tokio::test]
+async fn a_post_that_completes_at_once_runs_on_the_session_s_task_and_one_that_pauses_on_its_own() {
+    let (_fake, mut conn, task, poster, _held) = connected().await;
 
     for (request, text) in [("o-1", "now"), ("o-2", "now"), ("o-3", "pause")] {
         conn.outbound(request, target(request), text).await;
@@ -120,12 +128,7 @@ async fn a_post_that_completes_at_once_runs_on_the_session_s_task_and_one_that_p
 
 #[tokio::test]
 async fn a_post_that_panics_ends_its_request_and_not_the_session() {
-    let fake = FakeHub::bind().await;
-    let (holding, _) = mpsc::unbounded_channel();
-    let poster = Arc::new(Poster::new(holding));
-    let task = DriverTask::spawn(poster.clone(), fake.launch_config("test.handlers"));
-    let mut conn = fake.accept().await;
-    conn.handshake(AckMode::Extensions).await;
+    let (_fake, mut conn, task, _poster, _held) = connected().await;
 
     conn.outbound("p-1", target("p-1"), "panic").await;
     conn.outbound("o-1", target("o-1"), "now").await;
@@ -139,12 +142,7 @@ async fn a_post_that_panics_ends_its_request_and_not_the_session() {
 
 #[tokio::test]
 async fn a_request_waits_for_a_handler_while_every_handler_is_busy() {
-    let fake = FakeHub::bind().await;
-    let (holding, mut held) = mpsc::unbounded_channel();
-    let poster = Arc::new(Poster::new(holding));
-    let task = DriverTask::spawn(poster.clone(), fake.launch_config("test.handlers"));
-    let mut conn = fake.accept().await;
-    conn.handshake(AckMode::Extensions).await;
+    let (_fake, mut conn, task, poster, mut held) = connected().await;
 
     for n in 0..MAX_CONCURRENT_HANDLERS {
         let request = format!("h-{n}");
@@ -171,12 +169,7 @@ async fn a_request_waits_for_a_handler_while_every_handler_is_busy() {
 
 #[tokio::test]
 async fn a_copy_that_came_while_its_post_waited_gets_the_same_answer() {
-    let fake = FakeHub::bind().await;
-    let (holding, mut held) = mpsc::unbounded_channel();
-    let poster = Arc::new(Poster::new(holding));
-    let task = DriverTask::spawn(poster.clone(), fake.launch_config("test.handlers"));
-    let mut conn = fake.accept().await;
-    conn.handshake(AckMode::Extensions).await;
+    let (_fake, mut conn, task, poster, mut held) = connected().await;
 
     conn.outbound("r-1", target("r-1"), "hold").await;
     held.recv().await.expect("the post started");
