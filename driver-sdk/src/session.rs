@@ -12,7 +12,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use channeld_link::{FrameReader, FrameSink, QuietRead, SocketFirst, Turn, split_unix};
@@ -24,7 +24,7 @@ use channeld_protocol::frame::{
 use channeld_protocol::types::{DeliveryReceipt, Health, LifecycleEvent};
 use channeld_protocol::{Frame, Id};
 use tokio::net::UnixStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Semaphore, TryAcquireError, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
@@ -113,19 +113,6 @@ enum Woke {
     Sweep,
     /// The connection's writer ended (a write failed).
     WriterGone,
-}
-
-/// A queued hub request's right to run: it holds its queue slot and waits for a handler.
-struct Permit {
-    queued: OwnedSemaphorePermit,
-    handlers: Arc<Semaphore>,
-}
-
-impl Permit {
-    async fn run(self) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
-        let handler = self.handlers.acquire_owned().await.ok()?;
-        Some((self.queued, handler))
-    }
 }
 
 impl<D: Driver> Session<D> {
@@ -479,53 +466,54 @@ impl<D: Driver> Session<D> {
         });
     }
 
-    /// A queue slot and a handler, when both are free now. None is free while a queued
-    /// request waits (a released handler goes to the oldest waiter), so a request taken here
-    /// never overtakes one queued before it.
-    fn permits_now(&self) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
-        let queued = self.queued.clone().try_acquire_owned().ok()?;
-        let handler = self.handlers.clone().try_acquire_owned().ok()?;
-        Some((queued, handler))
-    }
-
-    /// A slot in the queue of hub requests waiting for a handler. The reader waits here only
-    /// when [`MAX_QUEUED_REQUESTS`] are queued; it never waits for a handler itself, so
-    /// `accepted` and `error` frames are read even while every handler is busy.
-    async fn permit(&self) -> Option<Permit> {
-        let queued = self.queued.clone().acquire_owned().await.ok()?;
-        Some(Permit { queued, handlers: self.handlers.clone() })
-    }
-
-    /// Runs `handle(driver, sink)` once a handler is free (the bounded queue and handler pool
-    /// of [`permit`](Self::permit)). When one is free now and no request waits for one, the
-    /// handler runs here until it first waits, and only one that waits becomes a tracked
-    /// task: a post that completes at once (a driver that hands it to a queue, the console)
-    /// costs no task.
+    /// Runs `handle(driver, sink)` once a handler is free, holding a slot of the bounded queue
+    /// of hub requests meanwhile. The reader waits here only when [`MAX_QUEUED_REQUESTS`] are
+    /// queued; it never waits for a handler itself, so `accepted` and `error` frames are read
+    /// even while every handler is busy. A request that finds no handler free takes its
+    /// place in the handlers' queue before the next frame is read, so requests get handlers
+    /// in the order they came. One that finds a handler free runs here until it first waits,
+    /// and only one that waits becomes a tracked task: a post that completes at once (a
+    /// driver that hands it to a queue, the console) costs no task.
     async fn spawn_handler<F, Fut>(&self, sink: &FrameSink, handle: F)
     where
         F: FnOnce(Arc<D>, FrameSink) -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = ()> + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
     {
-        if let Some(permits) = self.permits_now() {
-            // Boxed before its first poll: a future that waits is moved into its task.
-            let mut handler = Box::pin(handle(self.driver.clone(), sink.clone()));
-            if !finished_here(handler.as_mut()) {
-                self.tracker.spawn(async move {
-                    let _permits = permits;
-                    handler.await;
-                });
+        let Ok(queued) = self.queued.clone().acquire_owned().await else { return };
+        let handler = match self.handlers.clone().try_acquire_owned() {
+            Ok(handler) => handler,
+            Err(TryAcquireError::Closed) => return,
+            Err(TryAcquireError::NoPermits) => {
+                // Polled once, the wait joins the handlers' queue now; its task keeps that
+                // place (the box keeps the queue's entry where it is).
+                // (A handler released on another thread meanwhile is taken at once.)
+                let mut wait = Box::pin(self.handlers.clone().acquire_owned());
+                match wait.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+                    Poll::Ready(Ok(handler)) => handler,
+                    Poll::Ready(Err(_)) => return,
+                    Poll::Pending => {
+                        let (driver, sink) = (self.driver.clone(), sink.clone());
+                        self.tracker.spawn(async move {
+                            let Ok(handler) = wait.await else { return };
+                            let _permits = (queued, handler);
+                            // Boxed: a driver's post or effect future (an HTTP request's
+                            // state, often kilobytes) would otherwise size the task tokio
+                            // copies on spawn.
+                            Box::pin(handle(driver, sink)).await;
+                        });
+                        return;
+                    }
+                }
             }
-            return;
+        };
+        // Boxed before its first poll: a future that waits is moved into its task.
+        let mut handler_future = Box::pin(handle(self.driver.clone(), sink.clone()));
+        if !finished_here(handler_future.as_mut()) {
+            self.tracker.spawn(async move {
+                let _permits = (queued, handler);
+                handler_future.await;
+            });
         }
-        let Some(permit) = self.permit().await else { return };
-        let driver = self.driver.clone();
-        let sink = sink.clone();
-        self.tracker.spawn(async move {
-            let Some(_permits) = permit.run().await else { return };
-            // Boxed: a driver's post or effect future (an HTTP request's state, often
-            // kilobytes) would otherwise size the task tokio copies on spawn.
-            Box::pin(handle(driver, sink)).await;
-        });
     }
 
     async fn spawn_post(

@@ -1,7 +1,7 @@
 //! How the session runs the driver's handlers: a post that completes at once runs on the
 //! session's own task, one that waits continues as a task of its own, a panicking post ends
-//! its request and not the session, a request never runs while every handler is busy, and a
-//! copy of a request that came while it was posted gets its answer.
+//! its request and not the session, requests wait for a handler in the order they came while
+//! every handler is busy, and a copy of a request that came while it was posted gets its answer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -141,7 +141,7 @@ async fn a_post_that_panics_ends_its_request_and_not_the_session() {
 }
 
 #[tokio::test]
-async fn a_request_waits_for_a_handler_while_every_handler_is_busy() {
+async fn requests_wait_for_a_handler_in_order_while_every_handler_is_busy() {
     let (_fake, mut conn, task, poster, mut held) = connected().await;
 
     for n in 0..MAX_CONCURRENT_HANDLERS {
@@ -152,18 +152,25 @@ async fn a_request_waits_for_a_handler_while_every_handler_is_busy() {
         held.recv().await.expect("a hold started");
     }
     conn.outbound("o-1", target("o-1"), "now").await;
-    // Time for the driver to read it: a post that ran now would find the gate shut.
+    conn.outbound("o-2", target("o-2"), "now").await;
+    // Time for the driver to read them: a post that ran now would find the gate shut.
     tokio::time::sleep(Duration::from_millis(50)).await;
     poster.gate_open.store(true, Ordering::SeqCst);
     poster.gate.add_permits(MAX_CONCURRENT_HANDLERS);
     let mut answered = 0;
-    while answered < MAX_CONCURRENT_HANDLERS + 1 {
+    while answered < MAX_CONCURRENT_HANDLERS + 2 {
         match conn.next_frame().await {
             channeld_protocol::Frame::Receipt(_) => answered += 1,
             other => panic!("expected receipts, got {other:?}"),
         }
     }
-    assert_eq!(*poster.now_saw_gate.lock().unwrap(), [true], "it ran once a handler was free");
+    let saw = poster.now_saw_gate.lock().unwrap().clone();
+    assert_eq!(saw, [true, true], "they ran once a handler was free");
+    let order: Vec<String> = {
+        let ran = poster.ran.lock().unwrap();
+        ran.iter().map(|(id, _)| id.clone()).filter(|id| id.starts_with("o-")).collect()
+    };
+    assert_eq!(order, ["o-1", "o-2"], "in the order they came");
     task.stop().await.expect("stops cleanly");
 }
 
