@@ -550,18 +550,23 @@ impl<D: Driver> Session<D> {
                     post_error_frame(request_id.clone(), &err)
                 }
             };
-            // Encoded before the receipt moves into the ring (not cloned for it): one line
-            // for every copy.
-            let line = channeld_protocol::encode(&answer);
-            let receipt = match answer {
-                Frame::Receipt(Receipt { receipt, .. }) => Some(receipt),
-                _ => None,
+            let (line, waiting) = {
+                let mut recent = recent.lock().unwrap_or_else(|p| p.into_inner());
+                // Encoded only when someone hears it, and before the receipt moves into the
+                // ring (not cloned for it): one line for every copy.
+                let line = (answers || recent.is_awaited(&request_id))
+                    .then(|| channeld_protocol::encode(&answer));
+                let receipt = match answer {
+                    Frame::Receipt(Receipt { receipt, .. }) => Some(receipt),
+                    _ => None,
+                };
+                (line, recent.finish(&request_id, receipt))
             };
-            let waiting =
-                recent.lock().unwrap_or_else(|p| p.into_inner()).finish(&request_id, receipt);
             let mut line = match line {
-                Ok(line) => line,
-                Err(err) => {
+                Some(Ok(line)) => line,
+                // No one to answer: a reply without the `reply_receipt` extension, no copy.
+                None => return,
+                Some(Err(err)) => {
                     warn!(%request_id, error = %err, "cannot encode the post's answer");
                     return;
                 }
@@ -788,6 +793,11 @@ impl RecentPosts {
         waiting
     }
 
+    /// Whether a copy of the post in flight waits for its answer.
+    fn is_awaited(&self, request_id: &Id) -> bool {
+        self.in_flight.get(request_id).is_some_and(|waiting| !waiting.is_empty())
+    }
+
     fn receipt(&self, request_id: &Id) -> Option<&DeliveryReceipt> {
         let number = *self.done.get(request_id)?;
         self.receipts.get((number - self.first) as usize).map(|(_, receipt)| receipt)
@@ -870,9 +880,11 @@ mod tests {
         let (sink, _writer) = channeld_link::spawn_writer(tokio::io::sink(), 4);
         let mut recent = RecentPosts::default();
         assert!(matches!(recent.begin(&id("e-1"), None), PostState::New));
+        assert!(!recent.is_awaited(&id("e-1")), "no copy yet");
         for _ in 0..WAITING_COPIES + 3 {
             assert!(matches!(recent.begin(&id("e-1"), Some(sink.clone())), PostState::InFlight));
         }
+        assert!(recent.is_awaited(&id("e-1")));
         let waiting = recent.finish(&id("e-1"), Some(receipt()));
         assert_eq!(waiting.len(), WAITING_COPIES, "bounded");
         assert!(matches!(recent.begin(&id("e-1"), Some(sink.clone())), PostState::Done(_)));
