@@ -11,6 +11,8 @@
 //!
 //! Pure: no I/O, no async.
 
+use std::sync::Arc;
+
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use channeld_protocol::{ChannelId, Id};
@@ -69,9 +71,10 @@ impl LocatorError {
 }
 
 /// What binds locators to one hub: its ledger id (see the module docs; not a secret). Holds
-/// the checksum's hash state after the domain and the id, which every locator shares.
+/// the checksum's hash state after the domain and the id, which every locator shares; shared,
+/// so a run's [`Unspelled`] locator holds it for a reference count.
 #[derive(Debug, Clone)]
-pub struct LocatorKey(Sha256);
+pub struct LocatorKey(Arc<Sha256>);
 
 impl LocatorKey {
     pub fn new(bytes: impl AsRef<[u8]>) -> Self {
@@ -80,16 +83,36 @@ impl LocatorKey {
         hash.update(CHECK_DOMAIN);
         hash.update((bytes.len() as u64).to_be_bytes());
         hash.update(bytes);
-        Self(hash)
+        Self(Arc::new(hash))
     }
 
     fn check(&self, payload: &[u8]) -> [u8; CHECK_BYTES] {
-        let mut hash = self.0.clone();
+        let mut hash = Sha256::clone(&self.0);
         hash.update(payload);
         let digest = hash.finalize();
         let mut check = [0; CHECK_BYTES];
         check.copy_from_slice(&digest[..CHECK_BYTES]);
         check
+    }
+}
+
+/// A run's locator, with the key that spells it, not yet spelled: only a runtime that hands
+/// it on (exec, amqp) needs its string, and the built-in echo never does (its hash and
+/// encoding were 3.4 % of the hub's samples per inbound, BENCHMARKS.md).
+#[derive(Debug, Clone)]
+pub struct Unspelled {
+    locator: Locator,
+    key: LocatorKey,
+}
+
+impl Unspelled {
+    pub fn new(locator: Locator, key: &LocatorKey) -> Self {
+        Self { locator, key: key.clone() }
+    }
+
+    /// The locator string, as [`Locator::encode`] spells it.
+    pub fn encode(&self) -> String {
+        self.locator.encode(&self.key)
     }
 }
 

@@ -24,7 +24,7 @@ use crate::connection::{Connection, PeerKind, lock};
 use crate::hub::Hub;
 use crate::instance::{Counters, Instance, StartRun};
 use crate::ledger::RunEnd;
-use crate::locator::Locator;
+use crate::locator::{Locator, Unspelled};
 use crate::metrics::RunOutcome;
 use crate::route::RouteKey;
 use crate::runqueue::Turn;
@@ -149,7 +149,7 @@ fn request(
     let (capabilities, actions) =
         declaration.map(|d| (d.capabilities, d.actions)).unwrap_or_default();
     // Structural ids only, never the text or a display name; taken from the inbound, not
-    // copied.
+    // copied, and spelled only by a runtime that hands it on.
     let locator = Locator {
         instance: origin.channel,
         conversation: origin.conversation,
@@ -157,8 +157,8 @@ fn request(
         message: reply_to,
         event_id: event_id.clone(),
         entry,
-    }
-    .encode(hub.locator_key());
+    };
+    let locator = Unspelled::new(locator, hub.locator_key());
     let request = RunRequest {
         instance: inst.config.id.clone(),
         run_id,
@@ -373,13 +373,11 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     // The seq the final reply takes, for a run streamed to its driver.
     let stream_seq = io.streamed();
     let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
-    inst.metrics.run_finished(outcome, began.elapsed());
-    debug!(
-        outcome = outcome.as_str(),
-        elapsed_ms = began.elapsed().as_millis() as u64,
-        "run finished"
-    );
+    // One clock read for the run's length and the reply's start.
     let ended = Instant::now();
+    let took = ended.saturating_duration_since(began);
+    inst.metrics.run_finished(outcome, took);
+    debug!(outcome = outcome.as_str(), elapsed_ms = took.as_millis() as u64, "run finished");
     let end = match &result {
         Ok(text) => RunEnd::Reply(text.clone()),
         Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: err.public_message() },

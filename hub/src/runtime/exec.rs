@@ -85,6 +85,7 @@ pub(super) fn agent_run(
     config: &RuntimeConfig,
     request: &RunRequest,
 ) -> Result<AgentRun, RunError> {
+    let locator = request.locator.encode();
     let envelope = Envelope {
         version: AGENT_ENVELOPE_VERSION,
         run_id: &request.run_id,
@@ -93,7 +94,7 @@ pub(super) fn agent_run(
         family: request.instance.family(),
         session: &request.session,
         event_id: request.event_id.as_str(),
-        locator: &request.locator,
+        locator: &locator,
         body: body(config.wake, request),
         capabilities: request.capabilities.enabled(),
         actions: request.actions.enabled(),

@@ -19,6 +19,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{RuntimeConfig, RuntimeKind};
+use crate::locator::Unspelled;
 
 pub use amqp::Remote;
 pub use channeld_agent_exec::{
@@ -49,8 +50,9 @@ pub struct RunRequest {
     /// True when this run was cut off by a crash and is being started again.
     pub redelivered: bool,
     pub control_socket: PathBuf,
-    /// The inbound's locator (for `read`, `respond`, `complete`).
-    pub locator: String,
+    /// The inbound's locator (for `read`, `respond`, `complete`), spelled by the runtimes
+    /// that hand it to an agent.
+    pub locator: Unspelled,
     /// The environment the instance's driver gave its runs (extension `agent_env`), checked
     /// when it was set; over the inbound's metadata environment.
     pub agent_env: Arc<BTreeMap<String, String>>,
