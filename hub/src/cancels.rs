@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use channeld_protocol::Id;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::connection::lock;
@@ -23,22 +24,38 @@ pub const REMEMBERED: usize = 1024;
 pub const ABORTED: &str = "aborted";
 
 /// One accepted inbound's cancellation: asked by `token`, finished (its end recorded and
-/// sent) when `done` is cancelled, with the state it ended in.
+/// sent) once it has the state it ended in. Every run has one, and almost none is ever
+/// cancelled: the finish is a store and a wake-up of no one, not a second token.
 #[derive(Debug, Default)]
 pub struct RunCancel {
     /// Cancelled by whoever cancels the run; the run stops at its next step.
     pub token: CancellationToken,
-    /// Cancelled once the run's end is recorded and its ending handed to the driver.
-    pub done: CancellationToken,
-    ended: Mutex<Option<String>>,
+    /// Set once the run's end is recorded and its ending handed to the driver.
+    ended: Mutex<Option<&'static str>>,
+    /// Wakes those waiting in [`RunCancel::finished`] when `ended` is set.
+    done: Notify,
     /// Taken by the first cancel that reports this run as cancelled.
     claimed: AtomicBool,
 }
 
 impl RunCancel {
     /// The state it ended in (`aborted`, `replied`, `failed`, …), once done.
-    pub fn ended(&self) -> Option<String> {
-        lock(&self.ended).clone()
+    pub fn ended(&self) -> Option<&'static str> {
+        *lock(&self.ended)
+    }
+
+    /// Waits until the run is done, and returns the state it ended in.
+    pub async fn finished(&self) -> &'static str {
+        loop {
+            // Registered before the check, so a finish between the two still wakes it.
+            let notified = self.done.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(state) = self.ended() {
+                return state;
+            }
+            notified.await;
+        }
     }
 
     /// True for the first caller only: that cancel names the run in its answer.
@@ -52,14 +69,14 @@ impl RunCancel {
 pub struct Cancels {
     live: HashMap<Id, Arc<RunCancel>>,
     /// Ended runs, oldest first, at most [`REMEMBERED`].
-    ended: VecDeque<(Id, String)>,
+    ended: VecDeque<(Id, &'static str)>,
 }
 
 /// Where an event stands for a cancel.
 #[derive(Debug, Clone)]
 pub enum Lookup {
     Live(Arc<RunCancel>),
-    Ended(String),
+    Ended(&'static str),
     Unknown,
 }
 
@@ -74,22 +91,22 @@ impl Cancels {
             return Lookup::Live(run.clone());
         }
         match self.ended.iter().rev().find(|(id, _)| id == event_id) {
-            Some((_, state)) => Lookup::Ended(state.clone()),
+            Some((_, state)) => Lookup::Ended(state),
             None => Lookup::Unknown,
         }
     }
 
     /// The run of `event_id` ended in `state`: it is remembered, and its waiters woken.
-    pub fn finish(&mut self, event_id: &Id, run: &RunCancel, state: &str) {
+    pub fn finish(&mut self, event_id: &Id, run: &RunCancel, state: &'static str) {
         if self.live.get(event_id).is_some_and(|live| std::ptr::eq(live.as_ref(), run)) {
             self.live.remove(event_id);
         }
         if self.ended.len() == REMEMBERED {
             self.ended.pop_front();
         }
-        self.ended.push_back((event_id.clone(), state.to_owned()));
-        *lock(&run.ended) = Some(state.to_owned());
-        run.done.cancel();
+        self.ended.push_back((event_id.clone(), state));
+        *lock(&run.ended) = Some(state);
+        run.done.notify_waiters();
     }
 
     /// Runs registered and not ended.
@@ -117,10 +134,27 @@ mod tests {
         assert!(matches!(table.lookup(&id("e1")), Lookup::Live(_)));
         assert!(matches!(table.lookup(&id("e2")), Lookup::Unknown));
         table.finish(&id("e1"), &run, ABORTED);
-        assert!(run.done.is_cancelled());
-        assert_eq!(run.ended().as_deref(), Some(ABORTED));
+        assert_eq!(run.ended(), Some(ABORTED));
         assert!(matches!(table.lookup(&id("e1")), Lookup::Ended(state) if state == ABORTED));
         assert_eq!(table.live_len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_cancel_waiting_for_the_end_hears_it_whenever_it_started_to_wait() {
+        let mut table = Cancels::default();
+        let run = table.register(&id("e1"));
+        let waiter = tokio::spawn({
+            let run = run.clone();
+            async move { run.finished().await }
+        });
+        // The waiter is parked before the end comes.
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        table.finish(&id("e1"), &run, "replied");
+        let heard = tokio::time::timeout(std::time::Duration::from_secs(5), waiter).await;
+        assert_eq!(heard.expect("the waiter was not woken").unwrap(), "replied");
+        // One that starts after the end returns at once.
+        assert_eq!(run.finished().await, "replied");
     }
 
     #[test]

@@ -78,18 +78,17 @@ pub async fn cancel(
                 super::start(starts);
                 end_aborted(hub, inst, &event_id, &run, None).await;
             }
-            if tokio::time::timeout(STOP_WAIT, run.done.cancelled()).await.is_err() {
+            let Ok(state) = tokio::time::timeout(STOP_WAIT, run.finished()).await else {
                 return Err(CancelError::Timeout(event_id));
-            }
-            let state = run.ended().unwrap_or_else(|| ABORTED.to_owned());
+            };
             let cancelled =
                 if state == ABORTED && run.claim() { vec![event_id.clone()] } else { Vec::new() };
             if !cancelled.is_empty() {
                 info!(instance = %inst.config.id, %event_id, "run cancelled");
             }
-            Ok(Cancelled { cancelled, state })
+            Ok(Cancelled { cancelled, state: state.to_owned() })
         }
-        Lookup::Ended(state) => Ok(Cancelled { cancelled: Vec::new(), state }),
+        Lookup::Ended(state) => Ok(Cancelled { cancelled: Vec::new(), state: state.to_owned() }),
         Lookup::Unknown => {
             let stored = hub
                 .ledger

@@ -344,7 +344,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         session: request.session.clone(),
         target: target.clone(),
         event_id: event_id.clone(),
-        cancel: cancel.token.clone(),
+        cancel: cancel.clone(),
         seq: AtomicU64::new(0),
         gate: gate.clone(),
     };
@@ -520,8 +520,9 @@ struct ConnectionIo {
     session: String,
     target: MessageTarget,
     event_id: Id,
-    /// Once cancelled, nothing more of the run reaches the driver.
-    cancel: CancellationToken,
+    /// Once its token is cancelled, nothing more of the run reaches the driver (the run's
+    /// own handle: no token clone per run).
+    cancel: Arc<RunCancel>,
     /// The next `stream` frame's seq.
     seq: AtomicU64,
     /// Open once the driver was told `accepted`.
@@ -548,7 +549,7 @@ impl RunIo for ConnectionIo {
     async fn stream(&self, item: StreamItem) {
         let Some(conn) = self.streams() else { return };
         self.gate.wait().await;
-        if self.cancel.is_cancelled() {
+        if self.cancel.token.is_cancelled() {
             return;
         }
         let (text, tool) = match item {
@@ -572,7 +573,7 @@ impl RunIo for ConnectionIo {
 
     fn effect(&self, effect: Effect) {
         let Some(conn) = &self.conn else { return };
-        if self.cancel.is_cancelled() {
+        if self.cancel.token.is_cancelled() {
             return;
         }
         match conn.declaration.effect_gate(&effect) {
@@ -595,7 +596,7 @@ impl RunIo for ConnectionIo {
             return CommandAnswer::rejected("the connection that carried this message is gone");
         };
         self.gate.wait().await;
-        if self.cancel.is_cancelled() {
+        if self.cancel.token.is_cancelled() {
             return CommandAnswer::rejected("the run was cancelled");
         }
         let Ok(session) = Id::new(self.session.clone()) else {
