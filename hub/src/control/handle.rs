@@ -144,7 +144,10 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
             match Box::pin(cancel::cancel(hub, &inst, event)).await {
                 Ok(done) => {
                     let cancelled = done.cancelled.iter().map(ToString::to_string).collect();
-                    success(id, CancelView { instance, event_id, cancelled, state: done.state })
+                    success(
+                        id,
+                        CancelView { instance, event_id, cancelled, state: done.state.to_owned() },
+                    )
                 }
                 Err(err) => failure(id, err.code(), err.to_string(), None),
             }

@@ -29,7 +29,7 @@ pub struct Cancelled {
     pub cancelled: Vec<Id>,
     /// The state the event is in now: `aborted`, or how its run ended (`replied`,
     /// `delivered`, `failed`).
-    pub state: String,
+    pub state: &'static str,
 }
 
 /// Why a cancel was refused.
@@ -86,9 +86,9 @@ pub async fn cancel(
             if !cancelled.is_empty() {
                 info!(instance = %inst.config.id, %event_id, "run cancelled");
             }
-            Ok(Cancelled { cancelled, state: state.to_owned() })
+            Ok(Cancelled { cancelled, state })
         }
-        Lookup::Ended(state) => Ok(Cancelled { cancelled: Vec::new(), state: state.to_owned() }),
+        Lookup::Ended(state) => Ok(Cancelled { cancelled: Vec::new(), state }),
         Lookup::Unknown => {
             let stored = hub
                 .ledger
@@ -99,8 +99,8 @@ pub async fn cancel(
                 Ok(Some((InboundState::Running, _))) => Err(CancelError::NotReady(event_id)),
                 Ok(Some((state, code))) => {
                     let state = match code.as_deref() {
-                        Some(ABORTED) => ABORTED.to_owned(),
-                        _ => state.as_str().to_owned(),
+                        Some(ABORTED) => ABORTED,
+                        _ => state.as_str(),
                     };
                     Ok(Cancelled { cancelled: Vec::new(), state })
                 }

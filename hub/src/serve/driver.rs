@@ -382,7 +382,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
                             request_id,
                             event_id,
                             cancelled: done.cancelled,
-                            state: done.state,
+                            state: done.state.to_owned(),
                         }),
                         Err(err) => Frame::error(
                             Some(request_id),
