@@ -364,7 +364,7 @@ pub fn scale(args: &PhaseArgs, rt: &Runtime, dir: &Path, options: &ScaleOptions)
     let mut peers = Peers::spawn()?;
     let sockets: Vec<(ChannelId, PathBuf)> = idle
         .iter()
-        .map(|name| Ok((ChannelId::new(name.clone())?, hub.socket(name))))
+        .map(|name| Ok((ChannelId::new(name)?, hub.socket(name))))
         .collect::<Result<_>>()?;
     let mut rest = sockets.as_slice();
     for step in [100, 1000, max] {

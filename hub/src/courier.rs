@@ -508,7 +508,7 @@ impl Courier {
     ) -> Result<(), String> {
         let instance = inst.config.id.to_string();
         let answers = conn.declaration.extensions.reply_receipt;
-        let Ok(event_id) = Id::new(reply.event_id.clone()) else {
+        let Ok(event_id) = Id::new(&reply.event_id) else {
             let error = Some("the event id is not a valid id".to_owned());
             let answer = Answer::Failed { retryable: false };
             self.settle(&instance, &reply.event_id, answer, None, error).await;

@@ -27,7 +27,8 @@ impl Ids {
     /// A request id unique across hub restarts: `<kind>-<boot nonce>-<sequence>`.
     pub fn request(&self, kind: &str) -> Id {
         let seq = self.request.fetch_add(1, Ordering::Relaxed);
-        Id::new(format!("{kind}-{}-{seq}", self.boot)).expect("generated ids are short and valid")
+        Id::format(format_args!("{kind}-{}-{seq}", self.boot))
+            .expect("generated ids are short and valid")
     }
 
     /// The next connection number (for logs and the live-driver slot).

@@ -152,7 +152,7 @@ async fn track_untracked_replies(hub: &Hub, now: u64) {
             Ok(Frame::InboundEvent(event)) => reply_target(&event.event.context().target, None),
             _ => continue,
         };
-        let Ok(event_id) = channeld_protocol::Id::new(reply.event_id.clone()) else { continue };
+        let Ok(event_id) = channeld_protocol::Id::new(&reply.event_id) else { continue };
         // Older hubs stored replies uncut: fitted now, as a new one would be.
         let text = inbound::reply::fit_reply(&event_id, &target, &Default::default(), reply.reply);
         let Ok(body) = MessageBody::text(text) else { continue };

@@ -528,7 +528,7 @@ fn decode_body(ty: &str, raw: &str) -> Result<Frame, DecodeError> {
 fn correlation(raw: &str) -> Option<Id> {
     let ids: CorrelationIds<'_> = serde_json::from_str(raw).ok()?;
     let value = ids.request_id.or(ids.event_id)?;
-    Id::new(value.into_owned()).ok()
+    Id::new(&value).ok()
 }
 
 fn truncate(value: &str, max: usize) -> String {

@@ -4,6 +4,7 @@ use std::borrow::Borrow;
 use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use smol_str::SmolStr;
 
 use crate::{MAX_CHANNEL_ID_CHARS, MAX_ID_BYTES};
 
@@ -16,6 +17,8 @@ pub enum IdError {
     TooLong,
     #[error("id contains a NUL byte")]
     Nul,
+    #[error("a value formatted into the id failed to format")]
+    Format,
     #[error("channel id must be 1-{MAX_CHANNEL_ID_CHARS} characters of [a-z0-9._-]")]
     BadChannel,
 }
@@ -24,22 +27,75 @@ pub enum IdError {
 ///
 /// Used for request ids, event ids, message ids, conversations, threads, participants,
 /// sessions and command ids.
+///
+/// Ids are immutable and copied often (into routes, ledgers, replies), so the text is a
+/// [`SmolStr`]: up to 23 bytes inline, longer ones shared. Neither a decode nor a clone
+/// allocates for a short id, and a clone of a long one is a reference count.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Id(String);
+pub struct Id(SmolStr);
 
 impl Id {
-    pub fn new(value: impl Into<String>) -> Result<Self, IdError> {
-        let value = value.into();
-        check_id(&value)?;
-        Ok(Self(value))
+    pub fn new(value: impl AsRef<str>) -> Result<Self, IdError> {
+        let value = value.as_ref();
+        check_id(value)?;
+        Ok(Self(SmolStr::new(value)))
+    }
+
+    /// An id written from format arguments, e.g. `Id::format(format_args!("out-{n}"))`: a
+    /// short one is written in place, with no `String` in between.
+    pub fn format(args: fmt::Arguments<'_>) -> Result<Self, IdError> {
+        let mut text = Scratch::default();
+        fmt::Write::write_fmt(&mut text, args).map_err(|_| IdError::Format)?;
+        Self::new(text.as_str())
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 
     pub fn into_string(self) -> String {
-        self.0
+        self.0.into()
+    }
+}
+
+/// Where [`Id::format`] writes: on the stack up to 64 bytes (one copy into the id, which
+/// then allocates only past 23 bytes), on the heap past that.
+struct Scratch {
+    len: usize,
+    buf: [u8; 64],
+    spill: String,
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Self { len: 0, buf: [0; 64], spill: String::new() }
+    }
+}
+
+impl Scratch {
+    fn as_str(&self) -> &str {
+        if self.spill.is_empty() {
+            // Only whole `&str`s are ever copied in, so the bytes are UTF-8.
+            std::str::from_utf8(&self.buf[..self.len]).expect("whole strs are copied in")
+        } else {
+            &self.spill
+        }
+    }
+}
+
+impl fmt::Write for Scratch {
+    fn write_str(&mut self, text: &str) -> fmt::Result {
+        if self.spill.is_empty() && self.len + text.len() <= self.buf.len() {
+            self.buf[self.len..self.len + text.len()].copy_from_slice(text.as_bytes());
+            self.len += text.len();
+        } else {
+            if self.spill.is_empty() {
+                let head = std::str::from_utf8(&self.buf[..self.len]).map_err(|_| fmt::Error)?;
+                self.spill.push_str(head);
+            }
+            self.spill.push_str(text);
+        }
+        Ok(())
     }
 }
 
@@ -59,56 +115,63 @@ fn check_id(value: &str) -> Result<(), IdError> {
 /// A channel instance id such as `slack.primary`: 1–64 characters of `[a-z0-9._-]`.
 ///
 /// The family is the part before the first dot; an id without a dot is its own family.
+/// Stored like [`Id`].
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ChannelId(String);
+pub struct ChannelId(SmolStr);
 
 impl ChannelId {
-    pub fn new(value: impl Into<String>) -> Result<Self, IdError> {
-        let value = value.into();
-        let valid = !value.is_empty()
-            && value.len() <= MAX_CHANNEL_ID_CHARS
-            && value.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'));
-        if valid { Ok(Self(value)) } else { Err(IdError::BadChannel) }
+    pub fn new(value: impl AsRef<str>) -> Result<Self, IdError> {
+        let value = value.as_ref();
+        check_channel(value)?;
+        Ok(Self(SmolStr::new(value)))
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 
     /// The platform family: everything before the first dot.
     pub fn family(&self) -> &str {
-        self.0.split_once('.').map_or(&self.0, |(family, _)| family)
+        let id = self.as_str();
+        id.split_once('.').map_or(id, |(family, _)| family)
     }
 
     /// The instance name after the first dot, if there is one.
     pub fn instance(&self) -> Option<&str> {
-        self.0.split_once('.').map(|(_, instance)| instance)
+        self.as_str().split_once('.').map(|(_, instance)| instance)
     }
+}
+
+fn check_channel(value: &str) -> Result<(), IdError> {
+    let valid = !value.is_empty()
+        && value.len() <= MAX_CHANNEL_ID_CHARS
+        && value.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-'));
+    if valid { Ok(()) } else { Err(IdError::BadChannel) }
 }
 
 macro_rules! string_newtype {
     ($ty:ident) => {
         impl fmt::Debug for $ty {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                fmt::Debug::fmt(&self.0, f)
+                fmt::Debug::fmt(self.as_str(), f)
             }
         }
 
         impl fmt::Display for $ty {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
+                f.write_str(self.as_str())
             }
         }
 
         impl AsRef<str> for $ty {
             fn as_ref(&self) -> &str {
-                &self.0
+                self.as_str()
             }
         }
 
         impl Borrow<str> for $ty {
             fn borrow(&self) -> &str {
-                &self.0
+                self.as_str()
             }
         }
 
@@ -135,32 +198,31 @@ macro_rules! string_newtype {
 
         impl From<$ty> for String {
             fn from(value: $ty) -> String {
-                value.0
+                value.0.into()
             }
         }
 
         impl PartialEq<str> for $ty {
             fn eq(&self, other: &str) -> bool {
-                self.0 == other
+                self.as_str() == other
             }
         }
 
         impl PartialEq<&str> for $ty {
             fn eq(&self, other: &&str) -> bool {
-                self.0 == *other
+                self.as_str() == *other
             }
         }
 
         impl Serialize for $ty {
             fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-                serializer.serialize_str(&self.0)
+                serializer.serialize_str(self.as_str())
             }
         }
 
         impl<'de> Deserialize<'de> for $ty {
             fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-                let value = std::borrow::Cow::<'de, str>::deserialize(deserializer)?;
-                Self::new(value.into_owned()).map_err(serde::de::Error::custom)
+                deserializer.deserialize_str(IdVisitor(std::marker::PhantomData::<$ty>))
             }
         }
     };
@@ -168,6 +230,43 @@ macro_rules! string_newtype {
 
 string_newtype!(Id);
 string_newtype!(ChannelId);
+
+/// Reads an id from the string in place: an unescaped JSON string is never copied into a
+/// `String` first (serde's `Cow<str>` would be: it borrows only for a `#[serde(borrow)]`
+/// field).
+struct IdVisitor<T>(std::marker::PhantomData<T>);
+
+/// What [`IdVisitor`] builds.
+trait FromText: Sized {
+    const EXPECTING: &'static str;
+    fn from_text(text: &str) -> Result<Self, IdError>;
+}
+
+impl FromText for Id {
+    const EXPECTING: &'static str = "an id: 1-256 bytes, no NUL";
+    fn from_text(text: &str) -> Result<Self, IdError> {
+        Id::new(text)
+    }
+}
+
+impl FromText for ChannelId {
+    const EXPECTING: &'static str = "a channel id: 1-64 characters of [a-z0-9._-]";
+    fn from_text(text: &str) -> Result<Self, IdError> {
+        ChannelId::new(text)
+    }
+}
+
+impl<T: FromText> serde::de::Visitor<'_> for IdVisitor<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(T::EXPECTING)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<T, E> {
+        T::from_text(text).map_err(E::custom)
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -180,6 +279,55 @@ mod tests {
         assert!(Id::new("x".repeat(256)).is_ok());
         assert_eq!(Id::new("x".repeat(257)), Err(IdError::TooLong));
         assert!(Id::new("héllo 世界").is_ok());
+    }
+
+    #[test]
+    fn ids_of_any_length_read_write_hash_and_order_as_their_text() {
+        use std::collections::{BTreeSet, HashSet};
+        // 23 bytes fit inline; 24 and 256 are shared; both sides of the boundary must agree.
+        let (inline, shared, longest) = ("x".repeat(23), "y".repeat(24), "z".repeat(256));
+        let texts = ["e-1", &inline, &shared, &longest, "héllo 世界"];
+        let mut hashed = HashSet::new();
+        let mut ordered = BTreeSet::new();
+        for text in texts {
+            let id = Id::new(text).unwrap();
+            assert_eq!(id.as_str(), text);
+            assert_eq!(id.clone().into_string(), text);
+            assert_eq!(Id::try_from(text).unwrap(), id);
+            let json = serde_json::to_string(&id).unwrap();
+            assert_eq!(serde_json::from_str::<Id>(&json).unwrap(), id);
+            hashed.insert(id.clone());
+            ordered.insert(id);
+        }
+        for text in texts {
+            assert!(hashed.contains(text), "{text} looked up by its text");
+        }
+        let mut sorted = texts.map(str::to_owned);
+        sorted.sort();
+        assert_eq!(ordered.iter().map(Id::as_str).collect::<Vec<_>>(), sorted);
+        // An escaped string decodes to its text and is checked like any other.
+        assert_eq!(serde_json::from_str::<Id>(r#""a\u0062c""#).unwrap(), "abc");
+        assert!(serde_json::from_str::<Id>(r#""a\u0000b""#).is_err());
+        assert!(serde_json::from_str::<Id>(r#""""#).is_err());
+    }
+
+    #[test]
+    fn formatted_ids_are_checked_like_any_other() {
+        let seq = 1_234_567_u64;
+        let short = Id::format(format_args!("out-{seq}")).unwrap();
+        assert_eq!(short, "out-1234567");
+        let long = Id::format(format_args!("out-0123456789ab-{seq}")).unwrap();
+        assert_eq!(long, "out-0123456789ab-1234567");
+        // Past the 64-byte scratch, in pieces that cross its end.
+        let piece = "x".repeat(30);
+        let spilled = Id::format(format_args!("{piece}{piece}{piece}-{seq}")).unwrap();
+        assert_eq!(spilled.as_str(), format!("{piece}{piece}{piece}-{seq}"));
+        let exact = "y".repeat(64);
+        assert_eq!(Id::format(format_args!("{exact}")).unwrap(), exact.as_str());
+        assert_eq!(Id::format(format_args!("{exact}z")).unwrap().as_str().len(), 65);
+        assert_eq!(Id::format(format_args!("{}", "")), Err(IdError::Empty));
+        assert_eq!(Id::format(format_args!("{}", "x".repeat(257))), Err(IdError::TooLong));
+        assert_eq!(Id::format(format_args!("a{}b", '\0')), Err(IdError::Nul));
     }
 
     #[test]

@@ -311,7 +311,7 @@ pub fn outgoing_message_id(channel: &ChannelId, kind: &PostKind) -> Id {
         PostKind::Proactive { request_id } => format!("{channel}/out/{request_id}"),
     };
     if raw.len() <= MAX_SHORT_STRING
-        && let Ok(id) = Id::new(raw.clone())
+        && let Ok(id) = Id::new(&raw)
     {
         return id;
     }

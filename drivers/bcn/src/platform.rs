@@ -222,7 +222,7 @@ impl Shared {
         }
         let limit = params.limit.map(|limit| limit.min(u64::from(MAX_HISTORY_LIMIT)) as u32);
         // No such conversation can exist (an invalid id) or nothing was asked for.
-        let Ok(conversation) = Id::new(params.session_key.clone()) else { return Ok(payload) };
+        let Ok(conversation) = Id::new(&params.session_key) else { return Ok(payload) };
         if limit == Some(0) {
             return Ok(payload);
         }
@@ -251,7 +251,7 @@ impl Shared {
             )),
             AbortCheck::Ended => Ok(json!({"aborted": false, "aborted_run_ids": []})),
             AbortCheck::Active => {
-                let event_id = Id::new(params.run_id.clone())
+                let event_id = Id::new(&params.run_id)
                     .map_err(|err| ErrorBody::new(code::INVALID_REQUEST, err.to_string()))?;
                 let result = self.hub()?.cancel(event_id).await.map_err(|err| match err {
                     HubError::Refused { code: refused, message, .. }

@@ -150,7 +150,7 @@ impl Commands {
                 continue;
             };
             let Some(entry) = waiting.remove(command_id) else { continue };
-            let Ok(id) = Id::new(click.user.id.clone()) else { continue };
+            let Ok(id) = Id::new(&click.user.id) else { continue };
             let mut responder = Participant::new(id);
             responder.handle = click.user.username.clone();
             responder.display_name = click.user.name.clone();

@@ -283,8 +283,7 @@ fn classify_reaction(
     let Some(context) = context(instance, channel, None, user, at, BTreeMap::new()) else {
         return Classified::Ignore(Ignored::Malformed("channel"));
     };
-    let (Ok(message_id), Ok(event_id)) =
-        (message_id(channel, ts), Id::new(callback.event_id.clone()))
+    let (Ok(message_id), Ok(event_id)) = (message_id(channel, ts), Id::new(&callback.event_id))
     else {
         return Classified::Ignore(Ignored::Malformed("ts or event_id"));
     };

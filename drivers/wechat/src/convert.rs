@@ -116,7 +116,7 @@ pub fn inbound(
         return Err(Skip::Generating);
     }
     let user = message.from_user_id.clone().unwrap_or_default();
-    let sender = Id::new(user.clone()).map_err(|_| Skip::NoSender)?;
+    let sender = Id::new(&user).map_err(|_| Skip::NoSender)?;
     let key = MessageKey::of(message).ok_or(Skip::NoId)?;
     let id = Id::new(key.event_id()).map_err(|_| Skip::NoId)?;
 

@@ -580,7 +580,7 @@ impl HubConfig {
         let mut sockets = BTreeMap::new();
         for (name, inst) in raw.instance {
             let key = format!("instance.\"{name}\"");
-            let id = ChannelId::new(name.clone()).map_err(|err| invalid(&key, err.to_string()))?;
+            let id = ChannelId::new(&name).map_err(|err| invalid(&key, err.to_string()))?;
             let runtime = inst.runtime.unwrap_or_else(|| DEFAULT_RUNTIME.to_owned());
             if !runtimes.contains_key(&runtime) {
                 return Err(invalid(

@@ -138,7 +138,7 @@ pub(super) async fn handle(hub: &Arc<Hub>, request: Request) -> Vec<u8> {
                 let message = format!("no instance named {instance}");
                 return failure(id, code::UNKNOWN_INSTANCE, message, None);
             };
-            let Ok(event) = channeld_protocol::Id::new(event_id.clone()) else {
+            let Ok(event) = channeld_protocol::Id::new(&event_id) else {
                 return failure(id, code::INVALID_REQUEST, "event_id is not an id".into(), None);
             };
             match Box::pin(cancel::cancel(hub, &inst, event)).await {

@@ -599,7 +599,7 @@ impl RunIo for ConnectionIo {
         if self.cancel.token.is_cancelled() {
             return CommandAnswer::rejected("the run was cancelled");
         }
-        let Ok(session) = Id::new(self.session.clone()) else {
+        let Ok(session) = Id::new(&self.session) else {
             return CommandAnswer::rejected("invalid session");
         };
         let presented = Presented {
