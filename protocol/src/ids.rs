@@ -41,12 +41,18 @@ impl Id {
         Ok(Self(SmolStr::new(value)))
     }
 
-    /// An id written from format arguments, e.g. `Id::format(format_args!("out-{n}"))`: a
-    /// short one is written in place, with no `String` in between.
+    /// An id written from format arguments, e.g. `Id::format(format_args!("out-{n}"))`:
+    /// written on the stack, so it is copied once into the id (which allocates only past 23
+    /// bytes). Past 64 bytes the arguments are formatted again into a `String`.
     pub fn format(args: fmt::Arguments<'_>) -> Result<Self, IdError> {
-        let mut text = Scratch::default();
-        fmt::Write::write_fmt(&mut text, args).map_err(|_| IdError::Format)?;
-        Self::new(text.as_str())
+        let mut stack = Stack::default();
+        if fmt::Write::write_fmt(&mut stack, args).is_ok() {
+            let text = std::str::from_utf8(&stack.buf[..stack.len]).map_err(|_| IdError::Format)?;
+            return Self::new(text);
+        }
+        let mut heap = String::new();
+        fmt::Write::write_fmt(&mut heap, args).map_err(|_| IdError::Format)?;
+        Self::new(heap)
     }
 
     pub fn as_str(&self) -> &str {
@@ -58,43 +64,23 @@ impl Id {
     }
 }
 
-/// Where [`Id::format`] writes: on the stack up to 64 bytes (one copy into the id, which
-/// then allocates only past 23 bytes), on the heap past that.
-struct Scratch {
+/// Where [`Id::format`] writes first: 64 bytes; a write that does not fit fails.
+struct Stack {
     len: usize,
     buf: [u8; 64],
-    spill: String,
 }
 
-impl Default for Scratch {
+impl Default for Stack {
     fn default() -> Self {
-        Self { len: 0, buf: [0; 64], spill: String::new() }
+        Self { len: 0, buf: [0; 64] }
     }
 }
 
-impl Scratch {
-    fn as_str(&self) -> &str {
-        if self.spill.is_empty() {
-            // Only whole `&str`s are ever copied in, so the bytes are UTF-8.
-            std::str::from_utf8(&self.buf[..self.len]).expect("whole strs are copied in")
-        } else {
-            &self.spill
-        }
-    }
-}
-
-impl fmt::Write for Scratch {
+impl fmt::Write for Stack {
     fn write_str(&mut self, text: &str) -> fmt::Result {
-        if self.spill.is_empty() && self.len + text.len() <= self.buf.len() {
-            self.buf[self.len..self.len + text.len()].copy_from_slice(text.as_bytes());
-            self.len += text.len();
-        } else {
-            if self.spill.is_empty() {
-                let head = std::str::from_utf8(&self.buf[..self.len]).map_err(|_| fmt::Error)?;
-                self.spill.push_str(head);
-            }
-            self.spill.push_str(text);
-        }
+        let end = self.len + text.len();
+        self.buf.get_mut(self.len..end).ok_or(fmt::Error)?.copy_from_slice(text.as_bytes());
+        self.len = end;
         Ok(())
     }
 }
@@ -318,7 +304,7 @@ mod tests {
         assert_eq!(short, "out-1234567");
         let long = Id::format(format_args!("out-0123456789ab-{seq}")).unwrap();
         assert_eq!(long, "out-0123456789ab-1234567");
-        // Past the 64-byte scratch, in pieces that cross its end.
+        // Past the 64 bytes on the stack, in pieces that cross their end.
         let piece = "x".repeat(30);
         let spilled = Id::format(format_args!("{piece}{piece}{piece}-{seq}")).unwrap();
         assert_eq!(spilled.as_str(), format!("{piece}{piece}{piece}-{seq}"));
