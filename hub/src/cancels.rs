@@ -28,8 +28,11 @@ pub const ABORTED: &str = "aborted";
 /// cancelled: the finish is a store and a wake-up of no one, not a second token.
 #[derive(Debug, Default)]
 pub struct RunCancel {
-    /// Cancelled by whoever cancels the run; the run stops at its next step.
-    pub token: CancellationToken,
+    /// Set by [`RunCancel::cancel`] before it cancels `token`: what the run's own checks
+    /// read, an atomic load where the token's check takes its lock.
+    cancelled: AtomicBool,
+    /// What a runtime waits on; cancelled only through [`RunCancel::cancel`].
+    token: CancellationToken,
     /// Set once the run's end is recorded and its ending handed to the driver.
     ended: Mutex<Option<&'static str>>,
     /// Wakes those waiting in [`RunCancel::finished`] when `ended` is set.
@@ -39,6 +42,21 @@ pub struct RunCancel {
 }
 
 impl RunCancel {
+    /// Cancels the run: it stops at its next step.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// The token a runtime or a waiting run selects on.
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
     /// The state it ended in (`aborted`, `replied`, `failed`, …), once done.
     pub fn ended(&self) -> Option<&'static str> {
         *lock(&self.ended)
@@ -124,6 +142,16 @@ mod tests {
 
     fn id(value: &str) -> Id {
         Id::new(value).unwrap()
+    }
+
+    /// The run's own checks read the flag and a runtime waits on the token: a cancel sets
+    /// both, the flag first.
+    #[test]
+    fn a_cancel_sets_the_flag_and_the_token() {
+        let run = RunCancel::default();
+        assert!(!run.is_cancelled() && !run.token().is_cancelled());
+        run.cancel();
+        assert!(run.is_cancelled() && run.token().is_cancelled());
     }
 
     #[test]

@@ -5,12 +5,12 @@
 use foldhash::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use channeld_link::FrameSink;
 use channeld_protocol::Id;
 use channeld_protocol::ext::PeerDeclaration;
-use channeld_protocol::frame::{CommandResultFrame, ErrorFrame, OperatorActionResult};
+use channeld_protocol::frame::{CommandResultFrame, ErrorFrame, OperatorActionResult, Receipt};
 use channeld_protocol::types::{DeliveryReceipt, Health};
 use tokio::sync::oneshot;
 
@@ -71,10 +71,10 @@ pub struct Connection {
     /// nothing awaits it, and it is asked on every send (`Instance::live`), where a token's
     /// check takes its mutex.
     closed: AtomicBool,
-    /// When the connection was accepted: `last_seen` counts from it.
-    opened: Instant,
-    /// Nanoseconds from `opened` to the last frame read (an atomic: it is written on every
-    /// frame, and read only by health probes).
+    /// The coarse monotonic clock's reading (nanoseconds) at the last frame read, or at the
+    /// accept before any: an atomic written on every frame and read only by health probes,
+    /// which count whole seconds. The coarse clock (a few milliseconds' resolution) is read
+    /// from memory the kernel keeps, without the time counter the fine one asks for.
     last_seen: AtomicU64,
     waits: Mutex<Waits>,
     /// The driver refused a send because it is shutting down (`draining`).
@@ -98,8 +98,7 @@ impl Connection {
             connected_at: SystemTime::now(),
             peer_pid,
             closed: AtomicBool::new(false),
-            opened: Instant::now(),
-            last_seen: AtomicU64::new(0),
+            last_seen: AtomicU64::new(coarse_now()),
             waits: Mutex::new(Waits::default()),
             draining: AtomicBool::new(false),
         }
@@ -129,13 +128,13 @@ impl Connection {
 
     /// Notes that the peer sent something just now.
     pub fn touch(&self) {
-        self.last_seen.store(nanos(self.opened.elapsed()), Ordering::Relaxed);
+        self.last_seen.store(coarse_now(), Ordering::Relaxed);
     }
 
-    /// How long since the peer last sent something (or connected).
+    /// How long since the peer last sent something (or connected), to the coarse clock's
+    /// resolution.
     pub fn idle_for(&self) -> Duration {
-        let seen = Duration::from_nanos(self.last_seen.load(Ordering::Relaxed));
-        self.opened.elapsed().saturating_sub(seen)
+        Duration::from_nanos(coarse_now().saturating_sub(self.last_seen.load(Ordering::Relaxed)))
     }
 
     /// Registers interest in the receipt for `request_id`. Fails if the connection is closed.
@@ -153,26 +152,29 @@ impl Connection {
         lock(&self.waits).receipts.remove(request_id);
     }
 
-    /// Completes a receipt wait; false when nobody waited for it.
-    pub fn complete_receipt(&self, request_id: &Id, outcome: ReceiptOutcome) -> bool {
-        match lock(&self.waits).receipts.remove(request_id) {
-            Some(tx) => {
-                let _ = tx.send(outcome);
-                true
-            }
-            None => false,
-        }
+    /// Hands a receipt to the send that waits for it; gives it back when nobody does (it is
+    /// moved, not copied, either way).
+    pub fn complete_receipt(&self, receipt: Receipt) -> Option<Receipt> {
+        let Some(tx) = self.take_receipt_wait(&receipt.request_id) else { return Some(receipt) };
+        let _ = tx.send(ReceiptOutcome::Receipted(receipt.receipt));
+        None
+    }
+
+    fn take_receipt_wait(&self, request_id: &Id) -> Option<oneshot::Sender<ReceiptOutcome>> {
+        lock(&self.waits).receipts.remove(request_id)
     }
 
     /// An `error` frame for a pending outbound ends its wait.
     pub fn fail_receipt(&self, err: &ErrorFrame) -> bool {
         let Some(request_id) = &err.request_id else { return false };
+        let Some(tx) = self.take_receipt_wait(request_id) else { return false };
         let outcome = if err.code == "send_unknown" {
             ReceiptOutcome::Unknown { reason: err.message.clone() }
         } else {
             ReceiptOutcome::Failed { code: err.code.clone(), message: err.message.clone() }
         };
-        self.complete_receipt(request_id, outcome)
+        let _ = tx.send(outcome);
+        true
     }
 
     pub fn expect_command(&self, request_id: Id) -> Option<oneshot::Receiver<CommandResultFrame>> {
@@ -264,9 +266,12 @@ impl Connection {
     }
 }
 
-/// A duration in whole nanoseconds, saturating (u64 nanoseconds last 584 years).
-fn nanos(duration: Duration) -> u64 {
-    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+/// The coarse monotonic clock in nanoseconds (u64 nanoseconds last 584 years).
+fn coarse_now() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    let secs = u64::try_from(now.tv_sec).unwrap_or(0);
+    let nanos = u64::try_from(now.tv_nsec).unwrap_or(0);
+    secs.saturating_mul(1_000_000_000).saturating_add(nanos)
 }
 
 #[cfg(test)]
@@ -306,9 +311,10 @@ mod tests {
     #[tokio::test]
     async fn idle_time_counts_from_the_last_frame() {
         let conn = connection();
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(60)).await;
         let before = conn.idle_for();
-        assert!(before >= Duration::from_millis(50), "idle {before:?} since the accept");
+        // The coarse clock moves in ticks of a few milliseconds.
+        assert!(before >= Duration::from_millis(40), "idle {before:?} since the accept");
         conn.touch();
         let after = conn.idle_for();
         assert!(after < before, "idle {after:?} after a frame, {before:?} before it");

@@ -23,7 +23,8 @@ use crate::metrics::{AmqpSendsState, Metrics};
 use crate::outbox::Outbox;
 use crate::runtime::Remote;
 
-/// Extensions this hub implements and offers to peers that declare them.
+/// Extensions this hub implements and offers to peers that declare them (to a driver, as
+/// [`Hub::driver_extensions`] says).
 pub const HUB_EXTENSIONS: Extensions = Extensions {
     accepted: true,
     control_result: true,
@@ -88,6 +89,13 @@ pub struct Hub {
 }
 
 impl Hub {
+    /// What this hub offers a driver: `reply_receipt` only with the ledger on, where a reply
+    /// is settled by its receipt. Without the ledger a reply is done once written, and its
+    /// receipt would be one more frame for the driver to write and the hub to read and drop.
+    pub fn driver_extensions(&self) -> Extensions {
+        Extensions { reply_receipt: self.ledger.is_on(), ..HUB_EXTENSIONS }
+    }
+
     pub fn new(config: HubConfig, ledger: Ledger, shutdown: CancellationToken) -> Arc<Self> {
         let metrics = Arc::new(Metrics::new(config.metrics_listen.is_some(), ledger.metrics()));
         metrics.init_connection_kinds();

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use channeld_protocol::frame::Delivery;
+use channeld_protocol::frame::{Delivery, Receipt};
 use channeld_protocol::types::{DeliveryReceipt, OutboundMessage};
 use channeld_protocol::{Frame, Id};
 use tokio::sync::oneshot;
@@ -249,15 +249,8 @@ pub async fn send_on(
     Ok(SendOutcome::receipted(request_id, None, receipt))
 }
 
-/// Counts a receipt and completes its wait; false when nobody waits for it on `conn`.
-pub fn complete(
-    inst: &Instance,
-    conn: &Connection,
-    request_id: &Id,
-    outcome: ReceiptOutcome,
-) -> bool {
-    if matches!(outcome, ReceiptOutcome::Receipted(_)) {
-        Counters::bump(&inst.counters.receipts);
-    }
-    conn.complete_receipt(request_id, outcome)
+/// Counts a receipt and completes its wait; gives it back when nobody waits for it on `conn`.
+pub fn complete(inst: &Instance, conn: &Connection, receipt: Receipt) -> Option<Receipt> {
+    Counters::bump(&inst.counters.receipts);
+    conn.complete_receipt(receipt)
 }

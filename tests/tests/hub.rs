@@ -79,14 +79,19 @@ async fn reference_driver_without_extensions_works_end_to_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extensions_are_negotiated_and_accepted_precedes_the_reply() {
     let hub = echo_hub();
+    let offered = ["accepted", "reply_receipt", "from_the_future"];
+    negotiate_then_ping(&hub, &offered, &["accepted", "reply_receipt"]).await;
+}
+
+/// Says `hello` with the `offered` extensions, checks the hub's `hello_ack` names `agreed`,
+/// then sends an inbound and expects `accepted` before its reply.
+async fn negotiate_then_ping(hub: &HubProcess, offered: &[&str], agreed: &[&str]) -> RawPeer {
     let mut driver = RawPeer::connect(&hub.socket(ONE)).await;
-    driver
-        .hello(ONE, caps(&["receive", "send"]), &["accepted", "reply_receipt", "from_the_future"])
-        .await;
+    driver.hello(ONE, caps(&["receive", "send"]), offered).await;
     match driver.frame().await {
         Frame::HelloAck(HelloAck { extensions, request_id, .. }) => {
             assert_eq!(request_id, "test.one-hello");
-            assert_eq!(extensions, vec!["accepted".to_owned(), "reply_receipt".to_owned()]);
+            assert_eq!(extensions, agreed);
         }
         other => panic!("expected hello_ack, got {other:?}"),
     }
@@ -96,6 +101,25 @@ async fn extensions_are_negotiated_and_accepted_precedes_the_reply() {
         other => panic!("expected accepted, got {other:?}"),
     }
     assert_eq!(expect_deliver(driver.frame().await).request_id, "m-1");
+    driver
+}
+
+/// Without a ledger a reply is done once written: the hub does not offer `reply_receipt`, so
+/// a driver does not answer replies with a receipt nobody would read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_without_a_ledger_does_not_ask_for_reply_receipts() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub =
+        HubProcess::start_without_ledger(dir, "[instance.\"test.one\"]\nallow = [\"alice\"]\n");
+    let offered = ["accepted", "reply_receipt", "history"];
+    let mut driver = negotiate_then_ping(&hub, &offered, &["accepted", "history"]).await;
+    // Sends still wait for their receipts.
+    let ctl = ctl_async(&hub, &["send", ONE, "--conversation", "c1", "hello there"]);
+    let outbound = expect_outbound(driver.frame().await);
+    driver.send(receipt_for(&outbound.request_id, "c1", "posted-1")).await;
+    let out = ctl.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("receipted posted-1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -70,7 +70,7 @@ pub async fn cancel(
     let lookup = lock(&inst.cancels).lookup(&event_id);
     match lookup {
         Lookup::Live(run) => {
-            run.token.cancel();
+            run.cancel();
             // A run waiting its turn leaves the queue now; a running one stops at its next
             // step and records its own end.
             let withdrawn = lock(&inst.runs).withdraw(&event_id);

@@ -123,7 +123,6 @@ fn instance_view<'a>(
 struct Place {
     /// Given in arrival order (the ledger's recovery order relies on it).
     run_id: String,
-    received_ms: u64,
     /// It had a run slot and an empty session: its run starts as soon as it is recorded.
     reserved: bool,
     /// Its item's ledger entry id, once recorded.
@@ -149,7 +148,6 @@ async fn take(
             let admission = runs.admit(&admitted.event_id, &admitted.route);
             Place {
                 run_id: run::new_run_id(hub),
-                received_ms: crate::clock::now_ms(),
                 reserved: admission == Admission::Reserved,
                 entry: None,
             }
@@ -192,6 +190,8 @@ async fn queue_record(
     place: &Place,
 ) -> Option<Pending<(Recorded, Synced)>> {
     let event_id = &admitted.event_id;
+    // Read here, not as the inbound takes its place: only a recorded inbound has a time.
+    let received_ms = crate::clock::now_ms();
     let frame = admitted.frame();
     let (line, hash) = match (encode(&frame), fingerprint::fingerprint(&frame)) {
         (Ok(line), Some(hash)) => (line, hash),
@@ -216,14 +216,14 @@ async fn queue_record(
         frame: line[..line.len() - 1].to_vec(),
         run_id: place.run_id.clone(),
         started: place.reserved,
-        now_ms: place.received_ms,
+        now_ms: received_ms,
         item: Some(NewItem::new(
             &admitted.origin,
             admitted.reply_to.as_ref(),
             admitted.sender.as_ref(),
         )),
     };
-    let history = history_entry(inst, admitted, place).zip(inst.policy().history);
+    let history = history_entry(inst, admitted, received_ms).zip(inst.policy().history);
     Some(hub.ledger.record_inbound(new, fingerprint::rehash, history).await)
 }
 
@@ -263,13 +263,13 @@ async fn recorded(
 }
 
 /// The history entry of an admitted message (events are not part of the history).
-fn history_entry(inst: &Instance, admitted: &Admitted, place: &Place) -> Option<NewHistory> {
+fn history_entry(inst: &Instance, admitted: &Admitted, received_ms: u64) -> Option<NewHistory> {
     let RunInput::Message { message } = &admitted.input else { return None };
     Some(NewHistory::user(
         inst.config.id.as_str(),
         admitted.event_id.as_str(),
         message,
-        place.received_ms,
+        received_ms,
     ))
 }
 

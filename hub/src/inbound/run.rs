@@ -289,7 +289,8 @@ impl Drop for TurnEnd {
 pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun {
     let (hub, inst) = (hub.clone(), inst.clone());
     StartRun::new(move |turn| {
-        let stopping = hub.shutdown.is_cancelled() && hub.ledger.is_on();
+        // The ledger first: a token's check takes its lock.
+        let stopping = hub.ledger.is_on() && hub.shutdown.is_cancelled();
         if stopping || hub.close_connections.is_cancelled() {
             debug!(instance = %inst.config.id, event_id = %queued.admitted.event_id, "hub stopping; the queued run is not started");
             return;
@@ -310,7 +311,7 @@ pub fn starter(hub: &Arc<Hub>, inst: &Arc<Instance>, queued: Queued) -> StartRun
                     // Left for the next start, as a queued run is.
                     () = hub.shutdown.cancelled() => return,
                     // It ends as cancelled, without starting.
-                    () = queued.cancel.token.cancelled() => {}
+                    () = queued.cancel.token().cancelled() => {}
                 }
             }
             if queued.count_start {
@@ -334,22 +335,24 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
     let target = admitted.reply_target();
     let (request, route) =
         request(hub, inst, admitted, run_id, entry, origin.as_ref(), redelivered);
-    let (began, event_id) = (Instant::now(), request.event_id.clone());
+    // A run's length is for the metrics and the debug log: the clock is read only for them.
+    let timed = inst.metrics.is_on() || tracing::enabled!(tracing::Level::DEBUG);
+    let (began, event_id) = (timed.then(Instant::now), request.event_id.clone());
     inst.metrics.run_started();
     debug!(redelivered, "run started");
     let io = ConnectionIo {
-        hub: hub.clone(),
-        inst: inst.clone(),
-        conn: origin.clone(),
-        session: request.session.clone(),
-        target: target.clone(),
-        event_id: event_id.clone(),
-        cancel: cancel.clone(),
+        hub,
+        inst,
+        conn: origin.as_ref(),
+        session: &request.session,
+        target: &target,
+        event_id: &event_id,
+        cancel: &cancel,
         seq: AtomicU64::new(0),
-        gate: gate.clone(),
+        gate: &gate,
     };
     let result = match work {
-        _ if cancel.token.is_cancelled() => Err(RunError::Aborted),
+        _ if cancel.is_cancelled() => Err(RunError::Aborted),
         Work::Hub(command) => {
             let text = answer(hub, inst, command, &route).await;
             Ok(RunOutput { reply: Some(text), ..RunOutput::default() })
@@ -357,7 +360,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         Work::Runtime => {
             // The runtime as configured when the run starts: a reload does not change it.
             let policy = inst.policy();
-            runtime::run(&hub.remote, &policy.runtime, &request, &io, &cancel.token).await
+            runtime::run(&hub.remote, &policy.runtime, &request, &io, cancel.token()).await
         }
     };
     // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
@@ -370,14 +373,18 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
             .filter(|text| !text.trim().is_empty())
             .ok_or(RunError::EmptyReply)
     });
-    // The seq the final reply takes, for a run streamed to its driver.
-    let stream_seq = io.streamed();
+    // The seq the final reply takes, for a run streamed to its driver, and the seq of the
+    // frame that ends a failed run: the run streams nothing more once it returned.
+    let (stream_seq, end_seq) = (io.streamed(), io.next_seq());
     let outcome = if result.is_ok() { RunOutcome::Replied } else { RunOutcome::Failed };
     // One clock read for the run's length and the reply's start.
-    let ended = Instant::now();
-    let took = ended.saturating_duration_since(began);
-    inst.metrics.run_finished(outcome, took);
-    debug!(outcome = outcome.as_str(), elapsed_ms = took.as_millis() as u64, "run finished");
+    let ended = began.map(|began| {
+        let ended = Instant::now();
+        let took = ended.saturating_duration_since(began);
+        inst.metrics.run_finished(outcome, took);
+        debug!(outcome = outcome.as_str(), elapsed_ms = took.as_millis() as u64, "run finished");
+        ended
+    });
     let end = match &result {
         Ok(text) => RunEnd::Reply(text.clone()),
         Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: err.public_message() },
@@ -435,14 +442,14 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
                 Some(reply) => hub.courier.deliver_claimed(inst, reply).await,
                 None => hub.courier.deliver(inst).await,
             }
-            inst.metrics.reply_delivered(ended.elapsed());
+            reply_delivered(inst, ended);
         }
         (Ok(text), Some(conn)) => {
             if let (true, Some(seq)) = (conn.declaration.extensions.stream, stream_seq) {
                 metadata.insert(STREAM_SEQ_KEY.to_owned(), seq.to_string());
             }
             reply::deliver(inst, &conn, &event_id, target, &metadata, text).await;
-            inst.metrics.reply_delivered(ended.elapsed());
+            reply_delivered(inst, ended);
         }
         (Ok(_), None) => {
             warn!(instance = %inst.config.id, %event_id, "no driver connected and the reply is not recorded; it is lost");
@@ -456,12 +463,19 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
                 warn!(instance = %inst.config.id, %event_id, run_id = %request.run_id, error = %err, "run failed");
             }
             if let Some(conn) = conn {
-                end_run(&conn, &event_id, &err, io.next_seq()).await;
+                end_run(&conn, &event_id, &err, end_seq).await;
             }
         }
     }
     // Its ending is with the driver: a cancel waiting for it may answer now.
     lock(&inst.cancels).finish(&event_id, &cancel, end_state);
+}
+
+/// Counts a reply handed over, timed from its run's end (when the run was timed).
+fn reply_delivered(inst: &Instance, ended: Option<Instant>) {
+    if let Some(ended) = ended {
+        inst.metrics.reply_delivered(ended.elapsed());
+    }
 }
 
 /// A run that ended without a reply: its one ending is an `error` frame, or for a driver
@@ -513,25 +527,26 @@ async fn answer(hub: &Hub, inst: &Instance, command: SlashCommand, route: &Route
 
 /// A run's live channel back to the connection that carried its inbound. A run started again
 /// after a crash has none: its effects are dropped and its commands fail closed.
-struct ConnectionIo {
-    hub: Arc<Hub>,
-    inst: Arc<Instance>,
-    conn: Option<Arc<Connection>>,
-    session: String,
-    target: MessageTarget,
-    event_id: Id,
-    /// Once its token is cancelled, nothing more of the run reaches the driver (the run's
-    /// own handle: no token clone per run).
-    cancel: Arc<RunCancel>,
+/// It borrows what the run's task holds: building one copies no string and counts no
+/// reference.
+struct ConnectionIo<'a> {
+    hub: &'a Hub,
+    inst: &'a Instance,
+    conn: Option<&'a Arc<Connection>>,
+    session: &'a str,
+    target: &'a MessageTarget,
+    event_id: &'a Id,
+    /// Once it is cancelled, nothing more of the run reaches the driver.
+    cancel: &'a RunCancel,
     /// The next `stream` frame's seq.
     seq: AtomicU64,
     /// Open once the driver was told `accepted`.
-    gate: Gate,
+    gate: &'a Gate,
 }
 
-impl ConnectionIo {
+impl ConnectionIo<'_> {
     fn streams(&self) -> Option<&Arc<Connection>> {
-        self.conn.as_ref().filter(|conn| conn.declaration.extensions.stream)
+        self.conn.filter(|conn| conn.declaration.extensions.stream)
     }
 
     /// The seq the run's next (or final) frame takes.
@@ -545,11 +560,11 @@ impl ConnectionIo {
     }
 }
 
-impl RunIo for ConnectionIo {
+impl RunIo for ConnectionIo<'_> {
     async fn stream(&self, item: StreamItem) {
         let Some(conn) = self.streams() else { return };
         self.gate.wait().await;
-        if self.cancel.token.is_cancelled() {
+        if self.cancel.is_cancelled() {
             return;
         }
         let (text, tool) = match item {
@@ -572,8 +587,8 @@ impl RunIo for ConnectionIo {
     }
 
     fn effect(&self, effect: Effect) {
-        let Some(conn) = &self.conn else { return };
-        if self.cancel.token.is_cancelled() {
+        let Some(conn) = self.conn else { return };
+        if self.cancel.is_cancelled() {
             return;
         }
         match conn.declaration.effect_gate(&effect) {
@@ -592,14 +607,14 @@ impl RunIo for ConnectionIo {
     }
 
     async fn command(&self, command_id: Id, command: Command) -> CommandAnswer {
-        let Some(conn) = &self.conn else {
+        let Some(conn) = self.conn else {
             return CommandAnswer::rejected("the connection that carried this message is gone");
         };
         self.gate.wait().await;
-        if self.cancel.token.is_cancelled() {
+        if self.cancel.is_cancelled() {
             return CommandAnswer::rejected("the run was cancelled");
         }
-        let Ok(session) = Id::new(&self.session) else {
+        let Ok(session) = Id::new(self.session) else {
             return CommandAnswer::rejected("invalid session");
         };
         let presented = Presented {

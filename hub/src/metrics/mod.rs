@@ -537,6 +537,11 @@ impl InstanceMetrics {
         Self(None)
     }
 
+    /// Whether these count (metrics on): a caller reads the clock for a duration only then.
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
     pub fn inbound(&self, outcome: InboundOutcome) {
         if let Some(h) = &self.0 {
             h.inbound[outcome as usize].inc();

@@ -7,18 +7,14 @@ use channeld_protocol::Id;
 use channeld_protocol::frame::{ErrorFrame, Receipt};
 use tracing::warn;
 
-use crate::connection::{Connection, ReceiptOutcome};
+use crate::connection::Connection;
 use crate::instance::Instance;
 use crate::send;
 
 /// Completes the wait of the outbound this receipt answers. Gives the receipt back when no
 /// outbound on `conn` waits for it: it may answer a reply (`reply_receipt`).
 pub fn on_receipt(inst: &Instance, conn: &Connection, receipt: Receipt) -> Option<Receipt> {
-    let outcome = ReceiptOutcome::Receipted(receipt.receipt.clone());
-    if send::complete(inst, conn, &receipt.request_id, outcome) {
-        return None;
-    }
-    Some(receipt)
+    send::complete(inst, conn, receipt)
 }
 
 /// An `error` frame from a driver: it ends the wait of the outbound it names, and is the

@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 use super::{answer_decode_error, closing};
 use crate::connection::{Connection, PeerKind};
 use crate::history;
-use crate::hub::{HUB_EXTENSIONS, HUB_NAME, Hub};
+use crate::hub::{HUB_NAME, Hub};
 use crate::inbound::{self, cancel};
 use crate::instance::Instance;
 use crate::ledger;
@@ -88,7 +88,7 @@ async fn handshake(
             .await;
         return None;
     }
-    let declaration = PeerDeclaration::from_hello(&hello, HUB_EXTENSIONS);
+    let declaration = PeerDeclaration::from_hello(&hello, hub.driver_extensions());
     let operator_actions = if declaration.extensions.operator_action {
         hello.operator_actions.clone()
     } else {
