@@ -739,15 +739,23 @@ enum PostState {
 /// At most this many redelivered copies of one post in flight wait for its answer.
 const WAITING_COPIES: usize = 8;
 
+/// Forgotten posts the map of recent posts keeps until it drops them all in one sweep: with
+/// [`RECENT_POSTS`] remembered, the map holds at most 6,144 entries.
+const SWEEP_EVERY: usize = RECENT_POSTS / 2;
+
 /// Recently handled `deliver`/`outbound` request ids, so a redelivery is not posted twice.
 /// The receipts sit in a ring in the order they were posted; the map holds only each id's
 /// place in it (numbered from the first post), so its entries stay small: dropping the
 /// oldest post touched a cold 184-byte bucket per post (6 % of a driver's CPU per message).
+/// The ring drops its oldest receipt as a new one comes; the map keeps the dropped post's
+/// number, which no longer finds a receipt, until a sweep of the whole map every
+/// [`SWEEP_EVERY`] posts: a sequential scan instead of a cold bucket per post.
 #[derive(Debug, Default)]
 pub(crate) struct RecentPosts {
     /// Posts in flight, with the sinks of redelivered copies that wait for their answer.
     in_flight: HashMap<Id, Vec<FrameSink>>,
-    /// Each remembered post's number.
+    /// Each remembered post's number, and for at most [`SWEEP_EVERY`] forgotten posts a
+    /// number below `first`.
     done: HashMap<Id, u64>,
     /// The remembered posts, oldest first; the front one is number `first`.
     receipts: VecDeque<(Id, DeliveryReceipt)>,
@@ -777,18 +785,20 @@ impl RecentPosts {
     fn finish(&mut self, request_id: &Id, receipt: Option<DeliveryReceipt>) -> Vec<FrameSink> {
         let waiting = self.in_flight.remove(request_id).unwrap_or_default();
         let Some(receipt) = receipt else { return waiting };
-        if let Some(&number) = self.done.get(request_id) {
-            self.receipts[(number - self.first) as usize].1 = receipt;
+        if let Some(slot) = self.slot(request_id) {
+            self.receipts[slot].1 = receipt;
             return waiting;
         }
         let number = self.first + self.receipts.len() as u64;
         self.done.insert(request_id.clone(), number);
         self.receipts.push_back((request_id.clone(), receipt));
-        while self.receipts.len() > RECENT_POSTS {
-            if let Some((old, _)) = self.receipts.pop_front() {
-                self.done.remove(&old);
-                self.first += 1;
-            }
+        if self.receipts.len() > RECENT_POSTS {
+            self.receipts.pop_front();
+            self.first += 1;
+        }
+        if self.done.len() >= RECENT_POSTS + SWEEP_EVERY {
+            let first = self.first;
+            self.done.retain(|_, number| *number >= first);
         }
         waiting
     }
@@ -799,8 +809,15 @@ impl RecentPosts {
     }
 
     fn receipt(&self, request_id: &Id) -> Option<&DeliveryReceipt> {
+        self.slot(request_id).map(|slot| &self.receipts[slot].1)
+    }
+
+    /// Where a remembered post's receipt sits in the ring; `None` for a post never made, or
+    /// forgotten and not yet swept.
+    fn slot(&self, request_id: &Id) -> Option<usize> {
         let number = *self.done.get(request_id)?;
-        self.receipts.get((number - self.first) as usize).map(|(_, receipt)| receipt)
+        let slot = usize::try_from(number.checked_sub(self.first)?).ok()?;
+        (slot < self.receipts.len()).then_some(slot)
     }
 }
 
@@ -872,7 +889,47 @@ mod tests {
             _ => panic!("{again} is forgotten"),
         }
         assert_eq!(recent.receipts.len(), RECENT_POSTS);
-        assert_eq!(recent.done.len(), RECENT_POSTS);
+        assert!(recent.done.len() < RECENT_POSTS + SWEEP_EVERY);
+    }
+
+    /// Forgotten posts wait in the map for a sweep: until it comes they are forgotten all the
+    /// same, a post made again after its sweep is remembered anew, and the map stays within
+    /// the bound its buckets were sized for.
+    #[test]
+    fn forgotten_posts_stay_forgotten_before_and_after_their_sweep() {
+        let mut recent = RecentPosts::default();
+        let post = |recent: &mut RecentPosts, n: usize| {
+            let id = id(&format!("e-{n}"));
+            let state = recent.begin(&id, None);
+            recent.finish(&id, Some(receipt()));
+            state
+        };
+        for n in 0..RECENT_POSTS + 1 {
+            assert!(matches!(post(&mut recent, n), PostState::New));
+        }
+        // e-0 has left the ring; its number is still in the map, unswept.
+        assert_eq!(recent.done.len(), RECENT_POSTS + 1);
+        assert!(recent.receipt(&id("e-0")).is_none());
+        // Made again, it is a new post, remembered with a new number.
+        assert!(matches!(post(&mut recent, 0), PostState::New));
+        assert!(matches!(recent.begin(&id("e-0"), None), PostState::Done(_)));
+        let mut peak = 0;
+        for n in RECENT_POSTS + 1..4 * RECENT_POSTS {
+            assert!(matches!(post(&mut recent, n), PostState::New));
+            peak = peak.max(recent.done.len());
+        }
+        assert_eq!(peak, RECENT_POSTS + SWEEP_EVERY - 1, "swept as it reaches the bound");
+        for n in [0, 1, 3 * RECENT_POSTS - 1] {
+            assert!(recent.receipt(&id(&format!("e-{n}"))).is_none(), "e-{n}");
+        }
+        assert!(recent.receipt(&id(&format!("e-{}", 3 * RECENT_POSTS))).is_some());
+        // Its memory is bounded: many more posts do not grow the map with them.
+        let mut peak_capacity = 0;
+        for n in 4 * RECENT_POSTS..16 * RECENT_POSTS {
+            post(&mut recent, n);
+            peak_capacity = peak_capacity.max(recent.done.capacity());
+        }
+        assert!(peak_capacity <= 4 * (RECENT_POSTS + SWEEP_EVERY), "{peak_capacity}");
     }
 
     #[tokio::test]
