@@ -2,24 +2,27 @@
 //! sender added when identity isolation is on, and a generation bumped by `/new`.
 
 use channeld_protocol::types::MessageTarget;
+use channeld_protocol::{ChannelId, Id};
 use sha2::{Digest, Sha256};
 
-/// The fields that select a session.
+/// The fields that select a session. The ids are the protocol's own (held inline up to 23
+/// bytes, shared past them): a key is built for every inbound and copied into the run queue,
+/// and `String`s made that two to four allocations and frees per inbound.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RouteKey {
-    pub instance: String,
-    pub conversation: String,
-    pub thread: Option<String>,
-    /// Present only with identity isolation.
+    pub instance: ChannelId,
+    pub conversation: Id,
+    pub thread: Option<Id>,
+    /// Present only with identity isolation; empty for an event without an actor.
     pub sender: Option<String>,
 }
 
 impl RouteKey {
     pub fn new(target: &MessageTarget, sender: &str, identity_isolation: bool) -> Self {
         Self {
-            instance: target.channel.to_string(),
-            conversation: target.conversation.to_string(),
-            thread: target.thread.as_ref().map(ToString::to_string),
+            instance: target.channel.clone(),
+            conversation: target.conversation.clone(),
+            thread: target.thread.clone(),
             sender: identity_isolation.then(|| sender.to_owned()),
         }
     }
@@ -32,7 +35,7 @@ impl RouteKey {
         for field in [
             Some(self.instance.as_str()),
             Some(self.conversation.as_str()),
-            self.thread.as_deref(),
+            self.thread.as_ref().map(Id::as_str),
             self.sender.as_deref(),
         ] {
             match field {
