@@ -5,6 +5,7 @@
 //! It holds state and hands it out; what the hub does lives in the modules that take it
 //! (`serve`, `inbound`, `control`, …), and how it starts and stops in `lifecycle.rs`.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -86,6 +87,9 @@ pub struct Hub {
     pub amqp_sends: Option<Arc<AmqpSendsState>>,
     /// What this hub's locators are bound to (its ledger's id), made once.
     locator_key: LocatorKey,
+    /// `config.control_socket`, which every run's request carries: shared, not copied per
+    /// run.
+    pub control_socket: Arc<Path>,
 }
 
 impl Hub {
@@ -136,6 +140,7 @@ impl Hub {
         // three times.
         let applied = config.clone();
         let config = HubConfig { instances: Vec::new(), ..config };
+        let control_socket = Arc::from(config.control_socket.as_path());
         Arc::new(Self {
             applied: tokio::sync::Mutex::new(applied),
             config,
@@ -158,6 +163,7 @@ impl Hub {
             remote: Remote::default(),
             amqp_sends,
             locator_key,
+            control_socket,
         })
     }
 

@@ -141,7 +141,7 @@ fn request(
     let Admitted { event_id, input, sender, origin, reply_to, route } = *admitted;
     let route_id = route.session_id(0);
     // A route's first session (generation 0) is its route id: hashed once, not twice.
-    let session = match inst.generation(&route_id) {
+    let session = match inst.generation(route_id.as_str()) {
         0 => route_id,
         generation => route.session_id(generation),
     };
@@ -169,7 +169,7 @@ fn request(
         capabilities,
         actions,
         redelivered,
-        control_socket: hub.config.control_socket.clone(),
+        control_socket: hub.control_socket.clone(),
         locator,
         agent_env: inst.agent_env(),
     };
@@ -505,10 +505,13 @@ async fn answer(hub: &Hub, inst: &Instance, command: SlashCommand, route: &Route
         SlashCommand::NewSession => {
             let route_id = route.session_id(0);
             let generation = if hub.ledger.is_on() {
-                match hub.ledger.bump_generation(inst.config.id.to_string(), route_id.clone()).await
+                match hub
+                    .ledger
+                    .bump_generation(inst.config.id.to_string(), route_id.to_string())
+                    .await
                 {
                     Ok(generation) => {
-                        inst.set_generation(&route_id, generation);
+                        inst.set_generation(route_id.as_str(), generation);
                         generation
                     }
                     Err(err) => {
@@ -517,7 +520,7 @@ async fn answer(hub: &Hub, inst: &Instance, command: SlashCommand, route: &Route
                     }
                 }
             } else {
-                inst.bump_generation(&route_id)
+                inst.bump_generation(route_id.as_str())
             };
             info!(instance = %inst.config.id, generation, "new session started by /new");
             "Started a new session.".to_owned()
@@ -533,7 +536,7 @@ struct ConnectionIo<'a> {
     hub: &'a Hub,
     inst: &'a Instance,
     conn: Option<&'a Arc<Connection>>,
-    session: &'a str,
+    session: &'a Id,
     target: &'a MessageTarget,
     event_id: &'a Id,
     /// Once it is cancelled, nothing more of the run reaches the driver.
@@ -614,9 +617,7 @@ impl RunIo for ConnectionIo<'_> {
         if self.cancel.is_cancelled() {
             return CommandAnswer::rejected("the run was cancelled");
         }
-        let Ok(session) = Id::new(self.session) else {
-            return CommandAnswer::rejected("invalid session");
-        };
+        let session = self.session.clone();
         let presented = Presented {
             request_id: self.hub.ids.request("cmd"),
             session,

@@ -92,13 +92,13 @@ pub(super) fn agent_run(
         redelivered: request.redelivered,
         instance: request.instance.as_str(),
         family: request.instance.family(),
-        session: &request.session,
+        session: request.session.as_str(),
         event_id: request.event_id.as_str(),
         locator: &locator,
         body: body(config.wake, request),
         capabilities: request.capabilities.enabled(),
         actions: request.actions.enabled(),
-        control_socket: &request.control_socket,
+        control_socket: &*request.control_socket,
     };
     let value =
         serde_json::to_value(&envelope).map_err(|err| RunError::Envelope(err.to_string()))?;

@@ -8,7 +8,7 @@ mod echo;
 mod exec;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 
 use channeld_protocol::types::{
@@ -41,7 +41,7 @@ pub enum RunInput {
 pub struct RunRequest {
     pub instance: ChannelId,
     pub run_id: String,
-    pub session: String,
+    pub session: Id,
     pub event_id: Id,
     pub input: RunInput,
     pub sender: Option<Participant>,
@@ -49,7 +49,8 @@ pub struct RunRequest {
     pub actions: Actions,
     /// True when this run was cut off by a crash and is being started again.
     pub redelivered: bool,
-    pub control_socket: PathBuf,
+    /// The hub's control socket, one copy shared by every run.
+    pub control_socket: Arc<Path>,
     /// The inbound's locator (for `read`, `respond`, `complete`), spelled by the runtimes
     /// that hand it to an agent.
     pub locator: Unspelled,
