@@ -98,7 +98,7 @@ pub(super) fn agent_run(
         body: body(config.wake, request),
         capabilities: request.capabilities.enabled(),
         actions: request.actions.enabled(),
-        control_socket: &*request.control_socket,
+        control_socket: &request.control_socket,
     };
     let value =
         serde_json::to_value(&envelope).map_err(|err| RunError::Envelope(err.to_string()))?;
