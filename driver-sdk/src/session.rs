@@ -893,8 +893,8 @@ mod tests {
     }
 
     /// Forgotten posts wait in the map for a sweep: until it comes they are forgotten all the
-    /// same, a post made again after its sweep is remembered anew, and the map stays within
-    /// the bound its buckets were sized for.
+    /// same, a post made again is remembered anew, and the map's memory stays bounded however
+    /// many posts come.
     #[test]
     fn forgotten_posts_stay_forgotten_before_and_after_their_sweep() {
         let mut recent = RecentPosts::default();

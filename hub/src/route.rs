@@ -6,8 +6,8 @@ use channeld_protocol::{ChannelId, Id};
 use sha2::{Digest, Sha256};
 
 /// The fields that select a session. The ids are the protocol's own (held inline up to 23
-/// bytes, shared past them): a key is built for every inbound and copied into the run queue,
-/// and `String`s made that two to four allocations and frees per inbound.
+/// bytes, shared past them): a key is built for every inbound and copied twice into the run
+/// queue, and with `String`s each of the three cost two allocations and frees or more.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RouteKey {
     pub instance: ChannelId,
