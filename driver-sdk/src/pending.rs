@@ -42,7 +42,10 @@ pub enum ErrorAction {
 struct Entry {
     seq: u64,
     frame: Frame,
-    waiters: Vec<oneshot::Sender<Acceptance>>,
+    /// Who waits for the outcome: the first sender, then one per redelivery while pending
+    /// (held apart, so an inbound sent once allocates no list).
+    waiter: oneshot::Sender<Acceptance>,
+    more_waiters: Vec<oneshot::Sender<Acceptance>>,
     retries: u32,
     inserted: Instant,
 }
@@ -74,14 +77,20 @@ impl PendingTable {
         waiter: oneshot::Sender<Acceptance>,
     ) -> bool {
         if let Some(entry) = self.entries.get_mut(&event_id) {
-            entry.waiters.push(waiter);
+            entry.more_waiters.push(waiter);
             return false;
         }
         let seq = self.next_seq;
         self.next_seq += 1;
         self.order.insert(seq, event_id.clone());
-        let entry =
-            Entry { seq, frame, waiters: vec![waiter], retries: 0, inserted: Instant::now() };
+        let entry = Entry {
+            seq,
+            frame,
+            waiter,
+            more_waiters: Vec::new(),
+            retries: 0,
+            inserted: Instant::now(),
+        };
         self.entries.insert(event_id, entry);
         true
     }
@@ -93,9 +102,10 @@ impl PendingTable {
         };
         self.waiting.retain(|id| id.as_str() != event_id);
         self.order.remove(&entry.seq);
-        for waiter in entry.waiters {
+        for waiter in entry.more_waiters {
             let _ = waiter.send(outcome.clone());
         }
+        let _ = entry.waiter.send(outcome);
         true
     }
 

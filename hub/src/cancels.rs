@@ -7,8 +7,8 @@
 use std::collections::VecDeque;
 
 use foldhash::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use channeld_protocol::Id;
 use tokio::sync::Notify;
@@ -25,14 +25,16 @@ pub const ABORTED: &str = "aborted";
 
 /// One accepted inbound's cancellation: asked by `token`, finished (its end recorded and
 /// sent) once it has the state it ended in. Every run has one, and almost none is ever
-/// cancelled: the finish is a store and a wake-up of no one, not a second token.
+/// cancelled: the finish is a store and a wake-up of no one, not a second token, and the
+/// token itself is made only for a run that waits on it (an echo run never does).
 #[derive(Debug, Default)]
 pub struct RunCancel {
     /// Set by [`RunCancel::cancel`] before it cancels `token`: what the run's own checks
     /// read, an atomic load where the token's check takes its lock.
     cancelled: AtomicBool,
-    /// What a runtime waits on; cancelled only through [`RunCancel::cancel`].
-    token: CancellationToken,
+    /// What a runtime waits on, made by the first [`RunCancel::token`]; cancelled only
+    /// through [`RunCancel::cancel`], or as it is made for a run already cancelled.
+    token: OnceLock<CancellationToken>,
     /// Set once the run's end is recorded and its ending handed to the driver.
     ended: Mutex<Option<&'static str>>,
     /// Wakes those waiting in [`RunCancel::finished`] when `ended` is set.
@@ -44,17 +46,28 @@ pub struct RunCancel {
 impl RunCancel {
     /// Cancels the run: it stops at its next step.
     pub fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Release);
-        self.token.cancel();
+        self.cancelled.store(true, Ordering::SeqCst);
+        // With the fence in `token`: a token made meanwhile is seen here, or it sees the
+        // flag and is cancelled as it is made (never neither).
+        fence(Ordering::SeqCst);
+        if let Some(token) = self.token.get() {
+            token.cancel();
+        }
     }
 
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Acquire)
     }
 
-    /// The token a runtime or a waiting run selects on.
+    /// The token a runtime or a waiting run selects on, made on first use (already
+    /// cancelled if the run is).
     pub fn token(&self) -> &CancellationToken {
-        &self.token
+        let token = self.token.get_or_init(CancellationToken::new);
+        fence(Ordering::SeqCst);
+        if self.cancelled.load(Ordering::SeqCst) {
+            token.cancel();
+        }
+        token
     }
 
     /// The state it ended in (`aborted`, `replied`, `failed`, …), once done.
@@ -152,6 +165,34 @@ mod tests {
         assert!(!run.is_cancelled() && !run.token().is_cancelled());
         run.cancel();
         assert!(run.is_cancelled() && run.token().is_cancelled());
+    }
+
+    /// The token is made on first use: a run that never waits on it has none, and one made
+    /// after the cancel is cancelled already.
+    #[test]
+    fn a_token_made_after_the_cancel_is_cancelled() {
+        let run = RunCancel::default();
+        assert!(run.token.get().is_none(), "no token until one is asked for");
+        run.cancel();
+        assert!(run.is_cancelled());
+        assert!(run.token.get().is_none(), "a cancel makes no token");
+        assert!(run.token().is_cancelled());
+    }
+
+    /// A cancel racing the token's making: the runtime that waits on the token hears it
+    /// every time.
+    #[test]
+    fn a_cancel_racing_the_first_token_is_never_lost() {
+        for _ in 0..2_000 {
+            let run = Arc::new(RunCancel::default());
+            let canceller = std::thread::spawn({
+                let run = run.clone();
+                move || run.cancel()
+            });
+            let token = run.token().clone();
+            canceller.join().unwrap();
+            assert!(token.is_cancelled());
+        }
     }
 
     #[test]

@@ -87,13 +87,50 @@ pub struct RunQueue<K, T> {
     /// The entries that hold their event id (all but the ending ones).
     ids: HashMap<Id, u64>,
     /// Each session's entries in arrival order; only the front may run.
-    sessions: HashMap<K, VecDeque<u64>>,
+    sessions: HashMap<K, Session>,
     /// Session fronts that are ready and not running, by arrival: the next to start.
     startable: BTreeSet<u64>,
     /// Entries running or holding a slot.
     running: usize,
     /// Entries admitted and not started (reserved ones excluded).
     waiting: usize,
+}
+
+/// One session's entries in arrival order. A chat's session mostly holds one entry at a time
+/// (its next message comes after the reply), and a session is dropped once it is empty: the
+/// front is kept inline, so such a session allocates nothing; only the entries behind it
+/// take a deque.
+#[derive(Debug, Default)]
+struct Session {
+    /// `None` only when the session is empty.
+    front: Option<u64>,
+    behind: VecDeque<u64>,
+}
+
+impl Session {
+    fn push_back(&mut self, seq: u64) {
+        match self.front {
+            None => self.front = Some(seq),
+            Some(_) => self.behind.push_back(seq),
+        }
+    }
+
+    fn front(&self) -> Option<u64> {
+        self.front
+    }
+
+    fn is_empty(&self) -> bool {
+        self.front.is_none()
+    }
+
+    /// Takes `seq` out wherever it is; the next entry becomes the front.
+    fn remove(&mut self, seq: u64) {
+        if self.front == Some(seq) {
+            self.front = self.behind.pop_front();
+        } else {
+            self.behind.retain(|queued| *queued != seq);
+        }
+    }
 }
 
 /// Runs to start: each with its turn.
@@ -116,7 +153,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
 
     /// Whether an inbound of session `route` would start at once.
     fn would_start(&self, route: &K) -> bool {
-        self.running < self.max_running && self.sessions.get(route).is_none_or(VecDeque::is_empty)
+        self.running < self.max_running && self.sessions.get(route).is_none_or(Session::is_empty)
     }
 
     /// Where `event_id` stands, without admitting it.
@@ -248,7 +285,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
         }
         self.startable.remove(&seq);
         if let Some(session) = self.sessions.get_mut(&entry.route) {
-            session.retain(|queued| *queued != seq);
+            session.remove(seq);
             if session.is_empty() {
                 self.sessions.remove(&entry.route);
             }
@@ -259,7 +296,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
 
     /// Makes the front of `route` startable if it is ready.
     fn refresh_front(&mut self, route: &K) {
-        let Some(&front) = self.sessions.get(route).and_then(VecDeque::front) else { return };
+        let Some(front) = self.sessions.get(route).and_then(Session::front) else { return };
         if self.entries.get(&front).is_some_and(|entry| entry.state == State::Ready) {
             self.startable.insert(front);
         }
@@ -524,5 +561,35 @@ mod tests {
         assert_eq!(q.admit("d", "s1"), Admission::Busy { max: 1 });
         assert_eq!(q.finish("a"), ["b"]);
         assert_eq!(q.finish("b"), ["c"]);
+    }
+
+    #[test]
+    fn a_session_keeps_its_order_with_its_front_inline() {
+        let mut session = Session::default();
+        assert!(session.is_empty() && session.front().is_none());
+        for seq in [3, 5, 8, 9] {
+            session.push_back(seq);
+        }
+        assert_eq!(session.front(), Some(3));
+        // Taken out from behind the front: the front stays.
+        session.remove(8);
+        assert_eq!(session.front(), Some(3));
+        // The front taken out: the next in arrival order follows, then the last.
+        session.remove(3);
+        assert_eq!(session.front(), Some(5));
+        session.remove(5);
+        assert_eq!(session.front(), Some(9));
+        session.remove(42);
+        assert_eq!(session.front(), Some(9), "an unknown entry changes nothing");
+        session.remove(9);
+        assert!(session.is_empty());
+        // One entry at a time, as a chat goes: nothing is allocated.
+        let mut session = Session::default();
+        for seq in 10..100 {
+            session.push_back(seq);
+            session.remove(seq);
+        }
+        assert!(session.is_empty());
+        assert_eq!(session.behind.capacity(), 0);
     }
 }

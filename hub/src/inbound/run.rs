@@ -360,7 +360,7 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         Work::Runtime => {
             // The runtime as configured when the run starts: a reload does not change it.
             let policy = inst.policy();
-            runtime::run(&hub.remote, &policy.runtime, &request, &io, cancel.token()).await
+            runtime::run(&hub.remote, &policy.runtime, &request, &io, &cancel).await
         }
     };
     // Every run ends with exactly one `deliver` or `error`: no reply is an error too.
@@ -385,10 +385,6 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         debug!(outcome = outcome.as_str(), elapsed_ms = took.as_millis() as u64, "run finished");
         ended
     });
-    let end = match &result {
-        Ok(text) => RunEnd::Reply(text.clone()),
-        Err(err) => RunEnd::Failed { code: err.code().to_owned(), message: err.public_message() },
-    };
     // A driver's reply is recorded with the outcome, and the courier delivers it (and
     // retries it); a legacy peer's goes back on its connection, once.
     // (Without a ledger nothing is recorded: the record is not even made.)
@@ -408,7 +404,14 @@ async fn execute(hub: &Arc<Hub>, inst: &Arc<Instance>, turn: Turn, queued: Queue
         // not two) unless an earlier reply holds its conversation.
         let claim = with_reply && inst.live().is_some();
         let (instance, event) = (inst.config.id.to_string(), event_id.to_string());
-        let finished = hub.ledger.finish_run(instance, event, end.clone(), reply, claim, now).await;
+        // Made for the ledger only: without one the reply's text is not copied.
+        let end = match &result {
+            Ok(text) => RunEnd::Reply(text.clone()),
+            Err(err) => {
+                RunEnd::Failed { code: err.code().to_owned(), message: err.public_message() }
+            }
+        };
+        let finished = hub.ledger.finish_run(instance, event, end, reply, claim, now).await;
         match finished {
             Ok(done) => {
                 recorded = done.ended && with_reply;

@@ -16,8 +16,8 @@ use channeld_protocol::types::{
 };
 use channeld_protocol::{ChannelId, Id};
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 
+use crate::cancels::RunCancel;
 use crate::config::{RuntimeConfig, RuntimeKind};
 use crate::locator::Unspelled;
 
@@ -126,13 +126,14 @@ impl RunError {
     }
 }
 
-/// Runs `request` on the configured runtime; `cancel` stops it (`RunError::Aborted`).
+/// Runs `request` on the configured runtime; `cancel` stops it (`RunError::Aborted`). Only
+/// a runtime that waits asks for its token.
 pub async fn run(
     remote: &Remote,
     config: &RuntimeConfig,
     request: &RunRequest,
     io: &impl RunIo,
-    cancel: &CancellationToken,
+    cancel: &RunCancel,
 ) -> Result<RunOutput, RunError> {
     if cancel.is_cancelled() {
         return Err(RunError::Aborted);
@@ -143,7 +144,7 @@ pub async fn run(
     // round trip costs nothing next to the run itself.
     match config.kind {
         RuntimeKind::Echo => Ok(echo::run(request)),
-        RuntimeKind::Exec => Box::pin(exec::run(config, request, io, cancel)).await,
-        RuntimeKind::Amqp => Box::pin(amqp::run(remote, config, request, io, cancel)).await,
+        RuntimeKind::Exec => Box::pin(exec::run(config, request, io, cancel.token())).await,
+        RuntimeKind::Amqp => Box::pin(amqp::run(remote, config, request, io, cancel.token())).await,
     }
 }
