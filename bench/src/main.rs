@@ -101,6 +101,10 @@ enum Cmd {
         /// Start the hub under this wrapper (e.g. "valgrind --tool=callgrind").
         #[arg(long)]
         wrap: Option<String>,
+        /// Wait this long between printing the PIDs and the first message, for a counter to
+        /// attach first (`scripts/alloc-count`).
+        #[arg(long, default_value_t = 0)]
+        start_after_ms: u64,
     },
     /// Only the scaling rows (hub RSS and CPU per message with many connected drivers), under
     /// this process's CPU affinity; prints them.
@@ -220,12 +224,20 @@ fn main() -> ExitCode {
             let args = PhaseArgs { mode, cpus, bin_dir, budget: Budget::new(cli.run.quick) };
             write_json(&result, &phase::run_phase(&args)?)
         }),
-        Cmd::Soak { path, window, seconds, ledger, durability_normal, wrap } => bin_dir(&cli.run)
-            .and_then(|bin_dir| {
-                let measure = std::time::Duration::from_secs(seconds);
-                let wrap = wrap.as_deref();
-                phase::soak(&bin_dir, &path, window, measure, ledger, durability_normal, wrap)
-            }),
+        Cmd::Soak { path, window, seconds, ledger, durability_normal, wrap, start_after_ms } => {
+            bin_dir(&cli.run).and_then(|bin_dir| {
+                let options = phase::SoakOptions {
+                    path: &path,
+                    window,
+                    measure: std::time::Duration::from_secs(seconds),
+                    ledger,
+                    durability_normal,
+                    wrap: wrap.as_deref(),
+                    start_after: std::time::Duration::from_millis(start_after_ms),
+                };
+                phase::soak(&bin_dir, &options)
+            })
+        }
         Cmd::Scale { drivers, seconds, perf } => bin_dir(&cli.run).and_then(|bin_dir| {
             let mut budget = Budget::new(cli.run.quick);
             budget.max_drivers = drivers.max(1);

@@ -225,16 +225,25 @@ fn fsync_cost(dir: &Path, count: usize) -> Result<f64> {
     Ok(crate::stats::median(&times))
 }
 
+/// What `channeld-bench soak` runs.
+#[derive(Debug, Clone, Copy)]
+pub struct SoakOptions<'a> {
+    /// `send` or `inbound`.
+    pub path: &'a str,
+    pub window: usize,
+    pub measure: Duration,
+    pub ledger: bool,
+    pub durability_normal: bool,
+    /// A wrapper the hub is started under (e.g. valgrind).
+    pub wrap: Option<&'a str>,
+    /// A pause between printing the PIDs and the first message.
+    pub start_after: Duration,
+}
+
 /// `channeld-bench soak`: one path at one window for `measure`, reporting what it got.
-pub fn soak(
-    bin_dir: &Path,
-    path: &str,
-    window: usize,
-    measure: Duration,
-    ledger: bool,
-    durability_normal: bool,
-    wrap: Option<&str>,
-) -> Result<()> {
+pub fn soak(bin_dir: &Path, options: &SoakOptions<'_>) -> Result<()> {
+    let SoakOptions { path, window, measure, ledger, durability_normal, wrap, start_after } =
+        *options;
     let rt = runtime()?;
     let dir = tempfile::Builder::new().prefix("channeld-bench-soak-").tempdir()?;
     let spec = HubSpec { ledger, extra_instances: Vec::new(), durability_normal, metrics: false };
@@ -246,6 +255,7 @@ pub fn soak(
     )?;
     hub.wait_connected(&[MAIN_INSTANCE], Duration::from_secs(120), any_health)?;
     eprintln!("channeld-bench soak: hub pid {}, driver pid {}", hub.pid(), driver.proc.pid());
+    std::thread::sleep(start_after);
     let plan = Plan { window, warmup: 0, measure };
     let hub_before = cpu_time(hub.pid())?;
     let driver_before = cpu_time(driver.proc.pid())?;

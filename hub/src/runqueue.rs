@@ -133,8 +133,48 @@ impl Session {
     }
 }
 
-/// Runs to start: each with its turn.
-pub type Starts<T> = Vec<(Turn, T)>;
+/// Runs to start, each with its turn, in the order to start them. Mostly none or one (an
+/// inbound that finds its slot free starts alone): the first is held inline, so such an
+/// answer allocates nothing; only a second one takes a list.
+#[derive(Debug)]
+pub struct Starts<T> {
+    /// `None` only when there is none.
+    first: Option<(Turn, T)>,
+    more: Vec<(Turn, T)>,
+}
+
+impl<T> Default for Starts<T> {
+    fn default() -> Self {
+        Self { first: None, more: Vec::new() }
+    }
+}
+
+impl<T> Starts<T> {
+    fn one(turn: Turn, start: T) -> Self {
+        Self { first: Some((turn, start)), more: Vec::new() }
+    }
+
+    fn push(&mut self, turn: Turn, start: T) {
+        match self.first {
+            None => self.first = Some((turn, start)),
+            Some(_) => self.more.push((turn, start)),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.first.is_none()
+    }
+}
+
+impl<T> IntoIterator for Starts<T> {
+    type Item = (Turn, T);
+    type IntoIter =
+        std::iter::Chain<std::option::IntoIter<(Turn, T)>, std::vec::IntoIter<(Turn, T)>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.first.into_iter().chain(self.more)
+    }
+}
 
 impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     pub fn new(max_running: usize, max_waiting: usize) -> Self {
@@ -185,7 +225,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     /// accepted it before. Returns what starts now.
     pub fn restore(&mut self, event_id: &Id, route: &K, start: T) -> Starts<T> {
         if self.ids.contains_key(event_id) {
-            return Vec::new();
+            return Starts::default();
         }
         self.push(event_id, route, State::Ready, Some(start));
         self.refresh_front(route);
@@ -209,12 +249,12 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     /// The admitted `event_id` is recorded: `start` starts it when its turn comes. Returns
     /// what starts now.
     pub fn ready(&mut self, event_id: &Id, start: T) -> Starts<T> {
-        let Some(&seq) = self.ids.get(event_id) else { return Vec::new() };
-        let Some(entry) = self.entries.get_mut(&seq) else { return Vec::new() };
+        let Some(&seq) = self.ids.get(event_id) else { return Starts::default() };
+        let Some(entry) = self.entries.get_mut(&seq) else { return Starts::default() };
         match entry.state {
             State::Reserved => {
                 entry.state = State::Running;
-                vec![(Turn(seq), start)]
+                Starts::one(Turn(seq), start)
             }
             State::Recording => {
                 entry.state = State::Ready;
@@ -223,17 +263,17 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
                 self.refresh_front(&route);
                 self.pump()
             }
-            State::Ready | State::Running | State::Ending => Vec::new(),
+            State::Ready | State::Running | State::Ending => Starts::default(),
         }
     }
 
     /// The admitted `event_id` does not run after all (a replay, a conflict, a ledger
     /// failure). Returns what starts now.
     pub fn cancel(&mut self, event_id: &Id) -> Starts<T> {
-        let Some(&seq) = self.ids.get(event_id) else { return Vec::new() };
+        let Some(&seq) = self.ids.get(event_id) else { return Starts::default() };
         match self.entries.get(&seq).map(|e| e.state) {
             Some(State::Reserved | State::Recording | State::Ready) => self.remove(seq),
-            _ => Vec::new(),
+            _ => Starts::default(),
         }
     }
 
@@ -251,9 +291,9 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     /// run of another session and its event id may be admitted again, while its own session
     /// waits for [`finish`](RunQueue::finish). Returns what starts now.
     pub fn ended(&mut self, turn: Turn) -> Starts<T> {
-        let Some(entry) = self.entries.get_mut(&turn.0) else { return Vec::new() };
+        let Some(entry) = self.entries.get_mut(&turn.0) else { return Starts::default() };
         if entry.state != State::Running {
-            return Vec::new();
+            return Starts::default();
         }
         entry.state = State::Ending;
         let event_id = entry.event_id.clone();
@@ -269,12 +309,12 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     pub fn finish(&mut self, turn: Turn) -> Starts<T> {
         match self.entries.get(&turn.0).map(|e| e.state) {
             Some(State::Running | State::Ending) => self.remove(turn.0),
-            _ => Vec::new(),
+            _ => Starts::default(),
         }
     }
 
     fn remove(&mut self, seq: u64) -> Starts<T> {
-        let Some(entry) = self.entries.remove(&seq) else { return Vec::new() };
+        let Some(entry) = self.entries.remove(&seq) else { return Starts::default() };
         match entry.state {
             State::Reserved | State::Running => self.running -= 1,
             State::Recording | State::Ready => self.waiting -= 1,
@@ -304,7 +344,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
 
     /// Starts startable fronts, oldest first, while there are free slots.
     fn pump(&mut self) -> Starts<T> {
-        let mut started = Vec::new();
+        let mut started = Starts::default();
         while self.running < self.max_running {
             let Some(seq) = self.startable.pop_first() else { break };
             let Some(entry) = self.entries.get_mut(&seq) else { continue };
@@ -312,7 +352,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
             self.waiting -= 1;
             self.running += 1;
             if let Some(start) = entry.start.take() {
-                started.push((Turn(seq), start));
+                started.push(Turn(seq), start);
             }
         }
         started
@@ -591,5 +631,27 @@ mod tests {
         }
         assert!(session.is_empty());
         assert_eq!(session.behind.capacity(), 0);
+    }
+
+    #[test]
+    fn starts_keep_their_order_and_one_takes_no_list() {
+        let none: Starts<&str> = Starts::default();
+        assert!(none.is_empty());
+        assert_eq!(none.into_iter().count(), 0);
+        let one = Starts::one(Turn(4), "a");
+        assert!(!one.is_empty() && one.more.capacity() == 0);
+        assert_eq!(one.into_iter().collect::<Vec<_>>(), [(Turn(4), "a")]);
+        let mut several = Starts::default();
+        for (seq, name) in [(1, "a"), (2, "b"), (3, "c")] {
+            several.push(Turn(seq), name);
+        }
+        let names: Vec<_> = several.into_iter().map(|(_, name)| name).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        // The queue answers an inbound that finds a free slot with its one start, listless.
+        let mut queue: RunQueue<&str, &str> = RunQueue::new(4, 4);
+        assert_eq!(queue.admit(&id("a"), &"s1"), Admission::Reserved);
+        let starts = queue.ready(&id("a"), "a");
+        assert_eq!(starts.more.capacity(), 0);
+        assert_eq!(starts.into_iter().map(|(_, name)| name).collect::<Vec<_>>(), ["a"]);
     }
 }
