@@ -12,6 +12,7 @@ use foldhash::HashMap;
 use std::time::{Duration, Instant};
 
 use channeld_protocol::{Frame, Id};
+use smallvec::{SmallVec, smallvec};
 use tokio::sync::oneshot;
 
 /// How the hub answered an inbound.
@@ -43,9 +44,8 @@ struct Entry {
     seq: u64,
     frame: Frame,
     /// Who waits for the outcome: the first sender, then one per redelivery while pending
-    /// (held apart, so an inbound sent once allocates no list).
-    waiter: oneshot::Sender<Acceptance>,
-    more_waiters: Vec<oneshot::Sender<Acceptance>>,
+    /// (the first inline: an inbound sent once allocates no list).
+    waiters: SmallVec<[oneshot::Sender<Acceptance>; 1]>,
     retries: u32,
     inserted: Instant,
 }
@@ -77,20 +77,14 @@ impl PendingTable {
         waiter: oneshot::Sender<Acceptance>,
     ) -> bool {
         if let Some(entry) = self.entries.get_mut(&event_id) {
-            entry.more_waiters.push(waiter);
+            entry.waiters.push(waiter);
             return false;
         }
         let seq = self.next_seq;
         self.next_seq += 1;
         self.order.insert(seq, event_id.clone());
-        let entry = Entry {
-            seq,
-            frame,
-            waiter,
-            more_waiters: Vec::new(),
-            retries: 0,
-            inserted: Instant::now(),
-        };
+        let entry =
+            Entry { seq, frame, waiters: smallvec![waiter], retries: 0, inserted: Instant::now() };
         self.entries.insert(event_id, entry);
         true
     }
@@ -102,10 +96,9 @@ impl PendingTable {
         };
         self.waiting.retain(|id| id.as_str() != event_id);
         self.order.remove(&entry.seq);
-        for waiter in entry.more_waiters {
+        for waiter in entry.waiters {
             let _ = waiter.send(outcome.clone());
         }
-        let _ = entry.waiter.send(outcome);
         true
     }
 
@@ -211,6 +204,8 @@ mod tests {
         let (a, mut ra) = oneshot::channel();
         let (b, mut rb) = oneshot::channel();
         assert!(table.insert(Id::new("e1").unwrap(), frame("e1"), a));
+        // One waiter is held inline: an inbound sent once allocates no list.
+        assert!(!table.entries["e1"].waiters.spilled());
         assert!(!table.insert(Id::new("e1").unwrap(), frame("e1"), b));
         assert!(table.resolve("e1", Acceptance::Accepted { duplicate: false }));
         assert_eq!(ra.try_recv().unwrap(), Acceptance::Accepted { duplicate: false });

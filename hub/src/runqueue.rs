@@ -19,13 +19,14 @@
 //! [`ended`](RunQueue::ended), [`finish`](RunQueue::finish) and
 //! [`restore`](RunQueue::restore) return, in that order, after releasing its lock.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 
 // foldhash, not SipHash: these maps are read a dozen times per inbound (BENCHMARKS.md, fix 25).
 use foldhash::HashMap;
 use std::hash::Hash;
 
 use channeld_protocol::Id;
+use smallvec::{SmallVec, smallvec};
 
 /// Where an event stands against the queue (asking changes nothing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,84 +98,13 @@ pub struct RunQueue<K, T> {
 }
 
 /// One session's entries in arrival order. A chat's session mostly holds one entry at a time
-/// (its next message comes after the reply), and a session is dropped once it is empty: the
-/// front is kept inline, so such a session allocates nothing; only the entries behind it
-/// take a deque.
-#[derive(Debug, Default)]
-struct Session {
-    /// `None` only when the session is empty.
-    front: Option<u64>,
-    behind: VecDeque<u64>,
-}
-
-impl Session {
-    fn push_back(&mut self, seq: u64) {
-        match self.front {
-            None => self.front = Some(seq),
-            Some(_) => self.behind.push_back(seq),
-        }
-    }
-
-    fn front(&self) -> Option<u64> {
-        self.front
-    }
-
-    fn is_empty(&self) -> bool {
-        self.front.is_none()
-    }
-
-    /// Takes `seq` out wherever it is; the next entry becomes the front.
-    fn remove(&mut self, seq: u64) {
-        if self.front == Some(seq) {
-            self.front = self.behind.pop_front();
-        } else {
-            self.behind.retain(|queued| *queued != seq);
-        }
-    }
-}
+/// (its next message comes after the reply) and is dropped once empty: the one entry is held
+/// inline, so such a session allocates nothing.
+type Session = SmallVec<[u64; 1]>;
 
 /// Runs to start, each with its turn, in the order to start them. Mostly none or one (an
-/// inbound that finds its slot free starts alone): the first is held inline, so such an
-/// answer allocates nothing; only a second one takes a list.
-#[derive(Debug)]
-pub struct Starts<T> {
-    /// `None` only when there is none.
-    first: Option<(Turn, T)>,
-    more: Vec<(Turn, T)>,
-}
-
-impl<T> Default for Starts<T> {
-    fn default() -> Self {
-        Self { first: None, more: Vec::new() }
-    }
-}
-
-impl<T> Starts<T> {
-    fn one(turn: Turn, start: T) -> Self {
-        Self { first: Some((turn, start)), more: Vec::new() }
-    }
-
-    fn push(&mut self, turn: Turn, start: T) {
-        match self.first {
-            None => self.first = Some((turn, start)),
-            Some(_) => self.more.push((turn, start)),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.first.is_none()
-    }
-}
-
-impl<T> IntoIterator for Starts<T> {
-    type Item = (Turn, T);
-    type IntoIter =
-        std::iter::Chain<std::option::IntoIter<(Turn, T)>, std::vec::IntoIter<(Turn, T)>>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.first.into_iter().chain(self.more)
-    }
-}
+/// inbound that finds its slot free starts alone): the one is held inline.
+pub type Starts<T> = SmallVec<[(Turn, T); 1]>;
 
 impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     pub fn new(max_running: usize, max_waiting: usize) -> Self {
@@ -193,7 +123,8 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
 
     /// Whether an inbound of session `route` would start at once.
     fn would_start(&self, route: &K) -> bool {
-        self.running < self.max_running && self.sessions.get(route).is_none_or(Session::is_empty)
+        self.running < self.max_running
+            && self.sessions.get(route).is_none_or(|session| session.is_empty())
     }
 
     /// Where `event_id` stands, without admitting it.
@@ -225,7 +156,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     /// accepted it before. Returns what starts now.
     pub fn restore(&mut self, event_id: &Id, route: &K, start: T) -> Starts<T> {
         if self.ids.contains_key(event_id) {
-            return Starts::default();
+            return Starts::new();
         }
         self.push(event_id, route, State::Ready, Some(start));
         self.refresh_front(route);
@@ -243,18 +174,18 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
         let entry = Entry { event_id: event_id.clone(), route: route.clone(), state, start };
         self.entries.insert(seq, entry);
         self.ids.insert(event_id.clone(), seq);
-        self.sessions.entry(route.clone()).or_default().push_back(seq);
+        self.sessions.entry(route.clone()).or_default().push(seq);
     }
 
     /// The admitted `event_id` is recorded: `start` starts it when its turn comes. Returns
     /// what starts now.
     pub fn ready(&mut self, event_id: &Id, start: T) -> Starts<T> {
-        let Some(&seq) = self.ids.get(event_id) else { return Starts::default() };
-        let Some(entry) = self.entries.get_mut(&seq) else { return Starts::default() };
+        let Some(&seq) = self.ids.get(event_id) else { return Starts::new() };
+        let Some(entry) = self.entries.get_mut(&seq) else { return Starts::new() };
         match entry.state {
             State::Reserved => {
                 entry.state = State::Running;
-                Starts::one(Turn(seq), start)
+                smallvec![(Turn(seq), start)]
             }
             State::Recording => {
                 entry.state = State::Ready;
@@ -263,17 +194,17 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
                 self.refresh_front(&route);
                 self.pump()
             }
-            State::Ready | State::Running | State::Ending => Starts::default(),
+            State::Ready | State::Running | State::Ending => Starts::new(),
         }
     }
 
     /// The admitted `event_id` does not run after all (a replay, a conflict, a ledger
     /// failure). Returns what starts now.
     pub fn cancel(&mut self, event_id: &Id) -> Starts<T> {
-        let Some(&seq) = self.ids.get(event_id) else { return Starts::default() };
+        let Some(&seq) = self.ids.get(event_id) else { return Starts::new() };
         match self.entries.get(&seq).map(|e| e.state) {
             Some(State::Reserved | State::Recording | State::Ready) => self.remove(seq),
-            _ => Starts::default(),
+            _ => Starts::new(),
         }
     }
 
@@ -291,9 +222,9 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     /// run of another session and its event id may be admitted again, while its own session
     /// waits for [`finish`](RunQueue::finish). Returns what starts now.
     pub fn ended(&mut self, turn: Turn) -> Starts<T> {
-        let Some(entry) = self.entries.get_mut(&turn.0) else { return Starts::default() };
+        let Some(entry) = self.entries.get_mut(&turn.0) else { return Starts::new() };
         if entry.state != State::Running {
-            return Starts::default();
+            return Starts::new();
         }
         entry.state = State::Ending;
         let event_id = entry.event_id.clone();
@@ -309,12 +240,12 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
     pub fn finish(&mut self, turn: Turn) -> Starts<T> {
         match self.entries.get(&turn.0).map(|e| e.state) {
             Some(State::Running | State::Ending) => self.remove(turn.0),
-            _ => Starts::default(),
+            _ => Starts::new(),
         }
     }
 
     fn remove(&mut self, seq: u64) -> Starts<T> {
-        let Some(entry) = self.entries.remove(&seq) else { return Starts::default() };
+        let Some(entry) = self.entries.remove(&seq) else { return Starts::new() };
         match entry.state {
             State::Reserved | State::Running => self.running -= 1,
             State::Recording | State::Ready => self.waiting -= 1,
@@ -325,7 +256,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
         }
         self.startable.remove(&seq);
         if let Some(session) = self.sessions.get_mut(&entry.route) {
-            session.remove(seq);
+            session.retain(|queued| *queued != seq);
             if session.is_empty() {
                 self.sessions.remove(&entry.route);
             }
@@ -336,7 +267,9 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
 
     /// Makes the front of `route` startable if it is ready.
     fn refresh_front(&mut self, route: &K) {
-        let Some(front) = self.sessions.get(route).and_then(Session::front) else { return };
+        let Some(&front) = self.sessions.get(route).and_then(|session| session.first()) else {
+            return;
+        };
         if self.entries.get(&front).is_some_and(|entry| entry.state == State::Ready) {
             self.startable.insert(front);
         }
@@ -344,7 +277,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
 
     /// Starts startable fronts, oldest first, while there are free slots.
     fn pump(&mut self) -> Starts<T> {
-        let mut started = Starts::default();
+        let mut started = Starts::new();
         while self.running < self.max_running {
             let Some(seq) = self.startable.pop_first() else { break };
             let Some(entry) = self.entries.get_mut(&seq) else { continue };
@@ -352,7 +285,7 @@ impl<K: Hash + Eq + Clone, T> RunQueue<K, T> {
             self.waiting -= 1;
             self.running += 1;
             if let Some(start) = entry.start.take() {
-                started.push(Turn(seq), start);
+                started.push((Turn(seq), start));
             }
         }
         started
@@ -603,55 +536,21 @@ mod tests {
         assert_eq!(q.finish("b"), ["c"]);
     }
 
+    /// A chat's session, one message at a time, and the run each message starts: nothing in
+    /// the queue goes to the heap.
     #[test]
-    fn a_session_keeps_its_order_with_its_front_inline() {
-        let mut session = Session::default();
-        assert!(session.is_empty() && session.front().is_none());
-        for seq in [3, 5, 8, 9] {
-            session.push_back(seq);
-        }
-        assert_eq!(session.front(), Some(3));
-        // Taken out from behind the front: the front stays.
-        session.remove(8);
-        assert_eq!(session.front(), Some(3));
-        // The front taken out: the next in arrival order follows, then the last.
-        session.remove(3);
-        assert_eq!(session.front(), Some(5));
-        session.remove(5);
-        assert_eq!(session.front(), Some(9));
-        session.remove(42);
-        assert_eq!(session.front(), Some(9), "an unknown entry changes nothing");
-        session.remove(9);
-        assert!(session.is_empty());
-        // One entry at a time, as a chat goes: nothing is allocated.
-        let mut session = Session::default();
-        for seq in 10..100 {
-            session.push_back(seq);
-            session.remove(seq);
-        }
-        assert!(session.is_empty());
-        assert_eq!(session.behind.capacity(), 0);
-    }
-
-    #[test]
-    fn starts_keep_their_order_and_one_takes_no_list() {
-        let none: Starts<&str> = Starts::default();
-        assert!(none.is_empty());
-        assert_eq!(none.into_iter().count(), 0);
-        let one = Starts::one(Turn(4), "a");
-        assert!(!one.is_empty() && one.more.capacity() == 0);
-        assert_eq!(one.into_iter().collect::<Vec<_>>(), [(Turn(4), "a")]);
-        let mut several = Starts::default();
-        for (seq, name) in [(1, "a"), (2, "b"), (3, "c")] {
-            several.push(Turn(seq), name);
-        }
-        let names: Vec<_> = several.into_iter().map(|(_, name)| name).collect();
-        assert_eq!(names, ["a", "b", "c"]);
-        // The queue answers an inbound that finds a free slot with its one start, listless.
+    fn one_message_at_a_time_spills_nothing() {
         let mut queue: RunQueue<&str, &str> = RunQueue::new(4, 4);
-        assert_eq!(queue.admit(&id("a"), &"s1"), Admission::Reserved);
-        let starts = queue.ready(&id("a"), "a");
-        assert_eq!(starts.more.capacity(), 0);
-        assert_eq!(starts.into_iter().map(|(_, name)| name).collect::<Vec<_>>(), ["a"]);
+        for n in 0..50 {
+            let event = id(&format!("e{n}"));
+            assert_eq!(queue.admit(&event, &"s1"), Admission::Reserved);
+            assert!(!queue.sessions[&"s1"].spilled());
+            let starts = queue.ready(&event, "run");
+            assert!(!starts.spilled());
+            let (turn, _) = starts.into_iter().next().expect("it starts at once");
+            assert!(queue.ended(turn).is_empty());
+            assert!(queue.finish(turn).is_empty());
+        }
+        assert!(queue.sessions.is_empty());
     }
 }
