@@ -35,7 +35,7 @@ use crate::connection::{Connection, lock};
 use crate::instance::{Counters, Instance, Registry};
 use crate::ledger::{
     Answer, HandedReply, Ledger, LedgerError, Pending, ReplyAnswer, ReplyRecord, ReplyState,
-    StoredReply,
+    Settled, StoredReply,
 };
 
 /// The loop wakes at least this often (expiry, and retries recorded by another path).
@@ -63,7 +63,7 @@ struct Handed {
 struct Queued {
     answer: Answer,
     error: Option<String>,
-    pending: Pending<Option<ReplyState>>,
+    pending: Pending<Option<Settled>>,
 }
 
 /// One instance's turn to hand replies over, and which requests for it were served.
@@ -285,7 +285,7 @@ impl Courier {
     async fn settled(self: &Arc<Self>, instance: &str, event_id: &str, queued: Queued) {
         let Queued { answer, error, pending } = queued;
         match pending.answer().await {
-            Ok(Some(state)) => {
+            Ok(Some(Settled { state, more_due })) => {
                 match state {
                     ReplyState::FailedRetryable => {
                         info!(%instance, %event_id, ?error, "reply not posted; it will be retried")
@@ -307,7 +307,11 @@ impl Courier {
                     self.schedule_changed.store(true, Ordering::SeqCst);
                     self.wake.notify_one();
                 }
-                self.kick(instance);
+                // A final reply with none behind it in its conversation let nothing go: any
+                // other reply due came with a `deliver` or kick of its own.
+                if more_due {
+                    self.kick(instance);
+                }
             }
             Ok(None) => {
                 debug!(%instance, %event_id, ?answer, "answer for no reply waiting for one")

@@ -361,6 +361,16 @@ pub struct Ledger {
     outbox_ids: Arc<OutboxIds>,
 }
 
+/// A reply's state after an answer ([`Ledger::reply_answer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    pub state: ReplyState,
+    /// Whether one of its instance's replies may be due now: this one again (its state is
+    /// not final), or a later one of its conversation that waited behind it. Otherwise no
+    /// claim can find a reply this answer let go.
+    pub more_due: bool,
+}
+
 impl Ledger {
     /// A ledger that records nothing.
     pub fn off() -> Self {
@@ -741,8 +751,15 @@ impl Ledger {
         answer: ReplyAnswer,
         now_ms: u64,
         jitter: f64,
-    ) -> impl Future<Output = Pending<Option<ReplyState>>> + Send + '_ {
-        self.queue_with(Commit::Deferred, move |txn| replies::answer(txn, &answer, now_ms, jitter))
+    ) -> impl Future<Output = Pending<Option<Settled>>> + Send + '_ {
+        self.queue_with(Commit::Deferred, move |txn| {
+            let Some(state) = replies::answer(txn, &answer, now_ms, jitter)? else {
+                return Ok(None);
+            };
+            let more_due = state.holds_conversation()
+                || replies::held_behind(txn, &answer.instance, &answer.event_id)?;
+            Ok(Some(Settled { state, more_due }))
+        })
     }
 
     /// The state of the reply to `event_id`, if its run produced one.

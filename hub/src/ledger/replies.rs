@@ -205,6 +205,24 @@ static HELD_SQL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// Whether a later reply of the conversation of `event_id`'s reply still holds it (one that
+/// waited behind it, read from the small index of such replies): once that reply is final,
+/// the courier claims the next. Asked for every reply that settles, so the text is made once.
+static BEHIND_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT EXISTS (SELECT 1 FROM replies AS r JOIN replies AS e
+             ON e.instance = r.instance AND e.conversation = r.conversation AND e.id > r.id
+         WHERE r.instance = ?1 AND r.event_id = ?2 AND {})",
+        holding("e.")
+    )
+});
+
+/// Whether a reply of the same conversation waits behind the reply to `event_id` (or is on
+/// its way after it); false when there is no such reply.
+pub fn held_behind(txn: &Connection, instance: &str, event_id: &str) -> Result<bool, LedgerError> {
+    Ok(txn.query_row_cached(&BEHIND_SQL, params![instance, event_id], |row| row.get(0))?)
+}
+
 /// Claims the replies of `instance` that may be handed over now, oldest first: in each
 /// conversation only the oldest reply still on its way, and only once it is due. They become
 /// `handed` with one more attempt counted.
@@ -594,6 +612,10 @@ mod tests {
         let sql = HELD_SQL.replace("?1", "'a.b'").replace("?2", "'c1'");
         let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
         assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
+        let sql = BEHIND_SQL.replace("?1", "'a.b'").replace("?2", "'e1'");
+        let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
+        assert!(plan.contains("USING INDEX replies_by_event"), "{plan}");
+        assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
     }
 
     #[test]
@@ -861,6 +883,32 @@ mod tests {
         assert_eq!(get_by_event(&txn, "e1").conversation, "c1");
         answer(&txn, &say("e1", Answer::Posted), 21, 0.0).unwrap();
         assert_eq!(claimed(&txn, 22), ["e2"]);
+    }
+
+    /// What an answer let go (the courier claims again only then): a reply waiting behind
+    /// the settled one in its conversation, not one of another conversation or one before it.
+    #[test]
+    fn a_settled_reply_knows_whether_one_waits_behind_it() {
+        let mut db = db();
+        let txn = db.transaction().unwrap();
+        let behind = |event_id: &str| held_behind(&txn, "a.b", event_id).unwrap();
+        add_claimed(&txn, &new_reply("e1", "c1", 10), 10).unwrap().unwrap();
+        add_claimed(&txn, &new_reply("e2", "c2", 11), 11).unwrap().unwrap();
+        assert!(!behind("e1"), "e2 is in another conversation");
+        assert_eq!(add_claimed(&txn, &new_reply("e3", "c1", 12), 12).unwrap(), None);
+        assert!(behind("e1"), "e3 waits behind e1");
+        assert!(!behind("e3"), "nothing after e3");
+        assert!(!behind("e9"), "no such reply");
+        answer(&txn, &say("e1", Answer::Posted), 20, 0.0).unwrap();
+        assert!(behind("e1"), "e3 still waits, now due");
+        assert_eq!(claimed(&txn, 21), ["e3"]);
+        assert!(behind("e1"), "e3 is on its way");
+        answer(&txn, &say("e3", Answer::Posted), 22, 0.0).unwrap();
+        assert!(!behind("e1"), "e3 settled");
+        // Another instance's replies of the same conversation name are not behind it.
+        let other = NewReply { instance: "x.y".into(), ..new_reply("e4", "c2", 23) };
+        add(&txn, &other, 23).unwrap();
+        assert!(!behind("e2"));
     }
 
     #[test]
