@@ -46,7 +46,9 @@ pub use history::{HistoryEntry, NewHistory};
 pub use inbound::{NewInbound, PendingReply, Recorded, RecoveredRun, Rehash, RunEnd, StoredRun};
 pub use items::{Item, ItemView, NewItem};
 pub use outbox::{Added, Claimed, NewSend, OutboxIds, OutboxRecord, OutboxSummary};
-pub use replies::{HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, StoredReply};
+pub use replies::{
+    HandedReply, NewReply, ReplyAnswer, ReplyCount, ReplyRecord, Settled, StoredReply,
+};
 pub use reply_state::{Answer, ReplyState};
 pub use schema::Durability;
 pub use state::{InboundState, OutboxState};
@@ -359,16 +361,6 @@ pub struct Ledger {
     /// Where direct sends are held before their rows are written (a ledger in a file).
     sends: Option<Arc<journal::Journal>>,
     outbox_ids: Arc<OutboxIds>,
-}
-
-/// A reply's state after an answer ([`Ledger::reply_answer`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Settled {
-    pub state: ReplyState,
-    /// Whether one of its instance's replies may be due now: this one again (its state is
-    /// not final), or a later one of its conversation that waited behind it. Otherwise no
-    /// claim can find a reply this answer let go.
-    pub more_due: bool,
 }
 
 impl Ledger {
@@ -752,14 +744,7 @@ impl Ledger {
         now_ms: u64,
         jitter: f64,
     ) -> impl Future<Output = Pending<Option<Settled>>> + Send + '_ {
-        self.queue_with(Commit::Deferred, move |txn| {
-            let Some(state) = replies::answer(txn, &answer, now_ms, jitter)? else {
-                return Ok(None);
-            };
-            let more_due = state.holds_conversation()
-                || replies::held_behind(txn, &answer.instance, &answer.event_id)?;
-            Ok(Some(Settled { state, more_due }))
-        })
+        self.queue_with(Commit::Deferred, move |txn| replies::answer(txn, &answer, now_ms, jitter))
     }
 
     /// The state of the reply to `event_id`, if its run produced one.

@@ -205,23 +205,16 @@ static HELD_SQL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// Whether a later reply of the conversation of `event_id`'s reply still holds it (one that
-/// waited behind it, read from the small index of such replies): once that reply is final,
-/// the courier claims the next. Asked for every reply that settles, so the text is made once.
+/// Whether a reply of a conversation after the one with id `?3` holds it (waits, or is on
+/// its way), read from the small index of such replies: asked for every reply that settles,
+/// so the text is made once.
 static BEHIND_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT EXISTS (SELECT 1 FROM replies AS r JOIN replies AS e
-             ON e.instance = r.instance AND e.conversation = r.conversation AND e.id > r.id
-         WHERE r.instance = ?1 AND r.event_id = ?2 AND {})",
-        holding("e.")
+        "SELECT EXISTS (SELECT 1 FROM replies
+             WHERE instance = ?1 AND conversation = ?2 AND id > ?3 AND {})",
+        holding("")
     )
 });
-
-/// Whether a reply of the same conversation waits behind the reply to `event_id` (or is on
-/// its way after it); false when there is no such reply.
-pub fn held_behind(txn: &Connection, instance: &str, event_id: &str) -> Result<bool, LedgerError> {
-    Ok(txn.query_row_cached(&BEHIND_SQL, params![instance, event_id], |row| row.get(0))?)
-}
 
 /// Claims the replies of `instance` that may be handed over now, oldest first: in each
 /// conversation only the oldest reply still on its way, and only once it is due. They become
@@ -268,6 +261,16 @@ fn claim_sql() -> String {
     )
 }
 
+/// A reply's state after an answer ([`answer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    pub state: ReplyState,
+    /// Whether one of its instance's replies may be due now: this one again (its state is
+    /// not final), or a later one of its conversation that waited behind it. Otherwise the
+    /// answer let no reply go, and a claim would find nothing it did not find before.
+    pub more_due: bool,
+}
+
 /// Applies a driver's answer (or its silence) to the reply of `event_id`; see
 /// [`reply_state::after_answer`]. Returns the state it moved to, `None` when the answer did
 /// not apply (no such reply, or not one waiting for this answer). Only the reply's record is
@@ -278,11 +281,11 @@ pub fn answer(
     answer: &ReplyAnswer,
     now_ms: u64,
     jitter: f64,
-) -> Result<Option<ReplyState>, LedgerError> {
+) -> Result<Option<Settled>, LedgerError> {
     // The message too: a posted reply's history entry is made from it below.
     let current = txn
         .query_row_cached(
-            "SELECT id, state, attempts, expires_ms, message FROM replies
+            "SELECT id, state, attempts, expires_ms, message, conversation FROM replies
              WHERE instance = ?1 AND event_id = ?2",
             params![answer.instance, answer.event_id],
             |row| {
@@ -292,11 +295,14 @@ pub fn answer(
                     row.get::<_, u32>(2)?,
                     row.get::<_, i64>(3)?,
                     row.get::<_, Vec<u8>>(4)?,
+                    row.get::<_, String>(5)?,
                 ))
             },
         )
         .optional()?;
-    let Some((id, state, attempts, expires_ms, message)) = current else { return Ok(None) };
+    let Some((id, state, attempts, expires_ms, message, conversation)) = current else {
+        return Ok(None);
+    };
     let Some(next) = reply_state::after_answer(
         parse(&state)?,
         answer.answer,
@@ -341,7 +347,13 @@ pub fn answer(
     if let Some((entry, cap)) = history {
         history::hold(entry, cap);
     }
-    Ok(Some(next.state))
+    let more_due = next.state.holds_conversation()
+        || txn.query_row_cached(
+            &BEHIND_SQL,
+            params![answer.instance, conversation, id],
+            |row| row.get(0),
+        )?;
+    Ok(Some(Settled { state: next.state, more_due }))
 }
 
 /// The state of the reply to `event_id`, if the run produced one.
@@ -612,10 +624,10 @@ mod tests {
         let sql = HELD_SQL.replace("?1", "'a.b'").replace("?2", "'c1'");
         let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
         assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
-        let sql = BEHIND_SQL.replace("?1", "'a.b'").replace("?2", "'e1'");
+        let sql = BEHIND_SQL.replace("?1", "'a.b'").replace("?2", "'c1'").replace("?3", "5");
         let plan = crate::ledger::inbound::tests::plan(&conn, &sql);
-        assert!(plan.contains("USING INDEX replies_by_event"), "{plan}");
-        assert!(plan.contains("USING INDEX replies_holding"), "{plan}");
+        let probe = "USING INDEX replies_holding (instance=? AND conversation=? AND id>?)";
+        assert!(plan.contains(probe), "{plan}");
     }
 
     #[test]
@@ -736,7 +748,10 @@ mod tests {
         run_replied(txn, event_id, conversation, now);
         assert_eq!(claimed(txn, now), [event_id]);
         let answer = ReplyAnswer { history: Some(10), ..say(event_id, Answer::Posted) };
-        assert_eq!(super::answer(txn, &answer, now, 0.0).unwrap(), Some(ReplyState::Posted));
+        assert_eq!(
+            super::answer(txn, &answer, now, 0.0).unwrap().map(|s| s.state),
+            Some(ReplyState::Posted)
+        );
     }
 
     fn history_texts(txn: &Connection, conversation: &str) -> Vec<String> {
@@ -797,13 +812,19 @@ mod tests {
         let id = run_replied(&txn, "e5", "c3", 50);
         assert_eq!(claimed(&txn, 50), ["e5"]);
         let failed = say("e5", Answer::Failed { retryable: false });
-        assert_eq!(super::answer(&txn, &failed, 51, 0.0).unwrap(), Some(ReplyState::Failed));
+        assert_eq!(
+            super::answer(&txn, &failed, 51, 0.0).unwrap().map(|s| s.state),
+            Some(ReplyState::Failed)
+        );
         history::write_all(&txn).unwrap();
         history::committed();
         requeue(&txn, id, 60, 60 + TTL).unwrap();
         assert_eq!(claimed(&txn, 60), ["e5"]);
         let answer = ReplyAnswer { history: Some(10), ..say("e5", Answer::Posted) };
-        assert_eq!(super::answer(&txn, &answer, 61, 0.0).unwrap(), Some(ReplyState::Posted));
+        assert_eq!(
+            super::answer(&txn, &answer, 61, 0.0).unwrap().map(|s| s.state),
+            Some(ReplyState::Posted)
+        );
         history::forget_held();
         history::rebuild(&txn).unwrap();
         history::committed();
@@ -820,7 +841,7 @@ mod tests {
         assert_eq!(claimed(&txn, 20), ["e1", "e3"], "e2 waits behind e1 in c1");
         assert_eq!(claimed(&txn, 21), Vec::<String>::new(), "handed ones are not claimed again");
         assert_eq!(
-            answer(&txn, &say("e1", Answer::Posted), 22, 0.0).unwrap(),
+            answer(&txn, &say("e1", Answer::Posted), 22, 0.0).unwrap().map(|s| s.state),
             Some(ReplyState::Posted)
         );
         assert_eq!(inbound_state(&txn, "e1"), InboundState::Delivered.as_str());
@@ -849,7 +870,7 @@ mod tests {
         answer(&txn, &say("e1", Answer::Failed { retryable: true }), 30, 0.0).unwrap();
         assert_eq!(claimed(&txn, 2000), ["e1"]);
         assert_eq!(
-            answer(&txn, &say("e1", Answer::Posted), 2010, 0.0).unwrap(),
+            answer(&txn, &say("e1", Answer::Posted), 2010, 0.0).unwrap().map(|s| s.state),
             Some(ReplyState::Posted)
         );
         assert_eq!(row(&txn), settled);
@@ -886,29 +907,33 @@ mod tests {
     }
 
     /// What an answer let go (the courier claims again only then): a reply waiting behind
-    /// the settled one in its conversation, not one of another conversation or one before it.
+    /// the settled one in its conversation, or the reply itself while it is not final; not
+    /// a reply of another conversation or another instance.
     #[test]
-    fn a_settled_reply_knows_whether_one_waits_behind_it() {
+    fn a_settled_reply_says_whether_it_let_one_go() {
         let mut db = db();
         let txn = db.transaction().unwrap();
-        let behind = |event_id: &str| held_behind(&txn, "a.b", event_id).unwrap();
-        add_claimed(&txn, &new_reply("e1", "c1", 10), 10).unwrap().unwrap();
-        add_claimed(&txn, &new_reply("e2", "c2", 11), 11).unwrap().unwrap();
-        assert!(!behind("e1"), "e2 is in another conversation");
+        let settle = |event_id: &str, said: Answer, now: u64| {
+            answer(&txn, &say(event_id, said), now, 0.0).unwrap().expect("it applies")
+        };
+        let settled = |state, more_due| Settled { state, more_due };
+        for (event_id, conversation, now) in [("e1", "c1", 10), ("e2", "c2", 11)] {
+            add_claimed(&txn, &new_reply(event_id, conversation, now), now).unwrap().unwrap();
+        }
         assert_eq!(add_claimed(&txn, &new_reply("e3", "c1", 12), 12).unwrap(), None);
-        assert!(behind("e1"), "e3 waits behind e1");
-        assert!(!behind("e3"), "nothing after e3");
-        assert!(!behind("e9"), "no such reply");
-        answer(&txn, &say("e1", Answer::Posted), 20, 0.0).unwrap();
-        assert!(behind("e1"), "e3 still waits, now due");
-        assert_eq!(claimed(&txn, 21), ["e3"]);
-        assert!(behind("e1"), "e3 is on its way");
-        answer(&txn, &say("e3", Answer::Posted), 22, 0.0).unwrap();
-        assert!(!behind("e1"), "e3 settled");
-        // Another instance's replies of the same conversation name are not behind it.
-        let other = NewReply { instance: "x.y".into(), ..new_reply("e4", "c2", 23) };
-        add(&txn, &other, 23).unwrap();
-        assert!(!behind("e2"));
+        let other = NewReply { instance: "x.y".into(), ..new_reply("e4", "c2", 13) };
+        add(&txn, &other, 13).unwrap();
+        // e2's conversation has nothing after it here (e4 is another instance's).
+        assert_eq!(settle("e2", Answer::Posted, 20), settled(ReplyState::Posted, false));
+        // e3 waits behind e1; a retryable failure of e1 is due again itself.
+        let retry = settle("e1", Answer::Failed { retryable: true }, 21);
+        assert_eq!(retry, settled(ReplyState::FailedRetryable, true));
+        assert_eq!(claimed(&txn, 5_000), ["e1"]);
+        assert_eq!(settle("e1", Answer::Posted, 5_001), settled(ReplyState::Posted, true));
+        assert_eq!(claimed(&txn, 5_002), ["e3"]);
+        assert_eq!(settle("e3", Answer::NoAnswer, 5_003), settled(ReplyState::Unknown, false));
+        // A late receipt of the unknown one: nothing behind it either.
+        assert_eq!(settle("e3", Answer::Posted, 5_004), settled(ReplyState::Posted, false));
     }
 
     #[test]
@@ -919,7 +944,7 @@ mod tests {
         replied(&txn, "e2", "c1", 11);
         assert_eq!(claimed(&txn, 20), ["e1"]);
         let failed = answer(&txn, &say("e1", Answer::Failed { retryable: true }), 30, 0.5).unwrap();
-        assert_eq!(failed, Some(ReplyState::FailedRetryable));
+        assert_eq!(failed.map(|s| s.state), Some(ReplyState::FailedRetryable));
         // Owed by its record, not its inbound entry: that one settled when the run ended.
         assert_eq!(inbound_state(&txn, "e1"), InboundState::Delivered.as_str());
         assert_eq!(
@@ -949,18 +974,18 @@ mod tests {
         replied(&txn, "e3", "c1", 12);
         claimed(&txn, 20);
         let refused = answer(&txn, &say("e1", Answer::Failed { retryable: false }), 21, 0.0);
-        assert_eq!(refused.unwrap(), Some(ReplyState::Failed));
+        assert_eq!(refused.unwrap().map(|s| s.state), Some(ReplyState::Failed));
         assert_eq!(inbound_state(&txn, "e1"), InboundState::Delivered.as_str());
         assert_eq!(claimed(&txn, 22), ["e2"]);
         assert_eq!(
-            answer(&txn, &say("e2", Answer::NoAnswer), 23, 0.0).unwrap(),
+            answer(&txn, &say("e2", Answer::NoAnswer), 23, 0.0).unwrap().map(|s| s.state),
             Some(ReplyState::Unknown)
         );
         assert_eq!(claimed(&txn, 10_000_000), ["e3"], "e1 and e2 are never claimed again");
         assert_eq!(next_wake(&txn, 0).unwrap(), None);
         // A late receipt settles the unknown one.
         assert_eq!(
-            answer(&txn, &say("e2", Answer::Posted), 24, 0.0).unwrap(),
+            answer(&txn, &say("e2", Answer::Posted), 24, 0.0).unwrap().map(|s| s.state),
             Some(ReplyState::Posted)
         );
         // An answer to a reply that is not waiting for one changes nothing.
