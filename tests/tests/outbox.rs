@@ -104,10 +104,11 @@ async fn outbox_retry_resends_an_unknown_send_through_channelctl() {
 /// outcome, lists it as unknown once restarted, and a retry hands the same request over.
 ///
 /// Which path wrote the row depends on timing: any ledger batch that starts while the send
-/// is held writes its row early (here the courier's bookkeeping of the `sync` reply, which
-/// goes on after its `deliver` was written, sometimes lands in the few milliseconds before
-/// the kill). Every attempt checks the outcome; the journal's path must be taken in at
-/// least one of them (an attempt misses it about one time in fifteen).
+/// is held writes its row early (here the courier's record of the `sync` reply as posted,
+/// made after its `deliver` was written, and the driver's connect-time claim, which can
+/// land in the few milliseconds before the kill). Every attempt checks the outcome; the
+/// journal's path must be taken in at least one of them (measured while every answer was
+/// still followed by a claim: an attempt missed it about one time in fifteen).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_taken_before_the_hub_was_killed_is_unknown_after_the_restart() {
     const ATTEMPTS: usize = 6;
